@@ -1,0 +1,231 @@
+"""Config loading: defaults, presets, overrides, and every kind of bad input."""
+
+import dataclasses
+import glob
+import os
+
+import pytest
+import yaml
+
+from tfdist import ConfigError
+from tfdist.config import Config, StrategyKind, from_dict, load_config, to_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_data_parallel():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.strategy.kind == StrategyKind.MIRRORED
+    assert cfg.strategy.logical_devices == 4
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_preset_loads(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_overrides_are_parsed_as_yaml_and_applied_last(tmp_path):
+    path = _write(tmp_path, "train:\n  epochs: 7\n")
+    cfg = load_config(
+        path,
+        [
+            "train.epochs=3",
+            "strategy.devices=[/cpu:0, /cpu:1]",
+            "precision.policy=mixed_bfloat16",
+            "train.learning_rate=1e-3",
+        ],
+    )
+    assert cfg.train.epochs == 3
+    assert cfg.strategy.devices == ("/cpu:0", "/cpu:1")
+    assert cfg.precision.policy.value == "mixed_bfloat16"
+    assert cfg.train.learning_rate == pytest.approx(1e-3)
+
+
+def test_to_dict_round_trips_through_yaml():
+    cfg = load_config(None, ["strategy.devices=[/cpu:0]", "precision.loss_scale=128"])
+    again = from_dict(yaml.safe_load(yaml.safe_dump(to_dict(cfg))))
+    assert again == cfg
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load_config(None).train.epochs = 3
+
+
+def test_float_fields_accept_integers():
+    assert load_config(None, ["train.learning_rate=1"]).train.learning_rate == 1.0
+
+
+def test_loss_scale_number():
+    cfg = load_config(None, ["precision.policy=mixed_float16", "precision.loss_scale=1024"])
+    assert cfg.precision.loss_scale == 1024.0
+
+
+def test_unscaled_float16_with_opt_in():
+    cfg = load_config(
+        None,
+        [
+            "precision.policy=mixed_float16",
+            "precision.loss_scale=none",
+            "precision.allow_unscaled_float16=true",
+        ],
+    )
+    assert cfg.precision.loss_scale == "none"
+
+
+def test_loopback_cluster_and_explicit_opt_in():
+    workers = "cluster.workers=[127.0.0.1:2222, 'localhost:2223']"
+    cfg = load_config(None, ["strategy.kind=multi_worker_mirrored", workers])
+    assert len(cfg.cluster.workers) == 2
+    cfg = load_config(
+        None,
+        [
+            "strategy.kind=multi_worker_mirrored",
+            "cluster.workers=[10.1.2.3:2222]",
+            "cluster.allow_non_loopback=true",
+        ],
+    )
+    assert cfg.cluster.workers == ("10.1.2.3:2222",)
+
+
+# (overrides, dotted key in the message, a phrase of the rule)
+BAD_OVERRIDES = [
+    (["train.epoch=3"], "train.epoch", "Did you mean `train.epochs`"),
+    (["trian.epochs=3"], "trian", "Did you mean `train`"),
+    (["strategy.kindd=mirrored"], "strategy.kindd", "Did you mean `strategy.kind`"),
+    (["train.epochs=ten"], "train.epochs", "must be an integer"),
+    (["train.epochs=2.5"], "train.epochs", "must be an integer"),
+    (["train.epochs=true"], "train.epochs", "must be an integer"),
+    (["train.learning_rate=fast"], "train.learning_rate", "must be a number"),
+    (["train.learning_rate=.nan"], "train.learning_rate", "finite number"),
+    (["train.learning_rate=inf"], "train.learning_rate", "must be a number"),
+    (["callbacks.tensorboard_dir=[a]"], "callbacks.tensorboard_dir", "must be a string"),
+    (["precision.allow_unscaled_float16=yes please"], "precision.allow_unscaled_float16", "true or false"),
+    (["strategy.devices=/cpu:0"], "strategy.devices", "must be a list"),
+    (["strategy.devices=[1]"], "strategy.devices[0]", "must be a string"),
+    (["train.epochs=0"], "train.epochs", ">= 1"),
+    (["train.global_batch_size=-8"], "train.global_batch_size", ">= 1"),
+    (["train.learning_rate=0"], "train.learning_rate", "> 0"),
+    (["data.validation_fraction=0.95"], "data.validation_fraction", "<= 0.9"),
+    (["strategy.logical_devices=1000"], "strategy.logical_devices", "<= 64"),
+    (["train.verbose=3"], "train.verbose", "<= 2"),
+    (["strategy.kind=mirored"], "strategy.kind", "Did you mean 'mirrored'"),
+    (["precision.policy=float16"], "precision.policy", "must be one of float32"),
+    (["train.optimizer=adagrad"], "train.optimizer", "must be one of sgd"),
+    (["strategy.all_reduce=ring"], "strategy.all_reduce", "with strategy.kind=mirrored"),
+    (
+        ["strategy.kind=multi_worker_mirrored", "strategy.all_reduce=hierarchical_copy"],
+        "strategy.all_reduce",
+        "auto, ring, nccl",
+    ),
+    (["strategy.kind=pipeline"], "strategy.kind", "not implemented in this version"),
+    (["strategy.kind=horovod"], "strategy.kind", "not implemented in this version"),
+    (["strategy.num_packs=4"], "strategy.num_packs", "only applies to all_reduce nccl"),
+    (["strategy.bytes_per_pack=1024"], "strategy.bytes_per_pack", "multi_worker_mirrored"),
+    (["strategy.devices=[gpu0]"], "strategy.devices[0]", "local device name"),
+    (["strategy.devices=[/cpu:0, /CPU:0]"], "strategy.devices", "twice"),
+    (["strategy.kind=one_device", "strategy.devices=[/cpu:0, /cpu:1]"], "strategy.devices", "at most one"),
+    (["precision.policy=mixed_float16", "precision.loss_scale=none"], "precision.loss_scale", "allow_unscaled_float16"),
+    (["precision.loss_scale=-4"], "precision.loss_scale", "positive number"),
+    (["precision.loss_scale=huge"], "precision.loss_scale", "dynamic, none or a positive number"),
+    (["precision.loss_scale=true"], "precision.loss_scale", "must be a str or float"),
+    (["train.warmup_epochs=2"], "train.warmup_epochs", "scale_learning_rate"),
+    (["train.scale_learning_rate=true", "train.warmup_epochs=50"], "train.warmup_epochs", "must not exceed"),
+    (
+        ["strategy.kind=multi_worker_mirrored", "cluster.workers=[10.0.0.5:2222]"],
+        "cluster.workers[0]",
+        "loopback",
+    ),
+    (
+        ["strategy.kind=multi_worker_mirrored", "cluster.workers=[127.0.0.1]"],
+        "cluster.workers[0]",
+        "host:port",
+    ),
+    (
+        ["strategy.kind=multi_worker_mirrored", "cluster.workers=[127.0.0.1:1]", "cluster.task_index=1"],
+        "cluster.task_index",
+        "below the number",
+    ),
+    (["cluster.workers=[127.0.0.1:2222]"], "cluster.workers", "only used by multi-process"),
+    (["strategy.kind=tpu", "strategy.devices=[/cpu:0]"], "strategy.devices", "cannot be set"),
+    (["train.epochs.max=3"], "train.epochs", "must be an integer"),
+    (["epochs=3"], "--set", "section.key=value"),
+    (["train.epochs"], "--set", "section.key=value"),
+    (["train.epochs=[1"], "train.epochs", "not a valid YAML scalar"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,rule", BAD_OVERRIDES)
+def test_bad_override_names_key_rule_and_value(overrides, key, rule):
+    with pytest.raises(ConfigError, match=rule) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert message.startswith(f"`{key}`")
+    assert "Received:" in message
+    assert info.value.key == key
+
+
+BAD_FILES = [
+    ("", "is empty"),
+    ("   \n\n", "is empty"),
+    ("# just a comment\n", "holds no settings"),
+    ("- a\n- b\n", "not a list"),
+    ("just a string\n", "not a str"),
+    ("train: [1, 2\n", "not valid YAML at line"),
+    ("train:\n  epochs: 3\n bad indent: 1\n", "not valid YAML"),
+    ("!!python/object/apply:os.system ['echo hacked']\n", "may not use YAML tags"),
+    ("train: !!python/object:tfdist.config.schema.TrainConfig {}\n", "may not use YAML tags"),
+    ("train:\n  epochs: !custom 3\n", "may not use YAML tags"),
+]
+
+
+@pytest.mark.parametrize("text,rule", BAD_FILES)
+def test_bad_file(tmp_path, text, rule):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rule) as info:
+        load_config(path)
+    assert str(info.value).startswith("`config`")
+    assert f"Received: {path!r}" in str(info.value)
+
+
+def test_section_that_is_not_a_mapping(tmp_path):
+    path = _write(tmp_path, "train: 3\n")
+    with pytest.raises(ConfigError, match=r"^`train` must be a mapping of keys to values\. Received: 3\.$"):
+        load_config(path)
+
+
+def test_override_into_a_scalar_section(tmp_path):
+    path = _write(tmp_path, "train: 3\n")
+    with pytest.raises(ConfigError, match=r"^`train` must be a mapping to set a key inside it"):
+        load_config(path, ["train.epochs=2"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="must name an existing YAML file"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_directory_is_not_a_file(tmp_path):
+    with pytest.raises(ConfigError, match="must name an existing YAML file"):
+        load_config(str(tmp_path))
+
+
+def test_unknown_top_level_key_in_file(tmp_path):
+    path = _write(tmp_path, "strategy:\n  kind: mirrored\nmodle:\n  name: mlp\n")
+    with pytest.raises(ConfigError, match=r"`modle` is not a known key\. Did you mean `model`\?"):
+        load_config(path)
+
+
+def test_nothing_is_constructed_by_a_python_tag(tmp_path):
+    marker = tmp_path / "marker"
+    path = _write(tmp_path, f"!!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError):
+        load_config(path)
+    assert not marker.exists()

@@ -1,0 +1,8 @@
+"""Runs one pytest file under `bazel test` (see tests/pytest.bzl)."""
+
+import sys
+
+import pytest
+
+if __name__ == "__main__":
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))

@@ -1,0 +1,44 @@
+"""tfdist: multi-device training for Keras 3 from one config file.
+
+Config loading needs no TensorFlow, so `tfdist config` stays fast; the parts
+that do need it are imported on first use (PEP 562).
+
+Example:
+
+    >>> import tfdist
+    >>> cfg = tfdist.load_config("configs/default.yaml")
+    >>> strategy = tfdist.make_strategy(cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tfdist.config import Config, load_config
+from tfdist.errors import ConfigError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Throughput",
+    "__version__",
+    "load_config",
+    "make_strategy",
+    "prepare",
+    "run",
+]
+
+_LAZY = {
+    "make_strategy": "tfdist.strategies",
+    "Throughput": "tfdist.callbacks",
+    "prepare": "tfdist.training",
+    "run": "tfdist.training",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

@@ -1,0 +1,33 @@
+"""Benchmarks behind `tfdist bench NAME`; each returns a JSON-ready dict.
+
+Every result has `benchmark`, the setting it ran in, and a `figures` object with
+the numbers the README table quotes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+from tfdist.config.schema import Config
+
+__all__ = ["BENCHMARKS", "one_line", "run"]
+
+BENCHMARKS = {
+    "overhead": "tfdist.bench.overhead",
+}
+
+
+def run(name: str, *, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
+    """Runs benchmark `name`; `config` replaces its default setting."""
+    module = importlib.import_module(BENCHMARKS[name])
+    return module.run(config=config, repeats=repeats)
+
+
+def one_line(result: dict[str, Any]) -> str:
+    """`name: key=value ...` of the figures, for the terminal."""
+    figures = " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in sorted(result["figures"].items())
+    )
+    return f"{result['benchmark']}: {figures}"

@@ -1,0 +1,45 @@
+"""Timing two or more variants fairly: alternated in one run, medians compared.
+
+Absolute times on shared 2-core machines drift by more than the differences we
+look for, so variants run in alternating rounds (A B B A ...) after a warm-up
+round each, and only ratios of medians are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Mapping
+
+__all__ = ["alternate", "medians"]
+
+
+def alternate(
+    variants: Mapping[str, Callable[[], float]], *, repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Runs every variant `warmup` times untimed, then `repeats` timed rounds.
+
+    Args:
+      variants: name -> a function that runs one round and returns its measured
+        time (for example seconds per step).
+      repeats: timed rounds per variant.
+      warmup: untimed rounds per variant first (tracing, caches, autotuning).
+
+    Returns:
+      name -> the measured times, in round order.
+    """
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1. Received: {repeats}")
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        order = names if round_index % 2 == 0 else names[::-1]
+        for name in order:
+            samples[name].append(variants[name]())
+    return samples
+
+
+def medians(samples: Mapping[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in samples.items()}

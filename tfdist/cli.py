@@ -1,0 +1,106 @@
+"""The `tfdist` command: train, config, bench.
+
+    tfdist train --config configs/default.yaml [--set train.epochs=5] [--metrics_out m.json]
+    tfdist config --config configs/default.yaml [--set ...]
+    tfdist bench overhead --json overhead.json
+
+A bad config prints one line, `tfdist: error: ...`, and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+from tfdist.errors import ConfigError
+
+_CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in defaults when omitted.")
+_SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (repeatable).")
+_METRICS_OUT = flags.DEFINE_string("metrics_out", None, "train: write the results as JSON here.")
+_JSON = flags.DEFINE_string("json", None, "bench: write the benchmark's JSON here.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (median taken).", lower_bound=1)
+
+USAGE = """usage: tfdist COMMAND [flags]
+
+commands:
+  train          train the configured model (--config, --set, --metrics_out)
+  config         print the resolved config as YAML (--config, --set)
+  bench NAME     run a benchmark (--json, --config, --set, --repeats); NAME is one of: {benches}
+"""
+
+EXIT_USAGE = 2
+
+
+def _fail(message: str) -> None:
+    print(f"tfdist: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def _load():
+    from tfdist.config import load_config
+
+    return load_config(_CONFIG.value, _SET.value)
+
+
+def _config_command(args) -> None:
+    import yaml
+
+    from tfdist.config import to_dict
+
+    if args:
+        _fail(f"`config` takes no arguments. Received: {' '.join(args)}")
+    print(yaml.safe_dump(to_dict(_load()), sort_keys=False), end="")
+
+
+def _train_command(args) -> None:
+    if args:
+        _fail(f"`train` takes no arguments. Received: {' '.join(args)}")
+    config = _load()
+    from tfdist import training
+
+    training.run(config, metrics_out=_METRICS_OUT.value)
+
+
+def _bench_command(args) -> None:
+    from tfdist import bench
+
+    if len(args) != 1 or args[0] not in bench.BENCHMARKS:
+        _fail(
+            f"`bench` takes one benchmark name: {', '.join(bench.BENCHMARKS)}. "
+            f"Received: {' '.join(args) or 'nothing'}"
+        )
+    config = _load() if (_CONFIG.value or _SET.value) else None
+    result = bench.run(args[0], config=config, repeats=_REPEATS.value)
+    if _JSON.value:
+        from tfdist.reporting import write_json
+
+        write_json(_JSON.value, result)
+    print(bench.one_line(result))
+
+
+_COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[1] not in _COMMANDS:
+        from tfdist.bench import BENCHMARKS
+
+        print(USAGE.format(benches=", ".join(BENCHMARKS)), file=sys.stderr)
+        received = argv[1] if len(argv) > 1 else "nothing"
+        _fail(f"the command must be one of {', '.join(_COMMANDS)}. Received: {received}")
+    try:
+        _COMMANDS[argv[1]](argv[2:])
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def run() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,283 @@
+"""The tfdist configuration schema: frozen dataclasses, one per YAML section.
+
+Every field has a default, so an empty section (or a missing one) means "use the
+defaults". Numeric bounds live in the field metadata (`bounded`) so that loading
+can check them and name the dotted key in the error.
+
+Example:
+
+    >>> from tfdist.config import Config
+    >>> Config().strategy.kind
+    <StrategyKind.MIRRORED: 'mirrored'>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Union
+
+__all__ = [
+    "AllReduce",
+    "CallbacksConfig",
+    "ClusterConfig",
+    "Config",
+    "DataConfig",
+    "Dataset",
+    "ModelConfig",
+    "ModelName",
+    "Optimizer",
+    "PrecisionConfig",
+    "PrecisionPolicy",
+    "RuntimeConfig",
+    "StrategyConfig",
+    "StrategyKind",
+    "TrainConfig",
+    "bounded",
+]
+
+
+def bounded(default, *, low=None, high=None, low_open=False):
+    """A dataclass field whose numeric value must lie in [low, high].
+
+    Args:
+      default: the field default.
+      low: smallest allowed value, or None for no lower bound.
+      high: largest allowed value, or None for no upper bound.
+      low_open: when True the lower bound itself is not allowed (`> low`).
+    """
+    return dataclasses.field(
+        default=default, metadata={"low": low, "high": high, "low_open": low_open}
+    )
+
+
+class StrategyKind(str, enum.Enum):
+    ONE_DEVICE = "one_device"
+    MIRRORED = "mirrored"
+    MULTI_WORKER_MIRRORED = "multi_worker_mirrored"
+    TPU = "tpu"
+    PIPELINE = "pipeline"
+    PARAMETER_SERVER = "parameter_server"
+    HOROVOD = "horovod"
+    TENSOR_PARALLEL = "tensor_parallel"
+
+
+class AllReduce(str, enum.Enum):
+    AUTO = "auto"
+    NCCL = "nccl"
+    HIERARCHICAL_COPY = "hierarchical_copy"
+    REDUCTION_TO_ONE_DEVICE = "reduction_to_one_device"
+    RING = "ring"
+
+
+class PrecisionPolicy(str, enum.Enum):
+    FLOAT32 = "float32"
+    MIXED_FLOAT16 = "mixed_float16"
+    MIXED_BFLOAT16 = "mixed_bfloat16"
+
+
+class Optimizer(str, enum.Enum):
+    SGD = "sgd"
+    MOMENTUM = "momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    RMSPROP = "rmsprop"
+
+
+class Dataset(str, enum.Enum):
+    DIGITS = "digits"
+    SYNTHETIC = "synthetic"
+
+
+class ModelName(str, enum.Enum):
+    DIGITS_CNN = "digits_cnn"
+    MLP = "mlp"
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+    """How the model is distributed.
+
+    Attributes:
+      kind: the distribution strategy.
+      devices: explicit device names (`/gpu:0`, `/cpu:1`, ...). Empty means every
+        GPU when there are GPUs, else `logical_devices` logical CPU devices.
+      logical_devices: how many logical CPU devices to create when the machine
+        has no GPU (ignored when it has GPUs).
+      all_reduce: the all-reduce implementation. `mirrored` takes auto, nccl,
+        hierarchical_copy or reduction_to_one_device; `multi_worker_mirrored`
+        takes auto, ring or nccl.
+      num_packs: gradient packs for nccl / hierarchical_copy all-reduce.
+      bytes_per_pack: collective packing size for multi_worker_mirrored
+        (0 lets TensorFlow decide).
+      collective_timeout_seconds: a collective that waits longer than this fails
+        instead of hanging (multi_worker_mirrored).
+      tpu: the TPU to connect to (name or grpc:// address, `local` on a TPU VM)
+        for strategy.kind=tpu; empty lets TPUClusterResolver look for one.
+    """
+
+    kind: StrategyKind = StrategyKind.MIRRORED
+    devices: tuple[str, ...] = ()
+    logical_devices: int = bounded(4, low=1, high=64)
+    all_reduce: AllReduce = AllReduce.AUTO
+    num_packs: int = bounded(1, low=1)
+    bytes_per_pack: int = bounded(0, low=0)
+    collective_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
+    tpu: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """The Keras dtype policy and loss scaling.
+
+    Attributes:
+      policy: float32, mixed_float16 or mixed_bfloat16.
+      loss_scale: `dynamic` (Keras LossScaleOptimizer), a positive number (the
+        LossScaleOptimizer's initial scale, still adjusted dynamically), or
+        `none`. Only used with mixed_float16.
+      allow_unscaled_float16: opt-in to mixed_float16 with `loss_scale: none`,
+        which underflows small gradients.
+    """
+
+    policy: PrecisionPolicy = PrecisionPolicy.FLOAT32
+    loss_scale: Union[str, float] = "dynamic"
+    allow_unscaled_float16: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop.
+
+    Attributes:
+      global_batch_size: examples per step summed over all replicas.
+      epochs: passes over the training data.
+      steps_per_epoch: steps per epoch; null means one pass over the data.
+      optimizer: sgd, momentum (SGD with momentum 0.9), adam, adamw or rmsprop.
+      learning_rate: the learning rate, tuned for `base_batch_size`.
+      scale_learning_rate: apply the linear scaling rule (Goyal et al. 2017):
+        learning_rate * global_batch_size / base_batch_size.
+      base_batch_size: the batch size `learning_rate` was tuned for.
+      warmup_epochs: ramp the learning rate linearly from `learning_rate` to the
+        scaled rate over this many epochs (gradual warmup, Goyal et al. 2017).
+      seed: seed for weights, data order and dropout.
+      verbose: Keras progress output: 0 silent, 1 progress bar, 2 one line/epoch.
+    """
+
+    global_batch_size: int = bounded(64, low=1)
+    epochs: int = bounded(20, low=1)
+    steps_per_epoch: Optional[int] = bounded(None, low=1)
+    optimizer: Optimizer = Optimizer.ADAM
+    learning_rate: float = bounded(0.002, low=0, low_open=True)
+    scale_learning_rate: bool = False
+    base_batch_size: int = bounded(64, low=1)
+    warmup_epochs: float = bounded(0.0, low=0)
+    seed: int = bounded(1234, low=0)
+    verbose: int = bounded(1, low=0, high=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The input data.
+
+    Attributes:
+      dataset: `digits` (scikit-learn's 8x8 digits, ships with scikit-learn) or
+        `synthetic` (random images and labels, for benchmarks).
+      validation_fraction: share of the examples held out for validation.
+      synthetic_examples: number of examples of the synthetic dataset.
+      image_size: side of the synthetic dataset's square images.
+      num_classes: classes of the synthetic dataset.
+    """
+
+    dataset: Dataset = Dataset.DIGITS
+    validation_fraction: float = bounded(0.2, low=0, high=0.9, low_open=True)
+    synthetic_examples: int = bounded(2048, low=1)
+    image_size: int = bounded(8, low=4, high=512)
+    num_classes: int = bounded(10, low=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model to train.
+
+    Attributes:
+      name: `digits_cnn` (a small convolutional classifier) or `mlp`.
+      width: filters of the first conv layer, or units of each MLP layer.
+      depth: number of hidden MLP layers (mlp only).
+      dropout: dropout rate before the classifier.
+    """
+
+    name: ModelName = ModelName.DIGITS_CNN
+    width: int = bounded(32, low=1)
+    depth: int = bounded(2, low=1, high=64)
+    dropout: float = bounded(0.1, low=0, high=0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Multi-process cluster description, used when TF_CONFIG is not set.
+
+    tf.distribute's gRPC servers have no authentication, so addresses must be on
+    loopback unless `allow_non_loopback` is true.
+
+    Attributes:
+      workers: `host:port` of every worker, in task order.
+      task_index: this process's index into `workers`.
+      allow_non_loopback: opt in to addresses off 127.0.0.0/8 (unauthenticated
+        gRPC: only on a trusted network).
+    """
+
+    workers: tuple[str, ...] = ()
+    task_index: int = bounded(0, low=0)
+    allow_non_loopback: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CallbacksConfig:
+    """Callbacks that `tfdist train` adds.
+
+    Attributes:
+      throughput_warmup_steps: steps left out of samples/sec and step time
+        (tracing, warm-up).
+      tensorboard_dir: write TensorBoard logs here; null for none.
+    """
+
+    throughput_warmup_steps: int = bounded(5, low=0)
+    tensorboard_dir: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """TensorFlow runtime settings applied before TensorFlow initialises.
+
+    Attributes:
+      intra_op_threads: threads inside one op (0: TensorFlow decides).
+      inter_op_threads: ops run at once (0: TensorFlow decides).
+    """
+
+    intra_op_threads: int = bounded(0, low=0)
+    inter_op_threads: int = bounded(0, low=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole tfdist job.
+
+    Attributes:
+      strategy: how the model is distributed.
+      precision: dtype policy and loss scaling.
+      train: the training loop.
+      data: the input data.
+      model: the model.
+      cluster: the multi-process cluster.
+      callbacks: callbacks `tfdist train` adds.
+      runtime: TensorFlow threading.
+    """
+
+    strategy: StrategyConfig = StrategyConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    callbacks: CallbacksConfig = CallbacksConfig()
+    runtime: RuntimeConfig = RuntimeConfig()

@@ -1,0 +1,227 @@
+"""Checks that span several config fields, and checks against the machine.
+
+`check` runs at load and needs no TensorFlow. `check_devices` and
+`check_batch_split` need to know what the machine has, so the strategy factory
+calls them with the numbers it found.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+from tfdist.config.schema import AllReduce, Config, PrecisionPolicy, StrategyKind
+from tfdist.errors import ConfigError
+
+__all__ = [
+    "IMPLEMENTED_KINDS",
+    "check",
+    "check_address",
+    "check_batch_split",
+    "check_devices",
+    "parse_device",
+]
+
+# Kinds this version of tfdist can build. The others are part of the schema so
+# that configs written for them fail with a clear message, not an unknown value.
+IMPLEMENTED_KINDS = (
+    StrategyKind.ONE_DEVICE,
+    StrategyKind.MIRRORED,
+    StrategyKind.MULTI_WORKER_MIRRORED,
+    StrategyKind.TPU,
+)
+
+_ALL_REDUCE_BY_KIND = {
+    StrategyKind.MIRRORED: (
+        AllReduce.AUTO,
+        AllReduce.NCCL,
+        AllReduce.HIERARCHICAL_COPY,
+        AllReduce.REDUCTION_TO_ONE_DEVICE,
+    ),
+    StrategyKind.MULTI_WORKER_MIRRORED: (AllReduce.AUTO, AllReduce.RING, AllReduce.NCCL),
+}
+
+_DEVICE = re.compile(r"^/(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
+_LOSS_SCALE_WORDS = ("dynamic", "none")
+
+
+def _values(kinds) -> str:
+    return ", ".join(k.value for k in kinds)
+
+
+def check(config: Config) -> None:
+    """Raises ConfigError for contradictions inside the config itself."""
+    _check_strategy(config)
+    _check_precision(config)
+    _check_train(config)
+    _check_cluster(config)
+
+
+def _check_strategy(config: Config) -> None:
+    s = config.strategy
+    if s.kind not in IMPLEMENTED_KINDS:
+        raise ConfigError(
+            "strategy.kind",
+            f"{s.kind.value} is not implemented in this version of tfdist; "
+            f"available: {_values(IMPLEMENTED_KINDS)}.",
+            s.kind.value,
+        )
+    allowed = _ALL_REDUCE_BY_KIND.get(s.kind, (AllReduce.AUTO,))
+    if s.all_reduce not in allowed:
+        raise ConfigError(
+            "strategy.all_reduce",
+            f"must be one of {_values(allowed)} with strategy.kind={s.kind.value}.",
+            s.all_reduce.value,
+        )
+    if s.num_packs != 1 and s.all_reduce not in (AllReduce.NCCL, AllReduce.HIERARCHICAL_COPY):
+        raise ConfigError(
+            "strategy.num_packs",
+            "only applies to all_reduce nccl or hierarchical_copy with strategy.kind=mirrored; "
+            "leave it at 1 otherwise.",
+            s.num_packs,
+        )
+    if s.bytes_per_pack and s.kind != StrategyKind.MULTI_WORKER_MIRRORED:
+        raise ConfigError(
+            "strategy.bytes_per_pack",
+            "only applies to strategy.kind=multi_worker_mirrored; leave it at 0 otherwise.",
+            s.bytes_per_pack,
+        )
+    for i, name in enumerate(s.devices):
+        parse_device(name, f"strategy.devices[{i}]")
+    if len(set(d.lower() for d in s.devices)) != len(s.devices):
+        raise ConfigError("strategy.devices", "must not name a device twice.", list(s.devices))
+    if s.kind == StrategyKind.ONE_DEVICE and len(s.devices) > 1:
+        raise ConfigError(
+            "strategy.devices", "takes at most one device with strategy.kind=one_device.",
+            list(s.devices),
+        )
+    if s.kind in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.TPU) and s.devices:
+        raise ConfigError(
+            "strategy.devices",
+            f"cannot be set with strategy.kind={s.kind.value}: it uses every local "
+            "accelerator (or one CPU) of each task.",
+            list(s.devices),
+        )
+
+
+def parse_device(name: str, key: str) -> tuple[str, int]:
+    """Returns (`cpu`|`gpu`|`tpu`, index) for a local device name."""
+    match = _DEVICE.match(name)
+    if not match:
+        raise ConfigError(key, "must be a local device name like /gpu:0 or /cpu:1.", name)
+    return match.group(1).lower(), int(match.group(2))
+
+
+def _check_precision(config: Config) -> None:
+    p = config.precision
+    scale = p.loss_scale
+    if isinstance(scale, str) and scale not in _LOSS_SCALE_WORDS:
+        raise ConfigError(
+            "precision.loss_scale", "must be dynamic, none or a positive number.", scale
+        )
+    if isinstance(scale, float) and scale <= 0:
+        raise ConfigError("precision.loss_scale", "must be a positive number.", scale)
+    if (
+        p.policy == PrecisionPolicy.MIXED_FLOAT16
+        and scale == "none"
+        and not p.allow_unscaled_float16
+    ):
+        raise ConfigError(
+            "precision.loss_scale",
+            "cannot be none with policy mixed_float16: small float16 gradients "
+            "underflow to zero. Use dynamic, or set precision.allow_unscaled_float16: true.",
+            scale,
+        )
+
+
+def _check_train(config: Config) -> None:
+    t = config.train
+    if t.warmup_epochs and not t.scale_learning_rate:
+        raise ConfigError(
+            "train.warmup_epochs",
+            "ramps the learning rate up to the linearly scaled rate, so it needs "
+            "train.scale_learning_rate: true.",
+            t.warmup_epochs,
+        )
+    if t.warmup_epochs > t.epochs:
+        raise ConfigError(
+            "train.warmup_epochs", f"must not exceed train.epochs ({t.epochs}).", t.warmup_epochs
+        )
+
+
+def _check_cluster(config: Config) -> None:
+    c = config.cluster
+    for i, address in enumerate(c.workers):
+        check_address(address, f"cluster.workers[{i}]", c.allow_non_loopback)
+    if c.workers and c.task_index >= len(c.workers):
+        raise ConfigError(
+            "cluster.task_index",
+            f"must be below the number of cluster.workers ({len(c.workers)}).",
+            c.task_index,
+        )
+    if c.workers and config.strategy.kind != StrategyKind.MULTI_WORKER_MIRRORED:
+        raise ConfigError(
+            "cluster.workers",
+            "is only used by multi-process strategies (multi_worker_mirrored); "
+            f"strategy.kind is {config.strategy.kind.value}.",
+            list(c.workers),
+        )
+
+
+def check_address(address: str, key: str, allow_non_loopback: bool) -> None:
+    """Raises ConfigError unless `address` is host:port on loopback (or allowed off it)."""
+    if not isinstance(address, str):
+        raise ConfigError(key, "must be a host:port string.", address)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(key, "must be host:port with a port from 1 to 65535.", address)
+    if allow_non_loopback:
+        return
+    if host != "localhost":
+        try:
+            loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConfigError(
+                key,
+                "must be a loopback address (127.0.0.1, localhost): tf.distribute's gRPC "
+                "servers have no authentication. Set cluster.allow_non_loopback: true "
+                "to use a trusted network.",
+                address,
+            )
+
+
+def check_devices(config: Config, *, gpus: int) -> None:
+    """Raises ConfigError when `strategy.devices` names devices that do not exist.
+
+    Args:
+      config: the loaded config.
+      gpus: physical GPUs on this machine. Without GPUs, the CPU devices are
+        the `strategy.logical_devices` logical ones tfdist creates.
+    """
+    cpus = 1 if gpus else config.strategy.logical_devices
+    for i, name in enumerate(config.strategy.devices):
+        kind, index = parse_device(name, f"strategy.devices[{i}]")
+        have = {"cpu": cpus, "gpu": gpus, "tpu": 0}[kind]
+        if index >= have:
+            raise ConfigError(
+                f"strategy.devices[{i}]",
+                f"names a device that does not exist: this machine has {have} "
+                f"{kind.upper()} device(s) for tfdist"
+                + ("" if kind != "cpu" or gpus else " (raise strategy.logical_devices for more)")
+                + ".",
+                name,
+            )
+
+
+def check_batch_split(config: Config, replicas: int) -> None:
+    """Raises ConfigError unless the global batch splits evenly over replicas."""
+    batch = config.train.global_batch_size
+    if batch % replicas:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"must be divisible by the number of replicas ({replicas}) so every "
+            "replica gets the same batch.",
+            batch,
+        )

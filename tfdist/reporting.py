@@ -1,0 +1,63 @@
+"""Machine-readable results and the human summary printed after training."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from typing import Any, Mapping
+
+__all__ = ["format_summary", "write_json"]
+
+
+def write_json(path: str, payload: Mapping[str, Any]) -> None:
+    """Writes `payload` as JSON atomically: a crash leaves the old file or the new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(_plain(payload), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _plain(value: Any) -> Any:
+    """Numpy scalars and tuples to JSON types; NaN/inf to None (JSON has neither)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item"):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _short(device: str) -> str:
+    """`/job:localhost/replica:0/task:0/device:CPU:0` -> `CPU:0` (single-host names)."""
+    return device.split("device:")[-1] if device.startswith("/job:localhost") else device
+
+
+def format_summary(result: Mapping[str, Any]) -> str:
+    """A short block of text: strategy, devices, batch, throughput, final metrics."""
+    replicas = result["num_replicas"]
+    per_replica = result["global_batch_size"] // max(replicas, 1)
+    lines = [
+        "tfdist summary",
+        f"  strategy        {result['strategy']} ({replicas} replica(s))",
+        f"  devices         {', '.join(_short(d) for d in result['devices'])}",
+        f"  global batch    {result['global_batch_size']} ({per_replica} per replica)",
+        f"  precision       {result['precision']}",
+        f"  samples/sec     {result['samples_per_sec']:.1f} "
+        f"(median step {result['step_time_ms']:.2f} ms)",
+    ]
+    for name, value in sorted(result["final"].items()):
+        if name.startswith("val_"):
+            lines.append(f"  {name:<15} {value:.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""Runtime set-up that must happen before TensorFlow initialises, and device lists.
+
+TensorFlow fixes its thread pools and logical devices the first time it runs an
+op, so `configure_runtime` is the first thing every tfdist entry point calls.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.validation import check_devices
+from tfdist.errors import ConfigError
+
+__all__ = ["configure_runtime", "ensure_logical_cpus", "local_devices", "physical_gpus"]
+
+
+def physical_gpus() -> int:
+    """Number of GPUs TensorFlow sees (does not initialise the runtime)."""
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def ensure_logical_cpus(count: int) -> None:
+    """Splits the CPU into at least `count` logical devices.
+
+    Idempotent: asking again for the same or fewer devices is a no-op.
+
+    Raises:
+      ConfigError: TensorFlow already initialised with fewer CPU devices.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu) or ()
+    if len(current) >= count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count
+        )
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have < count:
+            raise ConfigError(
+                "strategy.logical_devices",
+                f"cannot be raised to {count}: TensorFlow already initialised with "
+                f"{have} CPU device(s). Configure tfdist before running any TensorFlow op.",
+                count,
+            ) from None
+
+
+def _set_threads(setter, getter, value: int, key: str) -> None:
+    if not value or getter() == value:
+        return
+    try:
+        setter(value)
+    except RuntimeError:
+        raise ConfigError(
+            key,
+            f"cannot be applied: TensorFlow already initialised with {getter()} threads.",
+            value,
+        ) from None
+
+
+def configure_runtime(config: Config) -> int:
+    """Applies threads and logical CPU devices from config; returns the GPU count.
+
+    Raises:
+      ConfigError: the runtime already initialised differently, or
+        `strategy.devices` names devices that do not exist.
+    """
+    threading = tf.config.threading
+    _set_threads(
+        threading.set_intra_op_parallelism_threads,
+        threading.get_intra_op_parallelism_threads,
+        config.runtime.intra_op_threads,
+        "runtime.intra_op_threads",
+    )
+    _set_threads(
+        threading.set_inter_op_parallelism_threads,
+        threading.get_inter_op_parallelism_threads,
+        config.runtime.inter_op_threads,
+        "runtime.inter_op_threads",
+    )
+    gpus = physical_gpus()
+    check_devices(config, gpus=gpus)
+    if not gpus and config.strategy.kind in (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE):
+        ensure_logical_cpus(config.strategy.logical_devices)
+    return gpus
+
+
+def local_devices(config: Config, gpus: int) -> list[str]:
+    """The devices a single-process strategy runs on.
+
+    Explicit `strategy.devices` win; otherwise every GPU, or the logical CPUs.
+    """
+    if config.strategy.devices:
+        return list(config.strategy.devices)
+    if gpus:
+        return [f"/gpu:{i}" for i in range(gpus)]
+    return [f"/cpu:{i}" for i in range(config.strategy.logical_devices)]

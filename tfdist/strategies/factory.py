@@ -1,0 +1,50 @@
+"""Config -> tf.distribute.Strategy.
+
+Example:
+
+    >>> import tfdist
+    >>> cfg = tfdist.load_config(None, ["strategy.logical_devices=2"])
+    >>> strategy = tfdist.make_strategy(cfg)
+    >>> strategy.num_replicas_in_sync
+    2
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist import precision
+from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.validation import check_batch_split
+from tfdist.strategies import data_parallel
+from tfdist.strategies.devices import configure_runtime, local_devices
+
+__all__ = ["make_strategy"]
+
+
+def make_strategy(config: Config) -> tf.distribute.Strategy:
+    """Configures the runtime and precision policy, then builds the strategy.
+
+    Call it before running any TensorFlow op: logical CPU devices and thread
+    pools can only be set before TensorFlow initialises.
+
+    Raises:
+      ConfigError: the machine cannot honour the config (missing devices, no
+        TPU, nccl without GPUs), or the global batch does not split evenly
+        over the replicas.
+    """
+    gpus = configure_runtime(config)
+    kind = config.strategy.kind
+    if kind == StrategyKind.ONE_DEVICE:
+        strategy = data_parallel.make_one_device(local_devices(config, gpus)[0])
+    elif kind == StrategyKind.MIRRORED:
+        strategy = data_parallel.make_mirrored(config, local_devices(config, gpus), gpus)
+    elif kind == StrategyKind.MULTI_WORKER_MIRRORED:
+        strategy = data_parallel.make_multi_worker_mirrored(config)
+    elif kind == StrategyKind.TPU:
+        strategy = data_parallel.make_tpu(config)
+    else:  # config validation rejects kinds this version cannot build
+        raise AssertionError(f"unhandled strategy kind {kind}")
+    check_batch_split(config, strategy.num_replicas_in_sync)
+    precision.apply_policy(config.precision)
+    return strategy

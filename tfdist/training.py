@@ -1,0 +1,148 @@
+"""The training job behind `tfdist train`: config -> strategy -> model.fit -> report.
+
+It is plain Keras under a strategy's scope, the same code a user writes (see
+`examples/train_digits.py`); `prepare` is separate from `run` so that benchmarks
+time exactly the job `tfdist train` runs.
+
+Example:
+
+    >>> import tfdist
+    >>> cfg = tfdist.load_config("configs/default.yaml", ["train.epochs=1"])
+    >>> result = run(cfg)  # doctest: +SKIP
+    >>> result["final"]["val_accuracy"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Optional, TextIO
+
+import keras
+import tensorflow as tf
+
+from tfdist import data, models, precision
+from tfdist.callbacks import Throughput
+from tfdist.config.schema import Config
+from tfdist.optimizers import build_optimizer
+from tfdist.reporting import format_summary, write_json
+from tfdist.strategies import make_strategy
+
+__all__ = ["Job", "is_chief", "prepare", "run"]
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything `model.fit` needs, built from one config.
+
+    Attributes:
+      config: the config it was built from.
+      strategy: the distribution strategy.
+      model: the compiled model (built under `strategy.scope()`).
+      train_data: repeated training batches of `global_batch_size`.
+      val_data: the validation batches.
+      steps_per_epoch: training steps per epoch.
+    """
+
+    config: Config
+    strategy: tf.distribute.Strategy
+    model: keras.Model
+    train_data: tf.data.Dataset
+    val_data: tf.data.Dataset
+    steps_per_epoch: int
+
+
+def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -> Job:
+    """Builds the strategy (unless given), data and compiled model from config."""
+    strategy = strategy or make_strategy(config)
+    train = config.train
+    keras.utils.set_random_seed(train.seed)
+    split = data.load(config.data, seed=train.seed)
+    steps = train.steps_per_epoch or data.steps_per_epoch(len(split.x_train), train.global_batch_size)
+    with strategy.scope():
+        model = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
+        optimizer = build_optimizer(train, steps_per_epoch=steps)
+        model.compile(
+            optimizer=precision.wrap_optimizer(optimizer, config.precision),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            auto_scale_loss=False,  # wrap_optimizer already decided on loss scaling
+        )
+    return Job(
+        config=config,
+        strategy=strategy,
+        model=model,
+        train_data=data.training_dataset(
+            split.x_train, split.y_train, train.global_batch_size, seed=train.seed
+        ),
+        val_data=data.validation_dataset(split.x_val, split.y_val, train.global_batch_size),
+        steps_per_epoch=steps,
+    )
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """True in a single-process job and in the chief task of a multi-worker one."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    jobs = resolver.cluster_spec().as_dict()
+    if "chief" in jobs:
+        return resolver.task_type == "chief"
+    return resolver.task_type == "worker" and resolver.task_id == 0
+
+
+def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
+    cfg = job.config.callbacks
+    throughput = Throughput(
+        job.config.train.global_batch_size, warmup_steps=cfg.throughput_warmup_steps
+    )
+    callbacks: list[keras.callbacks.Callback] = [throughput]
+    if cfg.tensorboard_dir and is_chief(job.strategy):
+        callbacks.append(keras.callbacks.TensorBoard(cfg.tensorboard_dir))
+    return throughput, callbacks
+
+
+def run(
+    config: Config, *, metrics_out: Optional[str] = None, out: TextIO = sys.stdout
+) -> dict[str, Any]:
+    """Trains from config, prints the summary and returns (and saves) the results.
+
+    Args:
+      config: the job.
+      metrics_out: write the results here as JSON (chief only).
+      out: where the summary goes.
+
+    Returns:
+      `strategy`, `devices`, `num_replicas`, `global_batch_size`, `precision`,
+      `samples_per_sec`, `step_time_ms`, `epochs`, `steps_per_epoch` and
+      `final` (the last epoch's Keras logs).
+    """
+    job = prepare(config)
+    throughput, callbacks = _callbacks(job)
+    chief = is_chief(job.strategy)
+    history = job.model.fit(
+        job.train_data,
+        epochs=config.train.epochs,
+        steps_per_epoch=job.steps_per_epoch,
+        validation_data=job.val_data,
+        callbacks=callbacks,
+        verbose=config.train.verbose if chief else 0,
+    )
+    final = {name: float(values[-1]) for name, values in history.history.items()}
+    result = {
+        "strategy": config.strategy.kind.value,
+        "devices": list(job.strategy.extended.worker_devices),
+        "num_replicas": job.strategy.num_replicas_in_sync,
+        "global_batch_size": config.train.global_batch_size,
+        "precision": config.precision.policy.value,
+        "samples_per_sec": throughput.samples_per_sec,
+        "step_time_ms": throughput.step_time_ms,
+        "epochs": config.train.epochs,
+        "steps_per_epoch": job.steps_per_epoch,
+        "final": final,
+    }
+    if chief:
+        print(format_summary(result), file=out)
+        if metrics_out:
+            write_json(metrics_out, result)
+    return result
