@@ -9,6 +9,7 @@ A bad config prints one line, `tfdist: error: ...`, and exits 2.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -84,6 +85,10 @@ _COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench
 
 
 def main(argv: list[str]) -> None:
+    # TensorFlow's Python INFO lines (device lists, collective set-up) drown the
+    # progress bar; --verbosity=0 or higher brings them back.
+    if flags.FLAGS["verbosity"].using_default_value:
+        logging.getLogger("tensorflow").setLevel(logging.WARNING)
     if len(argv) < 2 or argv[1] not in _COMMANDS:
         from tfdist.bench import BENCHMARKS
 

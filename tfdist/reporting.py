@@ -51,11 +51,15 @@ def format_summary(result: Mapping[str, Any]) -> str:
     lines = [
         "tfdist summary",
         f"  strategy        {result['strategy']} ({replicas} replica(s))",
-        f"  devices         {', '.join(_short(d) for d in result['devices'])}",
+        f"  local devices   {', '.join(_short(d) for d in result['devices'])}",
         f"  global batch    {result['global_batch_size']} ({per_replica} per replica)",
         f"  precision       {result['precision']}",
-        f"  samples/sec     {result['samples_per_sec']:.1f} "
-        f"(median step {result['step_time_ms']:.2f} ms)",
+        "  samples/sec     "
+        + (
+            f"{result['samples_per_sec']:.1f} (median step {result['step_time_ms']:.2f} ms)"
+            if result["samples_per_sec"]
+            else "not measured (no steps after callbacks.throughput_warmup_steps)"
+        ),
     ]
     for name, value in sorted(result["final"].items()):
         if name.startswith("val_"):

@@ -125,6 +125,7 @@ def run(
         epochs=config.train.epochs,
         steps_per_epoch=job.steps_per_epoch,
         validation_data=job.val_data,
+        shuffle=False,  # the dataset shuffles itself
         callbacks=callbacks,
         verbose=config.train.verbose if chief else 0,
     )

@@ -1,5 +1,7 @@
 """Distribution strategies built from config."""
 
+from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.factory import make_strategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
-__all__ = ["make_strategy"]
+__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "make_strategy"]

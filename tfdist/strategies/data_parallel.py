@@ -1,38 +1,54 @@
-"""Data-parallel strategies from config: TensorFlow's own, configured.
+"""Single-host data-parallel strategies from config: TensorFlow's own, configured.
 
 What tfdist adds over calling tf.distribute directly: the all-reduce
-implementation, packing and timeout chosen by name in config; the cluster taken
-from TF_CONFIG or the config's `cluster` section, with loopback enforced for the
-unauthenticated gRPC servers; and a clear ConfigError instead of a runtime
-failure for choices the machine cannot honour (nccl without GPUs, tpu without
-a TPU).
+implementation chosen by name in config, and a clear ConfigError instead of a
+runtime failure for choices the machine cannot honour (nccl without GPUs, tpu
+without a TPU), and a `MirroredStrategy` that can share a process with other
+instances. Multi-worker all-reduce is in `multi_worker.py`.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import itertools
 
 import tensorflow as tf
 
 from tfdist.config.schema import AllReduce, Config
-from tfdist.config.validation import check_address
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "cluster_resolver",
-    "make_mirrored",
-    "make_multi_worker_mirrored",
-    "make_one_device",
-    "make_tpu",
-]
+__all__ = ["MirroredStrategy", "make_mirrored", "make_one_device", "make_tpu"]
+
+
+class MirroredStrategy(tf.distribute.MirroredStrategy):
+    """`tf.distribute.MirroredStrategy` that coexists with other instances.
+
+    Every TensorFlow MirroredStrategy numbers its collective groups from the
+    same start, so a second instance over a different device set in the same
+    process fails at its first all-reduce ("joining a group with size 4, but
+    that group has size 2"). Each instance here numbers its groups from its own
+    base (TensorFlow's `_collective_key_base` hook), so benchmarks and tests can
+    compare 1, 2 and 4 devices in one process.
+
+    Example:
+
+        >>> strategy = MirroredStrategy(["/cpu:0", "/cpu:1"])
+        >>> strategy.num_replicas_in_sync
+        2
+    """
+
+    _key_bases = itertools.count(1)
+    _KEYS_PER_INSTANCE = 100_000
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        self._collective_key_base = next(self._key_bases) * self._KEYS_PER_INSTANCE
+        super().__init__(devices=devices, cross_device_ops=cross_device_ops)
 
 
 def make_one_device(device: str) -> tf.distribute.OneDeviceStrategy:
     return tf.distribute.OneDeviceStrategy(device)
 
 
-def make_mirrored(config: Config, devices: list[str], gpus: int) -> tf.distribute.MirroredStrategy:
+def make_mirrored(config: Config, devices: list[str], gpus: int) -> MirroredStrategy:
     """MirroredStrategy over `devices` with the configured cross-device ops."""
     s = config.strategy
     if s.all_reduce == AllReduce.NCCL and not gpus:
@@ -50,66 +66,7 @@ def make_mirrored(config: Config, devices: list[str], gpus: int) -> tf.distribut
         ),
         AllReduce.REDUCTION_TO_ONE_DEVICE: tf.distribute.ReductionToOneDevice,
     }[s.all_reduce]()
-    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
-
-
-def make_multi_worker_mirrored(config: Config) -> tf.distribute.MultiWorkerMirroredStrategy:
-    """MultiWorkerMirroredStrategy with CommunicationOptions from config."""
-    s = config.strategy
-    implementation = {
-        AllReduce.AUTO: tf.distribute.experimental.CommunicationImplementation.AUTO,
-        AllReduce.RING: tf.distribute.experimental.CommunicationImplementation.RING,
-        AllReduce.NCCL: tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }[s.all_reduce]
-    options = tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=s.bytes_per_pack,
-        timeout_seconds=s.collective_timeout_seconds,
-        implementation=implementation,
-    )
-    return tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=cluster_resolver(config), communication_options=options
-    )
-
-
-def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
-    """The cluster from the config's `cluster` section, else from TF_CONFIG.
-
-    Raises:
-      ConfigError: both are set, TF_CONFIG is malformed, or an address is off
-        loopback without `cluster.allow_non_loopback`.
-    """
-    c = config.cluster
-    tf_config = os.environ.get("TF_CONFIG", "").strip()
-    if c.workers and tf_config:
-        raise ConfigError(
-            "cluster.workers",
-            "conflicts with the TF_CONFIG environment variable; describe the cluster in one place.",
-            list(c.workers),
-        )
-    if c.workers:
-        spec = tf.train.ClusterSpec({"worker": list(c.workers)})
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            spec, task_type="worker", task_id=c.task_index, rpc_layer="grpc"
-        )
-    if tf_config:
-        for key, address in _tf_config_addresses(tf_config):
-            check_address(address, key, c.allow_non_loopback)
-    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-
-
-def _tf_config_addresses(text: str):
-    try:
-        cluster = json.loads(text).get("cluster", {})
-        items = [
-            (f"TF_CONFIG.cluster.{job}[{i}]", address)
-            for job, addresses in cluster.items()
-            for i, address in enumerate(addresses)
-        ]
-    except (ValueError, AttributeError, TypeError):
-        raise ConfigError(
-            "TF_CONFIG", 'must be JSON like {"cluster": {"worker": [...]}, "task": {...}}.', text
-        ) from None
-    return items
+    return MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
 
 
 def make_tpu(config: Config) -> tf.distribute.TPUStrategy:

@@ -16,7 +16,7 @@ import tensorflow as tf
 from tfdist import precision
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_batch_split
-from tfdist.strategies import data_parallel
+from tfdist.strategies import data_parallel, multi_worker
 from tfdist.strategies.devices import configure_runtime, local_devices
 
 __all__ = ["make_strategy"]
@@ -40,7 +40,7 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     elif kind == StrategyKind.MIRRORED:
         strategy = data_parallel.make_mirrored(config, local_devices(config, gpus), gpus)
     elif kind == StrategyKind.MULTI_WORKER_MIRRORED:
-        strategy = data_parallel.make_multi_worker_mirrored(config)
+        strategy = multi_worker.from_config(config)
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build

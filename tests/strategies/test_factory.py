@@ -1,0 +1,130 @@
+"""Config -> strategy, and the machine-dependent config errors."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from tfdist import ConfigError, load_config, make_strategy
+from tfdist.strategies import MultiWorkerMirroredStrategy
+from tfdist.strategies.multi_worker import cluster_resolver
+
+pytestmark = pytest.mark.usefixtures("cpus")
+
+
+def _strategy(*overrides):
+    return make_strategy(load_config(None, list(overrides)))
+
+
+def _cross_device_ops(strategy):
+    return strategy.extended._cross_device_ops  # what MirroredStrategy was given
+
+
+def test_default_is_mirrored_over_the_logical_cpus():
+    strategy = _strategy()
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 4
+    assert [d.split(":")[-2:] for d in strategy.extended.worker_devices] == [
+        ["CPU", str(i)] for i in range(4)
+    ]
+
+
+def test_one_device():
+    strategy = _strategy("strategy.kind=one_device", "strategy.devices=[/cpu:1]")
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    assert strategy.extended.worker_devices[0].endswith("CPU:1")
+
+
+@pytest.mark.parametrize(
+    "all_reduce,ops_type",
+    [
+        ("hierarchical_copy", tf.distribute.HierarchicalCopyAllReduce),
+        ("reduction_to_one_device", tf.distribute.ReductionToOneDevice),
+    ],
+)
+def test_mirrored_uses_the_chosen_cross_device_ops(all_reduce, ops_type):
+    strategy = _strategy(f"strategy.all_reduce={all_reduce}", "strategy.devices=[/cpu:0, /cpu:1]")
+    assert isinstance(_cross_device_ops(strategy), ops_type)
+    assert strategy.num_replicas_in_sync == 2
+
+
+def test_hierarchical_copy_num_packs():
+    strategy = _strategy("strategy.all_reduce=hierarchical_copy", "strategy.num_packs=2")
+    assert _cross_device_ops(strategy)._num_packs == 2
+
+
+def test_nccl_without_gpus_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^`strategy.all_reduce` nccl needs GPUs"):
+        _strategy("strategy.all_reduce=nccl")
+
+
+def test_devices_that_do_not_exist():
+    with pytest.raises(ConfigError, match=r"^`strategy.devices\[1\]` names a device that does not exist.*4 CPU"):
+        _strategy("strategy.devices=[/cpu:0, /cpu:9]")
+    with pytest.raises(ConfigError, match=r"^`strategy.devices\[0\]` names a device that does not exist.*0 GPU"):
+        _strategy("strategy.devices=[/gpu:0]")
+
+
+def test_batch_must_split_over_replicas():
+    with pytest.raises(ConfigError, match=r"^`train.global_batch_size` must be divisible .* \(4\)"):
+        _strategy("train.global_batch_size=30")
+
+
+def test_logical_devices_cannot_grow_after_tensorflow_started():
+    tf.constant(1.0)  # make sure the runtime is initialised
+    with pytest.raises(ConfigError, match=r"^`strategy.logical_devices` cannot be raised to 8"):
+        _strategy("strategy.logical_devices=8")
+
+
+def test_tpu_without_a_tpu_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^`strategy.kind` tpu needs a TPU, and none was found"):
+        _strategy("strategy.kind=tpu")
+
+
+def test_single_worker_multi_worker_mirrored(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = _strategy("strategy.kind=multi_worker_mirrored", "strategy.all_reduce=ring")
+    assert isinstance(strategy, MultiWorkerMirroredStrategy)
+    assert strategy.num_replicas_in_sync == 1
+
+
+def test_cluster_section_becomes_the_resolver(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    config = load_config(
+        None,
+        [
+            "strategy.kind=multi_worker_mirrored",
+            "cluster.workers=[127.0.0.1:2001, 127.0.0.1:2002]",
+            "cluster.task_index=1",
+        ],
+    )
+    resolver = cluster_resolver(config)
+    assert resolver.cluster_spec().as_dict() == {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"]}
+    assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+
+
+def test_tf_config_is_used_and_checked(monkeypatch):
+    kind = "strategy.kind=multi_worker_mirrored"
+    cluster = {"cluster": {"worker": ["localhost:2001", "localhost:2002"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cluster))
+    resolver = cluster_resolver(load_config(None, [kind]))
+    assert resolver.cluster_spec().as_dict()["worker"] == ["localhost:2001", "localhost:2002"]
+
+    with pytest.raises(ConfigError, match=r"^`cluster.workers` conflicts with the TF_CONFIG"):
+        cluster_resolver(load_config(None, [kind, "cluster.workers=[127.0.0.1:1]"]))
+
+    cluster["cluster"]["worker"][1] = "192.168.1.7:2002"
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cluster))
+    with pytest.raises(ConfigError, match=r"^`TF_CONFIG.cluster.worker\[1\]` must be a loopback address"):
+        cluster_resolver(load_config(None, [kind]))
+
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ConfigError, match=r"^`TF_CONFIG` must be JSON"):
+        cluster_resolver(load_config(None, [kind]))
+
+
+def test_precision_policy_is_applied():
+    import keras
+
+    _strategy("precision.policy=mixed_bfloat16")
+    assert keras.mixed_precision.dtype_policy().name == "mixed_bfloat16"
