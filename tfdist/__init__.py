@@ -15,11 +15,12 @@ from __future__ import annotations
 import importlib
 
 from tfdist.config import Config, load_config
-from tfdist.errors import ConfigError
+from tfdist.errors import ClusterError, ConfigError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterError",
     "Config",
     "ConfigError",
     "Throughput",

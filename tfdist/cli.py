@@ -4,7 +4,8 @@
     tfdist config --config configs/default.yaml [--set ...]
     tfdist bench overhead --json overhead.json
 
-A bad config prints one line, `tfdist: error: ...`, and exits 2.
+A bad config prints one line, `tfdist: error: ...`, and exits 2; a cluster
+that loses or never finds a task prints one line and exits 1.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 from absl import app, flags
 
-from tfdist.errors import ConfigError
+from tfdist.errors import ClusterError, ConfigError
 
 _CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in defaults when omitted.")
 _SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (repeatable).")
@@ -32,6 +33,7 @@ commands:
 """
 
 EXIT_USAGE = 2
+EXIT_RUNTIME = 1
 
 
 def _fail(message: str) -> None:
@@ -99,6 +101,9 @@ def main(argv: list[str]) -> None:
         _COMMANDS[argv[1]](argv[2:])
     except ConfigError as e:
         _fail(str(e))
+    except ClusterError as e:
+        print(f"tfdist: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_RUNTIME)
 
 
 def run() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ClusterError", "ConfigError"]
 
 _MISSING = object()
 
@@ -24,3 +24,10 @@ class ConfigError(ValueError):
         if received is not _MISSING:
             message += f" Received: {received!r}."
         super().__init__(message)
+
+
+class ClusterError(RuntimeError):
+    """A multi-process job lost, or never found, one of its tasks.
+
+    The message names the tasks and the timeout that ran out.
+    """

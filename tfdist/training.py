@@ -26,7 +26,8 @@ from tfdist.callbacks import Throughput
 from tfdist.config.schema import Config
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies import make_strategy
+from tfdist.strategies import MultiWorkerMirroredStrategy, make_strategy
+from tfdist.strategies.multi_worker import lost_task_error
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
 
@@ -116,19 +117,27 @@ def run(
       `strategy`, `devices`, `num_replicas`, `global_batch_size`, `precision`,
       `samples_per_sec`, `step_time_ms`, `epochs`, `steps_per_epoch` and
       `final` (the last epoch's Keras logs).
+
+    Raises:
+      ClusterError: a multi-worker job lost a task.
     """
     job = prepare(config)
     throughput, callbacks = _callbacks(job)
     chief = is_chief(job.strategy)
-    history = job.model.fit(
-        job.train_data,
-        epochs=config.train.epochs,
-        steps_per_epoch=job.steps_per_epoch,
-        validation_data=job.val_data,
-        shuffle=False,  # the dataset shuffles itself
-        callbacks=callbacks,
-        verbose=config.train.verbose if chief else 0,
-    )
+    try:
+        history = job.model.fit(
+            job.train_data,
+            epochs=config.train.epochs,
+            steps_per_epoch=job.steps_per_epoch,
+            validation_data=job.val_data,
+            shuffle=False,  # the dataset shuffles itself
+            callbacks=callbacks,
+            verbose=config.train.verbose if chief else 0,
+        )
+    except tf.errors.OpError as e:
+        if isinstance(job.strategy, MultiWorkerMirroredStrategy) and "/job:" in e.message:
+            raise lost_task_error(e) from e
+        raise
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
         "strategy": config.strategy.kind.value,

@@ -224,11 +224,17 @@ class ClusterConfig:
       task_index: this process's index into `workers`.
       allow_non_loopback: opt in to addresses off 127.0.0.0/8 (unauthenticated
         gRPC: only on a trusted network).
+      startup_timeout_seconds: every task must have started within this time,
+        or the others fail naming the problem instead of waiting.
+      heartbeat_timeout_seconds: a task silent this long counts as dead and
+        the others fail instead of hanging.
     """
 
     workers: tuple[str, ...] = ()
     task_index: int = bounded(0, low=0)
     allow_non_loopback: bool = False
+    startup_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
+    heartbeat_timeout_seconds: float = bounded(60.0, low=0, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import tensorflow as tf
 
+from tfdist._compat import configure_coordination_service
 from tfdist.config.schema import AllReduce, Config
 from tfdist.config.validation import check_address
-from tfdist.errors import ConfigError
+from tfdist.errors import ClusterError, ConfigError
 
-__all__ = ["MultiWorkerMirroredStrategy", "cluster_resolver", "from_config"]
+__all__ = ["MultiWorkerMirroredStrategy", "cluster_resolver", "from_config", "lost_task_error"]
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -55,7 +57,12 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
 
 def from_config(config: Config) -> MultiWorkerMirroredStrategy:
-    """The strategy with CommunicationOptions (implementation, packing, timeout) from config."""
+    """The strategy with CommunicationOptions (implementation, packing, timeout)
+    and the cluster's start-up and heartbeat timeouts from config.
+
+    Raises:
+      ClusterError: a task did not start within cluster.startup_timeout_seconds.
+    """
     s = config.strategy
     implementations = tf.distribute.experimental.CommunicationImplementation
     implementation = {
@@ -68,9 +75,32 @@ def from_config(config: Config) -> MultiWorkerMirroredStrategy:
         timeout_seconds=s.collective_timeout_seconds,
         implementation=implementation,
     )
-    return MultiWorkerMirroredStrategy(
-        cluster_resolver=cluster_resolver(config), communication_options=options
-    )
+    resolver = cluster_resolver(config)
+    if resolver.cluster_spec().jobs:
+        configure_coordination_service(
+            resolver.cluster_spec(),
+            startup_timeout_seconds=config.cluster.startup_timeout_seconds,
+            heartbeat_timeout_seconds=config.cluster.heartbeat_timeout_seconds,
+        )
+    try:
+        return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+    except tf.errors.DeadlineExceededError as e:
+        missing = _task_names(e.message.split("task names:")[-1])
+        raise ClusterError(
+            f"tasks {', '.join(missing) or '(unknown)'} did not start within "
+            f"cluster.startup_timeout_seconds={config.cluster.startup_timeout_seconds:g}."
+        ) from None
+
+
+def _task_names(text: str) -> list[str]:
+    return sorted(set(re.findall(r"/job:\w+/replica:\d+/task:\d+", text)))
+
+
+def lost_task_error(error: tf.errors.OpError) -> ClusterError:
+    """A ClusterError naming the task(s) a failed collective step mentions."""
+    tasks = _task_names(error.message) or ["a peer task"]
+    reason = error.message.strip().splitlines()[0]
+    return ClusterError(f"lost contact with {', '.join(tasks)} during training ({reason}).")
 
 
 def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:

@@ -1,0 +1,102 @@
+"""Two MultiWorkerMirrored workers as processes on loopback, through `tfdist train`."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from helpers import ROOT, free_ports, tfdist_command
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def _start_workers(tmp_path, ports, count, extra=()):
+    workers = ", ".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for index in range(count):
+        args = tfdist_command(
+            "train",
+            "--set", "strategy.kind=multi_worker_mirrored",
+            "--set", f"cluster.workers=[{workers}]",
+            "--set", f"cluster.task_index={index}",
+            "--set", "train.epochs=2",
+            "--set", "train.steps_per_epoch=6",
+            "--set", "train.verbose=0",
+            "--set", "callbacks.throughput_warmup_steps=1",
+            "--metrics_out", str(tmp_path / f"metrics{index}.json"),
+            *extra,
+        )
+        procs.append(
+            subprocess.Popen(
+                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        )
+    return procs
+
+
+def _wait(procs, timeout):
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results
+
+
+def test_two_workers_train_together(tmp_path):
+    results = _wait(_start_workers(tmp_path, free_ports(2), 2), timeout=180)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    chief = json.loads((tmp_path / "metrics0.json").read_text())
+    assert chief["strategy"] == "multi_worker_mirrored"
+    assert chief["num_replicas"] == 2
+    assert chief["final"]["val_accuracy"] > 0.3  # 12 steps, 10 classes
+    assert not (tmp_path / "metrics1.json").exists()  # only the chief writes results
+    assert "tfdist summary" in results[0][1] and "tfdist summary" not in results[1][1]
+
+
+def test_a_missing_peer_is_an_error_naming_it(tmp_path):
+    # Worker 1 never starts: worker 0 must fail after the start-up timeout.
+    started = time.monotonic()
+    results = _wait(
+        _start_workers(tmp_path, free_ports(2), 1, ["--set", "cluster.startup_timeout_seconds=10"]),
+        timeout=90,
+    )
+    code, _, err = results[0]
+    assert code == 1
+    assert (
+        "tfdist: error: tasks /job:worker/replica:0/task:1 did not start within "
+        "cluster.startup_timeout_seconds=10." in err
+    )
+    assert time.monotonic() - started < 60
+
+
+def test_a_peer_killed_mid_training_is_an_error_not_a_hang(tmp_path):
+    procs = _start_workers(
+        tmp_path,
+        free_ports(2),
+        2,
+        ["--set", "train.epochs=1000", "--set", "train.verbose=2", "--set", "cluster.heartbeat_timeout_seconds=10"],
+    )
+    chief, worker = procs
+    try:
+        for line in chief.stdout:  # wait until training is under way
+            if line.startswith("Epoch 3/"):
+                break
+        else:
+            pytest.fail(f"the chief stopped before training: {chief.stderr.read()[-3000:]}")
+        worker.kill()
+        killed = time.monotonic()
+        _, err = chief.communicate(timeout=120)
+        assert chief.returncode == 1
+        assert "tfdist: error: lost contact with /job:worker/replica:0/task:1 during training" in err
+        assert time.monotonic() - killed < 90
+    finally:
+        for proc in procs:
+            proc.kill()

@@ -1,0 +1,62 @@
+"""Precision config -> dtype policy and loss scaling."""
+
+import keras
+import numpy as np
+import pytest
+
+from tfdist import load_config, prepare
+from tfdist.config import PrecisionConfig
+from tfdist.precision import apply_policy, wrap_optimizer
+
+pytestmark = pytest.mark.usefixtures("cpus")
+
+
+def test_float32_leaves_the_optimizer_alone():
+    sgd = keras.optimizers.SGD()
+    assert wrap_optimizer(sgd, PrecisionConfig()) is sgd
+
+
+def test_bfloat16_needs_no_loss_scaling():
+    sgd = keras.optimizers.SGD()
+    assert wrap_optimizer(sgd, PrecisionConfig(policy="mixed_bfloat16")) is sgd
+
+
+def test_float16_gets_dynamic_loss_scaling():
+    wrapped = wrap_optimizer(keras.optimizers.SGD(), PrecisionConfig(policy="mixed_float16"))
+    assert isinstance(wrapped, keras.optimizers.LossScaleOptimizer)
+    assert float(wrapped.initial_scale) == 2.0**15
+
+
+def test_float16_initial_scale_from_config():
+    cfg = PrecisionConfig(policy="mixed_float16", loss_scale=1024.0)
+    assert float(wrap_optimizer(keras.optimizers.SGD(), cfg).initial_scale) == 1024.0
+
+
+def test_float16_without_scaling_when_opted_in():
+    sgd = keras.optimizers.SGD()
+    cfg = PrecisionConfig(policy="mixed_float16", loss_scale="none", allow_unscaled_float16=True)
+    assert wrap_optimizer(sgd, cfg) is sgd
+
+
+def test_apply_policy():
+    apply_policy(PrecisionConfig(policy="mixed_float16"))
+    assert keras.mixed_precision.dtype_policy().name == "mixed_float16"
+
+
+@pytest.mark.parametrize("policy,compute", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")])
+def test_mixed_precision_trains_under_mirrored(policy, compute):
+    config = load_config(
+        None,
+        [f"precision.policy={policy}", "train.verbose=0", "strategy.devices=[/cpu:0, /cpu:1]", "model.width=8"],
+    )
+    job = prepare(config)
+    conv = job.model.layers[0]
+    assert conv.compute_dtype == compute
+    assert conv.kernel.dtype == "float32"  # variables stay float32
+    assert job.model(np.zeros((2, 8, 8, 1), "float32")).dtype == "float32"  # float32 softmax
+    if policy == "mixed_float16":
+        assert isinstance(job.model.optimizer, keras.optimizers.LossScaleOptimizer)
+    history = job.model.fit(job.train_data, epochs=2, steps_per_epoch=10, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all()
+    assert losses[-1] < losses[0]
