@@ -6,7 +6,7 @@ def pytest_test(name, src, deps = [], data = [], tags = [], size = "small", **kw
         srcs = ["//tests:pytest_main.py", src],
         main = "//tests:pytest_main.py",
         args = ["$(location %s)" % src],
-        deps = deps + ["//:tfdist"],
+        deps = deps + ["//:tfdist", "//tests:helpers"],
         data = data + ["//:configs"],
         python_version = "PY3",
         tags = tags,

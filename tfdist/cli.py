@@ -87,10 +87,9 @@ _COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench
 
 
 def main(argv: list[str]) -> None:
-    # TensorFlow's Python INFO lines (device lists, collective set-up) drown the
-    # progress bar; --verbosity=0 or higher brings them back.
-    if flags.FLAGS["verbosity"].using_default_value:
-        logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    # absl logs at INFO, and TensorFlow's Python INFO lines (device lists,
+    # collective set-up) would drown the progress bar.
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     if len(argv) < 2 or argv[1] not in _COMMANDS:
         from tfdist.bench import BENCHMARKS
 
