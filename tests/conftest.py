@@ -10,9 +10,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 LOGICAL_CPUS = 4
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def cpus():
-    """Splits the CPU into 4 logical devices before TensorFlow initialises."""
+    """Splits the CPU into 4 logical devices before any test can start TensorFlow."""
     from tfdist.strategies.devices import ensure_logical_cpus
 
     ensure_logical_cpus(LOGICAL_CPUS)

@@ -8,8 +8,6 @@ from tfdist import load_config, prepare
 from tfdist.config import PrecisionConfig
 from tfdist.precision import apply_policy, wrap_optimizer
 
-pytestmark = pytest.mark.usefixtures("cpus")
-
 
 def test_float32_leaves_the_optimizer_alone():
     sgd = keras.optimizers.SGD()

@@ -9,8 +9,6 @@ from tfdist import ConfigError, load_config, make_strategy
 from tfdist.strategies import MultiWorkerMirroredStrategy
 from tfdist.strategies.multi_worker import cluster_resolver
 
-pytestmark = pytest.mark.usefixtures("cpus")
-
 
 def _strategy(*overrides):
     return make_strategy(load_config(None, list(overrides)))

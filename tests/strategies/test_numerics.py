@@ -5,7 +5,6 @@ import pytest
 
 from tfdist import load_config, prepare
 
-pytestmark = pytest.mark.usefixtures("cpus")
 
 STEPS = 5
 
