@@ -84,9 +84,9 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """True in a single-process job and in the chief task of a multi-worker one."""
     resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.cluster_spec().as_dict():
+    jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not jobs:
         return True
-    jobs = resolver.cluster_spec().as_dict()
     if "chief" in jobs:
         return resolver.task_type == "chief"
     return resolver.task_type == "worker" and resolver.task_id == 0
