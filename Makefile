@@ -40,7 +40,7 @@ bazel-test:
 	bazel test //...
 
 bench: setup
-	tfdist bench overhead --json results/overhead.json --repeats 7
+	OMP_NUM_THREADS=1 tfdist bench overhead --json results/overhead.json --repeats 9
 
 clean:
 	rm -rf $(VENV) bazel-* .pytest_cache
