@@ -23,6 +23,7 @@ __all__ = [
     "ClusterError",
     "Config",
     "ConfigError",
+    "PipelineStrategy",
     "Throughput",
     "__version__",
     "load_config",
@@ -33,6 +34,7 @@ __all__ = [
 
 _LAZY = {
     "make_strategy": "tfdist.strategies",
+    "PipelineStrategy": "tfdist.strategies",
     "Throughput": "tfdist.callbacks",
     "prepare": "tfdist.training",
     "run": "tfdist.training",

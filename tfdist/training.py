@@ -26,7 +26,7 @@ from tfdist.callbacks import Throughput
 from tfdist.config.schema import Config
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies import MultiWorkerMirroredStrategy, make_strategy
+from tfdist.strategies import MultiWorkerMirroredStrategy, PipelineStrategy, make_strategy
 from tfdist.strategies.multi_worker import lost_task_error
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
@@ -103,6 +103,25 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
     return throughput, callbacks
 
 
+def _devices(strategy: tf.distribute.Strategy) -> list[str]:
+    if isinstance(strategy, PipelineStrategy):
+        return [d for group in strategy.stage_devices for d in group]
+    return list(strategy.extended.worker_devices)
+
+
+def _pipeline_report(strategy: PipelineStrategy, model: keras.Model) -> dict[str, Any]:
+    partition = strategy.partition_of(model)
+    return {
+        "num_stages": strategy.num_stages,
+        "num_micro_batches": strategy.num_micro_batches,
+        "schedule": strategy.schedule,
+        "recompute": strategy.recompute,
+        "stage_devices": strategy.stage_devices,
+        "peak_stashed_micro_batches": strategy.peak_stashed_micro_batches,
+        "partition": partition.report() if partition else None,
+    }
+
+
 def run(
     config: Config, *, metrics_out: Optional[str] = None, out: TextIO = sys.stdout
 ) -> dict[str, Any]:
@@ -141,7 +160,7 @@ def run(
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
         "strategy": config.strategy.kind.value,
-        "devices": list(job.strategy.extended.worker_devices),
+        "devices": _devices(job.strategy),
         "num_replicas": job.strategy.num_replicas_in_sync,
         "global_batch_size": config.train.global_batch_size,
         "precision": config.precision.policy.value,
@@ -151,6 +170,8 @@ def run(
         "steps_per_epoch": job.steps_per_epoch,
         "final": final,
     }
+    if isinstance(job.strategy, PipelineStrategy):
+        result["pipeline"] = _pipeline_report(job.strategy, job.model)
     if chief:
         print(format_summary(result), file=out)
         if metrics_out:

@@ -125,7 +125,7 @@ BAD_OVERRIDES = [
         "strategy.all_reduce",
         "auto, ring, nccl",
     ),
-    (["strategy.kind=pipeline"], "strategy.kind", "not implemented in this version"),
+    (["strategy.kind=parameter_server"], "strategy.kind", "not implemented in this version"),
     (["strategy.kind=horovod"], "strategy.kind", "not implemented in this version"),
     (["strategy.num_packs=4"], "strategy.num_packs", "only applies to all_reduce nccl"),
     (["strategy.bytes_per_pack=1024"], "strategy.bytes_per_pack", "multi_worker_mirrored"),
@@ -229,3 +229,20 @@ def test_nothing_is_constructed_by_a_python_tag(tmp_path):
     with pytest.raises(ConfigError):
         load_config(path)
     assert not marker.exists()
+
+
+BAD_PIPELINE = [
+    (["pipeline.num_stages=3"], "pipeline", "only applies with strategy.kind=pipeline"),
+    (["strategy.kind=pipeline", "pipeline.boundaries=[a, b]"], "pipeline.boundaries", "must name 1 layer"),
+    (["strategy.kind=pipeline", "pipeline.num_stages=3", "pipeline.boundaries=[a, a]"], "pipeline.boundaries", "twice"),
+    (["strategy.kind=pipeline", "pipeline.schedule=1f2b"], "pipeline.schedule", "Did you mean '1f1b'"),
+    (["strategy.kind=pipeline", "pipeline.num_micro_batches=0"], "pipeline.num_micro_batches", ">= 1"),
+    (["strategy.kind=pipeline", "pipeline.balance_by=flops"], "pipeline.balance_by", "time, params"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,rule", BAD_PIPELINE)
+def test_bad_pipeline_config(overrides, key, rule):
+    with pytest.raises(ConfigError, match=rule) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(f"`{key}`")

@@ -3,6 +3,7 @@
 from tfdist.config.loading import from_dict, load_config, parse_override, to_dict
 from tfdist.config.schema import (
     AllReduce,
+    BalanceBy,
     CallbacksConfig,
     ClusterConfig,
     Config,
@@ -11,9 +12,11 @@ from tfdist.config.schema import (
     ModelConfig,
     ModelName,
     Optimizer,
+    PipelineConfig,
     PrecisionConfig,
     PrecisionPolicy,
     RuntimeConfig,
+    Schedule,
     StrategyConfig,
     StrategyKind,
     TrainConfig,
@@ -21,6 +24,7 @@ from tfdist.config.schema import (
 
 __all__ = [
     "AllReduce",
+    "BalanceBy",
     "CallbacksConfig",
     "ClusterConfig",
     "Config",
@@ -29,9 +33,11 @@ __all__ = [
     "ModelConfig",
     "ModelName",
     "Optimizer",
+    "PipelineConfig",
     "PrecisionConfig",
     "PrecisionPolicy",
     "RuntimeConfig",
+    "Schedule",
     "StrategyConfig",
     "StrategyKind",
     "TrainConfig",

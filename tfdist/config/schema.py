@@ -19,6 +19,7 @@ from typing import Optional, Union
 
 __all__ = [
     "AllReduce",
+    "BalanceBy",
     "CallbacksConfig",
     "ClusterConfig",
     "Config",
@@ -26,10 +27,12 @@ __all__ = [
     "Dataset",
     "ModelConfig",
     "ModelName",
+    "PipelineConfig",
     "Optimizer",
     "PrecisionConfig",
     "PrecisionPolicy",
     "RuntimeConfig",
+    "Schedule",
     "StrategyConfig",
     "StrategyKind",
     "TrainConfig",
@@ -84,6 +87,16 @@ class Optimizer(str, enum.Enum):
     RMSPROP = "rmsprop"
 
 
+class Schedule(str, enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class BalanceBy(str, enum.Enum):
+    TIME = "time"
+    PARAMS = "params"
+
+
 class Dataset(str, enum.Enum):
     DIGITS = "digits"
     SYNTHETIC = "synthetic"
@@ -124,6 +137,34 @@ class StrategyConfig:
     bytes_per_pack: int = bounded(0, low=0)
     collective_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
     tpu: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism (strategy.kind=pipeline).
+
+    The devices (strategy.devices, or every GPU, or the logical CPUs) form
+    pipeline replicas of `num_stages` devices each; data parallel across them.
+
+    Attributes:
+      num_stages: stages per pipeline replica (K).
+      num_micro_batches: micro-batches each replica's batch is split into (M).
+      schedule: `gpipe` (all forwards, then all backwards) or `1f1b`
+        (at most K micro-batches of activations alive per stage).
+      boundaries: names of the layers that start stages 2..K; empty balances
+        the stages automatically.
+      balance_by: `time` (measured forward+backward time per layer, parameter
+        count when it cannot be measured) or `params`.
+      recompute: recompute each stage's activations in the backward pass
+        instead of keeping them (less memory, more compute; no Dropout).
+    """
+
+    num_stages: int = bounded(2, low=1, high=64)
+    num_micro_batches: int = bounded(4, low=1, high=4096)
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    boundaries: tuple[str, ...] = ()
+    balance_by: BalanceBy = BalanceBy.TIME
+    recompute: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +311,7 @@ class Config:
 
     Attributes:
       strategy: how the model is distributed.
+      pipeline: pipeline parallelism settings (strategy.kind=pipeline).
       precision: dtype policy and loss scaling.
       train: the training loop.
       data: the input data.
@@ -280,6 +322,7 @@ class Config:
     """
 
     strategy: StrategyConfig = StrategyConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()

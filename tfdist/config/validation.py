@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from tfdist.config.schema import AllReduce, Config, PrecisionPolicy, StrategyKind
+from tfdist.config.schema import AllReduce, Config, PipelineConfig, PrecisionPolicy, StrategyKind
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "check",
     "check_address",
     "check_batch_split",
+    "check_pipeline_devices",
     "check_devices",
     "parse_device",
 ]
@@ -29,6 +30,7 @@ IMPLEMENTED_KINDS = (
     StrategyKind.MIRRORED,
     StrategyKind.MULTI_WORKER_MIRRORED,
     StrategyKind.TPU,
+    StrategyKind.PIPELINE,
 )
 
 _ALL_REDUCE_BY_KIND = {
@@ -52,6 +54,7 @@ def _values(kinds) -> str:
 def check(config: Config) -> None:
     """Raises ConfigError for contradictions inside the config itself."""
     _check_strategy(config)
+    _check_pipeline(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
@@ -102,6 +105,27 @@ def _check_strategy(config: Config) -> None:
             "accelerator (or one CPU) of each task.",
             list(s.devices),
         )
+
+
+def _check_pipeline(config: Config) -> None:
+    p = config.pipeline
+    if config.strategy.kind != StrategyKind.PIPELINE:
+        if p != PipelineConfig():
+            raise ConfigError(
+                "pipeline",
+                f"only applies with strategy.kind=pipeline; strategy.kind is {config.strategy.kind.value}.",
+                "set",
+            )
+        return
+    if p.boundaries and len(p.boundaries) != p.num_stages - 1:
+        raise ConfigError(
+            "pipeline.boundaries",
+            f"must name {p.num_stages - 1} layer(s), the first of each stage after the first "
+            "(or be empty to balance automatically).",
+            list(p.boundaries),
+        )
+    if len(set(p.boundaries)) != len(p.boundaries):
+        raise ConfigError("pipeline.boundaries", "must not name a layer twice.", list(p.boundaries))
 
 
 def parse_device(name: str, key: str) -> tuple[str, int]:
@@ -216,7 +240,8 @@ def check_devices(config: Config, *, gpus: int) -> None:
 
 
 def check_batch_split(config: Config, replicas: int) -> None:
-    """Raises ConfigError unless the global batch splits evenly over replicas."""
+    """Raises ConfigError unless the global batch splits evenly over replicas
+    (and, for pipelines, each replica's batch over the micro-batches)."""
     batch = config.train.global_batch_size
     if batch % replicas:
         raise ConfigError(
@@ -224,4 +249,25 @@ def check_batch_split(config: Config, replicas: int) -> None:
             f"must be divisible by the number of replicas ({replicas}) so every "
             "replica gets the same batch.",
             batch,
+        )
+    micro = config.pipeline.num_micro_batches
+    if config.strategy.kind == StrategyKind.PIPELINE and (batch // replicas) % micro:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"must be divisible by replicas x pipeline.num_micro_batches ({replicas} x {micro}) "
+            "so every micro-batch has the same size.",
+            batch,
+        )
+
+
+def check_pipeline_devices(config: Config, devices: int) -> None:
+    """Raises ConfigError unless the devices form whole pipeline replicas."""
+    stages = config.pipeline.num_stages
+    if devices < stages or devices % stages:
+        key = "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
+        raise ConfigError(
+            key,
+            f"must give a non-zero multiple of pipeline.num_stages ({stages}) devices: each "
+            f"pipeline replica takes {stages}. This config gives {devices}.",
+            list(config.strategy.devices) or config.strategy.logical_devices,
         )

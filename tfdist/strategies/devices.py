@@ -82,7 +82,8 @@ def configure_runtime(config: Config) -> int:
     )
     gpus = physical_gpus()
     check_devices(config, gpus=gpus)
-    if not gpus and config.strategy.kind in (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE):
+    single_host = (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE, StrategyKind.PIPELINE)
+    if not gpus and config.strategy.kind in single_host:
         ensure_logical_cpus(config.strategy.logical_devices)
     return gpus
 

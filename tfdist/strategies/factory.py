@@ -15,9 +15,10 @@ import tensorflow as tf
 
 from tfdist import precision
 from tfdist.config.schema import Config, StrategyKind
-from tfdist.config.validation import check_batch_split
+from tfdist.config.validation import check_batch_split, check_pipeline_devices
 from tfdist.strategies import data_parallel, multi_worker
 from tfdist.strategies.devices import configure_runtime, local_devices
+from tfdist.strategies.pipeline import PipelineStrategy
 
 __all__ = ["make_strategy"]
 
@@ -41,6 +42,19 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
         strategy = data_parallel.make_mirrored(config, local_devices(config, gpus), gpus)
     elif kind == StrategyKind.MULTI_WORKER_MIRRORED:
         strategy = multi_worker.from_config(config)
+    elif kind == StrategyKind.PIPELINE:
+        devices = local_devices(config, gpus)
+        check_pipeline_devices(config, len(devices))
+        p = config.pipeline
+        strategy = PipelineStrategy(
+            p.num_stages,
+            p.num_micro_batches,
+            schedule=p.schedule.value,
+            devices=devices,
+            boundaries=list(p.boundaries) or None,
+            balance_by=p.balance_by.value,
+            recompute=p.recompute,
+        )
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build

@@ -1,0 +1,226 @@
+"""PipelineStrategy: same weights as one device, schedules, errors, save/load, config."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist import ConfigError, PipelineStrategy, load_config, make_strategy
+
+FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+STEPS = 5
+BATCH = 32
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((STEPS * BATCH, 12)).astype("float32")
+Y = rng.integers(0, 5, STEPS * BATCH).astype("int32")
+
+
+def _sequential():
+    layers = [keras.layers.Dense(24, activation="tanh", name=f"hidden{i}") for i in range(4)]
+    return keras.Sequential([keras.Input((12,)), *layers, keras.layers.Dense(5, name="logits")])
+
+
+def _functional():
+    """Branches inside a stage, and a skip connection that crosses a stage."""
+    inp = keras.Input((12,))
+    a = keras.layers.Dense(24, activation="tanh", name="a")(inp)
+    b1 = keras.layers.Dense(24, activation="tanh", name="b1")(a)
+    b2 = keras.layers.Dense(24, activation="relu", name="b2")(a)
+    c = keras.layers.Add(name="c")([b1, b2])
+    d = keras.layers.Dense(24, activation="tanh", name="d")(c)
+    e = keras.layers.Concatenate(name="e")([d, a])
+    return keras.Model(inp, keras.layers.Dense(5, name="logits")(e))
+
+
+def _compile(model):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _train(build, strategy=None, initial=None, batch_size=BATCH, x=X, y=Y):
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = _compile(build())
+    if initial is not None:
+        model.set_weights(initial)
+    start = model.get_weights()
+    history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return start, model, history.history
+
+
+def _assert_same(reference, model):
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sequential_matches_one_device(schedule, recompute):
+    start, reference, ref_logs = _train(_sequential)
+    strategy = PipelineStrategy(
+        2, 4, schedule=schedule, devices=FOUR, recompute=recompute, verbose=False
+    )
+    _, model, logs = _train(_sequential, strategy, start)
+    moved = max(np.abs(a - b).max() for a, b in zip(start, reference.get_weights()))
+    assert moved > 1e-3
+    _assert_same(reference, model)
+    assert logs["loss"][0] == pytest.approx(ref_logs["loss"][0], abs=1e-5)
+    assert logs["accuracy"][0] == pytest.approx(ref_logs["accuracy"][0])
+    partition = strategy.partition_of(model)
+    assert [len(s.layer_names) for s in partition.stages] and len(partition.stages) == 2
+
+
+def test_functional_with_branches_and_a_skip_over_three_stages():
+    start, reference, _ = _train(_functional)
+    strategy = PipelineStrategy(
+        3, 4, devices=["/cpu:0", "/cpu:1", "/cpu:2"], boundaries=["b2", "e"], verbose=False
+    )
+    _, model, _ = _train(_functional, strategy, start)
+    _assert_same(reference, model)
+    assert [s.layer_names for s in strategy.partition_of(model).stages] == [
+        ["a", "b1"], ["b2", "c", "d"], ["e", "logits"]
+    ]
+
+
+def test_uneven_last_batch_still_matches():
+    # 150 examples in batches of 48: the last batch has 6, 3 per replica, which
+    # split 4 ways as 1, 1, 1, 0 (an empty micro-batch must add nothing).
+    x, y = X[:150], Y[:150]
+    start, reference, _ = _train(_sequential, batch_size=48, x=x, y=y)
+    strategy = PipelineStrategy(2, 4, devices=FOUR, verbose=False)
+    _, model, _ = _train(_sequential, strategy, start, batch_size=48, x=x, y=y)
+    _assert_same(reference, model)
+
+
+def test_evaluate_and_predict_match_the_reference():
+    start, reference, _ = _train(_sequential)
+    strategy = PipelineStrategy(2, 4, devices=FOUR, verbose=False)
+    _, model, _ = _train(_sequential, strategy, start)
+    np.testing.assert_allclose(
+        model.evaluate(X, Y, verbose=0), reference.evaluate(X, Y, verbose=0), atol=1e-5
+    )
+    np.testing.assert_allclose(model.predict(X, verbose=0), reference.predict(X, verbose=0), atol=1e-5)
+
+
+def test_save_and_load_on_one_device(tmp_path):
+    strategy = PipelineStrategy(2, 4, devices=FOUR, verbose=False)
+    _, model, _ = _train(_sequential, strategy)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_and_dropout_train(policy):
+    keras.mixed_precision.set_dtype_policy(policy)
+
+    def build():
+        return keras.Sequential(
+            [
+                keras.Input((12,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dropout(0.2),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(5),
+                keras.layers.Activation("linear", dtype="float32"),
+            ]
+        )
+
+    strategy = PipelineStrategy(2, 2, devices=FOUR, verbose=False)
+    with strategy.scope():
+        model = _compile(build())
+    history = model.fit(X, Y, batch_size=BATCH, epochs=4, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_recompute_refuses_dropout():
+    strategy = PipelineStrategy(2, 2, devices=FOUR, recompute=True, verbose=False)
+    with strategy.scope():
+        model = _compile(
+            keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), keras.layers.Dropout(0.5), keras.layers.Dense(5)])
+        )
+    with pytest.raises(ValueError, match="`recompute` cannot be used with layer 'dropout"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_a_custom_train_step_is_refused_before_training():
+    class Custom(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    strategy = PipelineStrategy(2, 2, devices=FOUR, verbose=False)
+    with strategy.scope():
+        model = _compile(Custom([keras.Input((12,)), keras.layers.Dense(8), keras.layers.Dense(5)]))
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="overrides `train_step`"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_batch_that_does_not_split_into_micro_batches():
+    strategy = PipelineStrategy(2, 4, devices=FOUR, verbose=False)
+    with strategy.scope():
+        model = _compile(_sequential())
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(20, drop_remainder=True)
+    with pytest.raises(ValueError, match="a batch of 10 examples per replica does not split into 4 micro-batches"):
+        model.fit(data, epochs=1, verbose=0)
+
+
+def test_more_stages_than_layers():
+    strategy = PipelineStrategy(4, 2, devices=FOUR, verbose=False)
+    with strategy.scope():
+        model = _compile(keras.Sequential([keras.Input((12,)), keras.layers.Dense(5)]))
+    with pytest.raises(ValueError, match="must not exceed the model's 1 layers"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_stages=3, devices=FOUR), "multiple of `num_stages` \\(3\\)"),
+        (dict(num_stages=2, devices=["/cpu:0"]), "multiple of `num_stages`"),
+        (dict(schedule="interleaved"), "must be one of gpipe, 1f1b"),
+        (dict(num_micro_batches=0), "must be >= 1"),
+        (dict(balance_by="flops"), "must be one of"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PipelineStrategy(**{"devices": FOUR, **kwargs})
+
+
+def test_stash_counts_follow_the_schedule():
+    assert PipelineStrategy(2, 8, schedule="gpipe", devices=FOUR).peak_stashed_micro_batches == [8, 8]
+    assert PipelineStrategy(2, 8, schedule="1f1b", devices=FOUR).peak_stashed_micro_batches == [2, 1]
+
+
+def test_from_config():
+    strategy = make_strategy(
+        load_config("configs/pipeline.yaml", ["pipeline.schedule=gpipe", "pipeline.boundaries=[dense]"])
+    )
+    assert isinstance(strategy, PipelineStrategy)
+    assert strategy.num_replicas_in_sync == 2
+    assert strategy.stage_devices == [["/cpu:0", "/cpu:1"], ["/cpu:2", "/cpu:3"]]
+    assert strategy.schedule == "gpipe"
+
+
+@pytest.mark.parametrize(
+    "overrides,key,rule",
+    [
+        (["strategy.logical_devices=3"], "strategy.logical_devices", "multiple of pipeline.num_stages \\(2\\)"),
+        (["strategy.devices=[/cpu:0, /cpu:1, /cpu:2]"], "strategy.devices", "multiple of pipeline.num_stages"),
+        (["train.global_batch_size=36"], "train.global_batch_size", "replicas x pipeline.num_micro_batches \\(2 x 4\\)"),
+    ],
+)
+def test_config_errors_that_need_the_devices(overrides, key, rule):
+    with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):
+        make_strategy(load_config("configs/pipeline.yaml", overrides))
