@@ -1,0 +1,51 @@
+"""`tfdist bench pipeline`: the figures, on a model small enough for a test."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, run_tfdist
+from tfdist.bench.pipeline import bound
+
+SMALL = "dict(repeats=1, width=64, layers=4, batch=64, steps_per_round=2)"
+
+
+def test_bound_is_gpipes_formula():
+    assert bound(2, 1) == 1.0
+    assert bound(2, 8) == pytest.approx(16 / 9)
+    assert bound(4, 4) == pytest.approx(16 / 7)
+
+
+@pytest.mark.slow
+def test_measure_reports_every_figure():
+    # A fresh interpreter: the benchmark fixes TensorFlow's thread pools before start-up.
+    script = f"import json; from tfdist.bench.pipeline import measure; print(json.dumps(measure(**{SMALL})))"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    figures, step_ms, serial = result["figures"], result["step_time_ms"], result["serial_step_time_ms"]
+    assert set(step_ms) == {"naive_m1"} | {f"m{m}_{s}" for m in (2, 4, 8) for s in ("gpipe", "1f1b")}
+    assert set(serial) == {"naive_m1", "m8_1f1b"}
+    assert all(t > 0 for t in list(step_ms.values()) + list(serial.values()))
+    assert figures["bound_m8"] == pytest.approx(16 / 9)
+    assert figures["speedup_m8_1f1b"] == pytest.approx(step_ms["naive_m1"] / step_ms["m8_1f1b"])
+    assert figures["speedup_m8_gpipe"] == pytest.approx(step_ms["naive_m1"] / step_ms["m8_gpipe"])
+    assert figures["concurrency_m8_1f1b"] == pytest.approx(serial["m8_1f1b"] / step_ms["m8_1f1b"])
+    # 1F1B keeps at most K=2 of the 8 micro-batches alive on a stage; GPipe all 8.
+    assert result["peak_stashed_micro_batches"]["m8_1f1b"] == [2, 1]
+    assert result["peak_stashed_micro_batches"]["m8_gpipe"] == [8, 8]
+    assert figures["stash_ratio_1f1b_vs_gpipe"] == 0.25
+    assert figures["meets_stash_target"] is True
+    assert figures["meets_speedup_target"] == (figures["efficiency_m8_1f1b"] >= 0.95)
+
+
+def test_cli_refuses_a_config():
+    proc = run_tfdist("bench", "pipeline", "--set", "train.epochs=2")
+    assert proc.returncode == 2
+    assert "`config` is not used by the pipeline benchmark" in proc.stderr
