@@ -1,23 +1,12 @@
 """Helpers for tests that run tfdist in subprocesses."""
 
 import os
-import socket
 import subprocess
 import sys
 
+from tfdist.strategies.cluster import free_loopback_ports as free_ports  # noqa: F401
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_ports(count):
-    """Ports on 127.0.0.1 that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def tfdist_command(*args):

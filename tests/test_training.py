@@ -31,15 +31,37 @@ def test_default_config_reaches_095_and_writes_the_metrics(tmp_path):
     assert "Epoch 1/" in proc.stdout  # the Keras progress bar was shown
 
 
-def test_example_script_reads_the_same_config():
+def test_pipeline_config_reaches_095_and_reports_its_partition(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run_tfdist(
+        "train", "--config", "configs/pipeline.yaml", "--metrics_out", str(metrics), timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["strategy"] == "pipeline"
+    assert result["final"]["val_accuracy"] >= 0.95
+    report = result["pipeline"]
+    assert report["num_stages"] == 2 and report["num_micro_batches"] == 4
+    assert report["schedule"] == "1f1b"
+    stages = report["partition"]["stages"]
+    assert len(stages) == 2 and all(stage["layers"] and stage["params"] > 0 for stage in stages)
+    assert "tfdist pipeline: 2 replica(s) x 2 stages, 4 micro-batches, 1f1b" in proc.stdout
+    assert "Epoch 1/" in proc.stdout
+
+
+@pytest.mark.parametrize("config, expected", [
+    ("configs/default.yaml", "strategy=mirrored replicas=4 val_accuracy="),
+    ("configs/pipeline.yaml", "strategy=pipeline replicas=2 val_accuracy="),
+])
+def test_example_script_reads_the_same_config(config, expected):
     proc = subprocess.run(
-        [sys.executable, "examples/train_digits.py", "--config", "configs/default.yaml",
+        [sys.executable, "examples/train_digits.py", "--config", config,
          "--set", "train.epochs=2", "--set", "train.verbose=0"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "strategy=mirrored replicas=4 val_accuracy=" in proc.stdout
+    assert expected in proc.stdout
     accuracy = float(proc.stdout.rsplit("val_accuracy=", 1)[1].split()[0])
     assert accuracy > 0.5  # two epochs: well above chance (0.1)
 

@@ -23,6 +23,7 @@ __all__ = [
     "ClusterError",
     "Config",
     "ConfigError",
+    "ParameterServerStrategy",
     "PipelineStrategy",
     "Throughput",
     "__version__",
@@ -34,6 +35,7 @@ __all__ = [
 
 _LAZY = {
     "make_strategy": "tfdist.strategies",
+    "ParameterServerStrategy": "tfdist.strategies",
     "PipelineStrategy": "tfdist.strategies",
     "Throughput": "tfdist.callbacks",
     "prepare": "tfdist.training",

@@ -15,6 +15,7 @@ import os
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from tfdist.errors import ClusterError, ConfigError
 
@@ -90,6 +91,7 @@ def main(argv: list[str]) -> None:
     # absl logs at INFO, and TensorFlow's Python INFO lines (device lists,
     # collective set-up) would drown the progress bar.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    absl_logging.set_verbosity(absl_logging.WARNING)
     if len(argv) < 2 or argv[1] not in _COMMANDS:
         from tfdist.bench import BENCHMARKS
 
@@ -102,7 +104,11 @@ def main(argv: list[str]) -> None:
         _fail(str(e))
     except ClusterError as e:
         print(f"tfdist: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_RUNTIME)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not sys.exit: interpreter teardown would wait on the lost task's
+        # remote executors and print their tracebacks after our one line.
+        os._exit(EXIT_RUNTIME)
 
 
 def run() -> None:

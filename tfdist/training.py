@@ -23,10 +23,16 @@ import tensorflow as tf
 
 from tfdist import data, models, precision
 from tfdist.callbacks import Throughput
-from tfdist.config.schema import Config
+from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies import MultiWorkerMirroredStrategy, PipelineStrategy, make_strategy
+from tfdist.strategies import (
+    MultiWorkerMirroredStrategy,
+    ParameterServerStrategy,
+    PipelineStrategy,
+    make_strategy,
+)
+from tfdist.strategies import parameter_server
 from tfdist.strategies.multi_worker import lost_task_error
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
@@ -68,6 +74,7 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
             auto_scale_loss=False,  # wrap_optimizer already decided on loss scaling
+            steps_per_execution=_steps_per_execution(config),
         )
     return Job(
         config=config,
@@ -79,6 +86,12 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         val_data=data.validation_dataset(split.x_val, split.y_val, train.global_batch_size),
         steps_per_epoch=steps,
     )
+
+
+def _steps_per_execution(config: Config) -> int:
+    if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+        return config.parameter_server.steps_per_execution
+    return 1
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -100,6 +113,8 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
     callbacks: list[keras.callbacks.Callback] = [throughput]
     if cfg.tensorboard_dir and is_chief(job.strategy):
         callbacks.append(keras.callbacks.TensorBoard(cfg.tensorboard_dir))
+    if cfg.backup_dir:
+        callbacks.append(keras.callbacks.BackupAndRestore(cfg.backup_dir))
     return throughput, callbacks
 
 
@@ -140,6 +155,8 @@ def run(
     Raises:
       ClusterError: a multi-worker job lost a task.
     """
+    if config.strategy.kind == StrategyKind.PARAMETER_SERVER and parameter_server.serve_if_not_chief(config):
+        return {}  # a worker or parameter server: served until the chief's job ended
     job = prepare(config)
     throughput, callbacks = _callbacks(job)
     chief = is_chief(job.strategy)
@@ -172,6 +189,10 @@ def run(
     }
     if isinstance(job.strategy, PipelineStrategy):
         result["pipeline"] = _pipeline_report(job.strategy, job.model)
+    if isinstance(job.strategy, ParameterServerStrategy):
+        jobs = job.strategy.cluster_jobs
+        local = " (local processes)" if job.strategy.local_cluster else ""
+        result["cluster"] = f"{len(jobs['worker'])} worker(s), {len(jobs['ps'])} parameter server(s){local}"
     if chief:
         print(format_summary(result), file=out)
         if metrics_out:

@@ -15,6 +15,8 @@ __all__ = ["BENCHMARKS", "one_line", "run"]
 
 BENCHMARKS = {
     "overhead": "tfdist.bench.overhead",
+    "parameter_server": "tfdist.bench.parameter_server",
+    "pipeline": "tfdist.bench.pipeline",
 }
 
 

@@ -97,6 +97,12 @@ class BalanceBy(str, enum.Enum):
     PARAMS = "params"
 
 
+class TaskType(str, enum.Enum):
+    CHIEF = "chief"
+    WORKER = "worker"
+    PS = "ps"
+
+
 class Dataset(str, enum.Enum):
     DIGITS = "digits"
     SYNTHETIC = "synthetic"
@@ -165,6 +171,35 @@ class PipelineConfig:
     boundaries: tuple[str, ...] = ()
     balance_by: BalanceBy = BalanceBy.TIME
     recompute: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerConfig:
+    """Parameter-server training (strategy.kind=parameter_server).
+
+    Without a cluster (no TF_CONFIG, no cluster.ps), `tfdist train` starts
+    `num_workers` workers and `num_ps` parameter servers as local processes on
+    loopback and coordinates them; on a real cluster they come from there.
+
+    Attributes:
+      num_workers: local workers to start.
+      num_ps: local parameter servers to start.
+      threads_per_task: intra-op threads of each local task (0: TensorFlow decides).
+      restart_workers: restart a local worker that dies (its steps are rescheduled).
+      min_shard_bytes: cut variables larger than this across parameter servers
+        (at most `max_shards`). Not available yet with Keras 3 variables: only
+        0 (never cut) is accepted.
+      max_shards: most shards per variable.
+      steps_per_execution: training steps per scheduled function.
+    """
+
+    num_workers: int = bounded(2, low=1, high=64)
+    num_ps: int = bounded(1, low=1, high=64)
+    threads_per_task: int = bounded(1, low=0)
+    restart_workers: bool = True
+    min_shard_bytes: int = bounded(0, low=0)
+    max_shards: int = bounded(2, low=1)
+    steps_per_execution: int = bounded(1, low=1, high=1000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +297,10 @@ class ClusterConfig:
 
     Attributes:
       workers: `host:port` of every worker, in task order.
-      task_index: this process's index into `workers`.
+      task_index: this process's index among the tasks of `task_type`.
+      chief: `host:port` of the chief (parameter_server: it coordinates).
+      ps: `host:port` of every parameter server (parameter_server).
+      task_type: this process's role: worker, chief or ps.
       allow_non_loopback: opt in to addresses off 127.0.0.0/8 (unauthenticated
         gRPC: only on a trusted network).
       startup_timeout_seconds: every task must have started within this time,
@@ -273,6 +311,9 @@ class ClusterConfig:
 
     workers: tuple[str, ...] = ()
     task_index: int = bounded(0, low=0)
+    chief: str = ""
+    ps: tuple[str, ...] = ()
+    task_type: TaskType = TaskType.WORKER
     allow_non_loopback: bool = False
     startup_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
     heartbeat_timeout_seconds: float = bounded(60.0, low=0, low_open=True)
@@ -286,10 +327,14 @@ class CallbacksConfig:
       throughput_warmup_steps: steps left out of samples/sec and step time
         (tracing, warm-up).
       tensorboard_dir: write TensorBoard logs here; null for none.
+      backup_dir: back up the training state here at every epoch end and resume
+        from it when the job is run again after a failure (Keras's
+        BackupAndRestore; deleted when training completes); null for none.
     """
 
     throughput_warmup_steps: int = bounded(5, low=0)
     tensorboard_dir: Optional[str] = None
+    backup_dir: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +357,7 @@ class Config:
     Attributes:
       strategy: how the model is distributed.
       pipeline: pipeline parallelism settings (strategy.kind=pipeline).
+      parameter_server: parameter-server settings (strategy.kind=parameter_server).
       precision: dtype policy and loss scaling.
       train: the training loop.
       data: the input data.
@@ -323,6 +369,7 @@ class Config:
 
     strategy: StrategyConfig = StrategyConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    parameter_server: ParameterServerConfig = ParameterServerConfig()
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from tfdist.config.schema import AllReduce, Config, PipelineConfig, PrecisionPolicy, StrategyKind
+from tfdist.config.schema import AllReduce, Config, PrecisionPolicy, StrategyKind
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -31,6 +31,7 @@ IMPLEMENTED_KINDS = (
     StrategyKind.MULTI_WORKER_MIRRORED,
     StrategyKind.TPU,
     StrategyKind.PIPELINE,
+    StrategyKind.PARAMETER_SERVER,
 )
 
 _ALL_REDUCE_BY_KIND = {
@@ -42,6 +43,15 @@ _ALL_REDUCE_BY_KIND = {
     ),
     StrategyKind.MULTI_WORKER_MIRRORED: (AllReduce.AUTO, AllReduce.RING, AllReduce.NCCL),
 }
+
+# TensorFlow cuts a variable into a ShardedVariable, but a Keras 3 variable
+# cannot hold one: its gradient needs the variable's `handle`, which a
+# ShardedVariable has not.
+SHARDING_UNSUPPORTED = (
+    "sharding variables across parameter servers is not available yet: Keras 3 "
+    "variables cannot hold TensorFlow's ShardedVariable (their gradients need a "
+    "single `handle`). Leave variables whole (parameter_server.min_shard_bytes: 0)."
+)
 
 _DEVICE = re.compile(r"^/(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
 _LOSS_SCALE_WORDS = ("dynamic", "none")
@@ -55,6 +65,7 @@ def check(config: Config) -> None:
     """Raises ConfigError for contradictions inside the config itself."""
     _check_strategy(config)
     _check_pipeline(config)
+    _check_parameter_server(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
@@ -109,13 +120,8 @@ def _check_strategy(config: Config) -> None:
 
 def _check_pipeline(config: Config) -> None:
     p = config.pipeline
+    _check_section_kind(config, "pipeline", StrategyKind.PIPELINE)
     if config.strategy.kind != StrategyKind.PIPELINE:
-        if p != PipelineConfig():
-            raise ConfigError(
-                "pipeline",
-                f"only applies with strategy.kind=pipeline; strategy.kind is {config.strategy.kind.value}.",
-                "set",
-            )
         return
     if p.boundaries and len(p.boundaries) != p.num_stages - 1:
         raise ConfigError(
@@ -173,22 +179,60 @@ def _check_train(config: Config) -> None:
         )
 
 
+def _check_parameter_server(config: Config) -> None:
+    _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
+    if config.parameter_server.min_shard_bytes:
+        raise ConfigError(
+            "parameter_server.min_shard_bytes", SHARDING_UNSUPPORTED, config.parameter_server.min_shard_bytes
+        )
+
+
+def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:
+    if config.strategy.kind != kind and getattr(config, section) != type(getattr(config, section))():
+        raise ConfigError(
+            section,
+            f"only applies with strategy.kind={kind.value}; strategy.kind is {config.strategy.kind.value}.",
+            "set",
+        )
+
+
 def _check_cluster(config: Config) -> None:
     c = config.cluster
-    for i, address in enumerate(c.workers):
-        check_address(address, f"cluster.workers[{i}]", c.allow_non_loopback)
-    if c.workers and c.task_index >= len(c.workers):
+    kind = config.strategy.kind
+    addresses = [(f"cluster.workers[{i}]", a) for i, a in enumerate(c.workers)]
+    addresses += [(f"cluster.ps[{i}]", a) for i, a in enumerate(c.ps)]
+    addresses += [("cluster.chief", c.chief)] if c.chief else []
+    for key, address in addresses:
+        check_address(address, key, c.allow_non_loopback)
+    # Each role's addresses, as the error messages show them.
+    roles = {"workers": list(c.workers), "ps": list(c.ps), "chief": c.chief}
+    given = [name for name, value in roles.items() if value]
+    if given and kind not in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER):
+        raise ConfigError(
+            f"cluster.{given[0]}",
+            "is only used by multi-process strategies (multi_worker_mirrored, parameter_server); "
+            f"strategy.kind is {kind.value}.",
+            roles[given[0]],
+        )
+    extra = [name for name in ("ps", "chief") if roles[name]]
+    if kind == StrategyKind.MULTI_WORKER_MIRRORED and extra:
+        raise ConfigError(
+            f"cluster.{extra[0]}", "only applies to strategy.kind=parameter_server.", roles[extra[0]]
+        )
+    missing = [name for name in ("chief", "workers", "ps") if not roles[name]]
+    if kind == StrategyKind.PARAMETER_SERVER and given and missing:
+        raise ConfigError(
+            f"cluster.{missing[0]}",
+            "must be set too: a parameter-server cluster names its chief, workers and ps "
+            "(or leave all empty to start a local cluster).",
+            "empty",
+        )
+    tasks = {"worker": len(c.workers), "ps": len(c.ps), "chief": 1 if c.chief else 0}[c.task_type.value]
+    if (c.workers or c.ps) and c.task_index >= tasks:
         raise ConfigError(
             "cluster.task_index",
-            f"must be below the number of cluster.workers ({len(c.workers)}).",
+            f"must be below the number of {c.task_type.value} tasks ({tasks}).",
             c.task_index,
-        )
-    if c.workers and config.strategy.kind != StrategyKind.MULTI_WORKER_MIRRORED:
-        raise ConfigError(
-            "cluster.workers",
-            "is only used by multi-process strategies (multi_worker_mirrored); "
-            f"strategy.kind is {config.strategy.kind.value}.",
-            list(c.workers),
         )
 
 

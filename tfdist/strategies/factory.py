@@ -16,7 +16,7 @@ import tensorflow as tf
 from tfdist import precision
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_batch_split, check_pipeline_devices
-from tfdist.strategies import data_parallel, multi_worker
+from tfdist.strategies import data_parallel, multi_worker, parameter_server
 from tfdist.strategies.devices import configure_runtime, local_devices
 from tfdist.strategies.pipeline import PipelineStrategy
 
@@ -55,6 +55,8 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
             balance_by=p.balance_by.value,
             recompute=p.recompute,
         )
+    elif kind == StrategyKind.PARAMETER_SERVER:
+        strategy = parameter_server.from_config(config)
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build

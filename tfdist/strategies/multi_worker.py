@@ -13,25 +13,23 @@ Keras 3's `fit` (keras-team/keras#20585), because Keras calls
 values across replicas only (`axis=None`), which is the same mean for a value
 that has one element per replica. Everything else is TensorFlow's.
 
-It also builds its cluster from the config (`cluster_resolver`): the config's
+It also builds its cluster from the config (`cluster.cluster_resolver`): the config's
 `cluster.workers`, or TF_CONFIG, with every address checked to be on loopback
 unless the config opts out (the gRPC servers have no authentication).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 
 import tensorflow as tf
 
 from tfdist._compat import configure_coordination_service
 from tfdist.config.schema import AllReduce, Config
-from tfdist.config.validation import check_address
-from tfdist.errors import ClusterError, ConfigError
+from tfdist.errors import ClusterError
+from tfdist.strategies.cluster import cluster_resolver
 
-__all__ = ["MultiWorkerMirroredStrategy", "cluster_resolver", "from_config", "lost_task_error"]
+__all__ = ["MultiWorkerMirroredStrategy", "from_config", "lost_task_error"]
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -101,43 +99,3 @@ def lost_task_error(error: tf.errors.OpError) -> ClusterError:
     tasks = _task_names(error.message) or ["a peer task"]
     reason = error.message.strip().splitlines()[0]
     return ClusterError(f"lost contact with {', '.join(tasks)} during training ({reason}).")
-
-
-def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
-    """The cluster from the config's `cluster` section, else from TF_CONFIG.
-
-    Raises:
-      ConfigError: both are set, TF_CONFIG is malformed, or an address is off
-        loopback without `cluster.allow_non_loopback`.
-    """
-    c = config.cluster
-    tf_config = os.environ.get("TF_CONFIG", "").strip()
-    if c.workers and tf_config:
-        raise ConfigError(
-            "cluster.workers",
-            "conflicts with the TF_CONFIG environment variable; describe the cluster in one place.",
-            list(c.workers),
-        )
-    if c.workers:
-        spec = tf.train.ClusterSpec({"worker": list(c.workers)})
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            spec, task_type="worker", task_id=c.task_index, rpc_layer="grpc"
-        )
-    if tf_config:
-        for key, address in _tf_config_addresses(tf_config):
-            check_address(address, key, c.allow_non_loopback)
-    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-
-
-def _tf_config_addresses(text: str) -> list[tuple[str, str]]:
-    try:
-        cluster = json.loads(text).get("cluster", {})
-        return [
-            (f"TF_CONFIG.cluster.{job}[{i}]", address)
-            for job, addresses in cluster.items()
-            for i, address in enumerate(addresses)
-        ]
-    except (ValueError, AttributeError, TypeError):
-        raise ConfigError(
-            "TF_CONFIG", 'must be JSON like {"cluster": {"worker": [...]}, "task": {...}}.', text
-        ) from None

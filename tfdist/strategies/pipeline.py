@@ -225,7 +225,8 @@ class _PipelinedStep:
     def _sources(self, stage_index: int) -> list:
         stage = self.partition.stages[stage_index]
         tensors = stage.consumes + (stage.passes if self._is_last(stage_index) else [])
-        return [t for t in tensors if tf.as_dtype(t.dtype).is_floating]
+        model_inputs = {id(t) for t in self.partition.inputs}  # nobody needs their gradient
+        return [t for t in tensors if tf.as_dtype(t.dtype).is_floating and id(t) not in model_inputs]
 
     def forward(self, stage_index: int, m: int, batch, share) -> None:
         stage = self.partition.stages[stage_index]

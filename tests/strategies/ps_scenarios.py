@@ -1,0 +1,110 @@
+"""Parameter-server scenarios, each run in a fresh process by test_parameter_server.py.
+
+A chief connects its TensorFlow runtime to the cluster for good, so these do not
+run inside the pytest process. `python ps_scenarios.py NAME` prints one JSON line.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfdist import ClusterError  # noqa: E402
+from tfdist.strategies.parameter_server import ParameterServerStrategy  # noqa: E402
+from tfdist.strategies.ps_cluster import LocalCluster  # noqa: E402
+
+
+def _data(n=512, features=16, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features)).astype("float32")
+    y = (x[:, :classes].argmax(axis=1)).astype("int32")
+    return x, y
+
+
+def _model(features=16, classes=4):
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(classes, activation="softmax"),
+    ])
+
+
+def _compile(model, learning_rate=0.1):
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+
+
+def _model_on(cluster, learning_rate=0.1):
+    """The compiled, seeded model under a ParameterServerStrategy on `cluster`."""
+    strategy = ParameterServerStrategy(cluster.resolver())
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = _model()
+        _compile(model, learning_rate)
+    return model
+
+
+class _AtBatch(keras.callbacks.Callback):
+    """Calls `action` once, at batch `batch` of epoch `epoch`."""
+
+    def __init__(self, epoch, batch, action):
+        super().__init__()
+        self.epoch, self.batch, self.action = epoch, batch, action
+        self.current_epoch = 0
+        self.done_at = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.done_at is None and (self.current_epoch, batch) == (self.epoch, self.batch):
+            self.action()
+            self.done_at = time.monotonic()
+
+
+def one_worker_matches_single_device():
+    x, y = _data()
+    with LocalCluster(num_workers=1, num_ps=1, threads=1) as cluster:
+        model = _model_on(cluster)
+        reference = _model()
+        reference.set_weights(model.get_weights())
+        _compile(reference)
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights()))
+        return {"max_abs_diff": diff, "iterations": int(model.optimizer.iterations.numpy()),
+                "evaluate": model.evaluate(x, y, verbose=0), "reference_evaluate": reference.evaluate(x, y, verbose=0),
+                "predict_diff": float(np.abs(model.predict(x[:64], verbose=0) - reference.predict(x[:64], verbose=0)).max())}
+
+
+def killed_worker_is_restarted():
+    x, y = _data(2048)
+    with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:
+        model = _model_on(cluster, learning_rate=0.05)
+        kill = _AtBatch(1, 10, lambda: cluster.kill("worker", 1))
+        history = model.fit(x, y, batch_size=32, epochs=3, validation_data=(x[:256], y[:256]),
+                            verbose=0, callbacks=[kill])
+        return {"epochs": len(history.history["loss"]), "restarts": cluster.restarts,
+                "iterations": int(model.optimizer.iterations.numpy()), "steps": 3 * 2048 // 32,
+                "val_accuracy": history.history["val_accuracy"][-1]}
+
+
+def killed_ps_is_an_error():
+    x, y = _data(2048)
+    with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:
+        model = _model_on(cluster)
+        kill = _AtBatch(0, 10, lambda: cluster.kill("ps", 0))
+        try:
+            model.fit(x, y, batch_size=32, epochs=50, verbose=0, callbacks=[kill])
+        except ClusterError as error:
+            return {"error": str(error), "seconds_after_kill": time.monotonic() - kill.done_at}
+        return {"error": None}
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]]()), flush=True)

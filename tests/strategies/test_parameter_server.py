@@ -1,0 +1,124 @@
+"""Parameter-server training from Keras 3 fit: real worker and ps processes on loopback."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, run_tfdist, tfdist_command
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_scenarios.py")
+
+
+def _scenario(name):
+    proc = subprocess.run(
+        [sys.executable, SCENARIOS, name], capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
+    assert proc.returncode == 0, _traceback_or_tail(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _traceback_or_tail(stderr):
+    """The scenario's traceback: gRPC shutdown noise printed after it would hide it."""
+    start = stderr.rfind("Traceback (most recent call last)")
+    return stderr[start:start + 6000] if start >= 0 else stderr[-3000:]
+
+
+def test_variable_partitioning_is_refused_with_the_reason():
+    from tfdist import ParameterServerStrategy
+
+    with pytest.raises(ValueError, match="Keras 3 variables cannot hold TensorFlow's ShardedVariable"):
+        ParameterServerStrategy(None, variable_partitioner=lambda shape, dtype: [1] * len(shape))
+
+
+def test_one_worker_matches_single_device_training():
+    result = _scenario("one_worker_matches_single_device")
+    assert result["iterations"] == 2 * 512 // 32
+    assert result["max_abs_diff"] <= 1e-5
+    assert result["evaluate"] == pytest.approx(result["reference_evaluate"], abs=1e-5)
+    assert result["predict_diff"] <= 1e-5
+
+
+def test_a_killed_worker_is_restarted_and_training_completes():
+    result = _scenario("killed_worker_is_restarted")
+    assert result["epochs"] == 3
+    assert result["restarts"] >= 1
+    # No step is lost: the killed worker's steps were rescheduled. A step it had
+    # applied just before dying may run again (at-least-once), at most one per
+    # step it had in flight.
+    assert result["steps"] <= result["iterations"] <= result["steps"] + 2
+    assert result["val_accuracy"] > 0.6
+
+
+def test_a_killed_parameter_server_is_a_prompt_clear_error():
+    result = _scenario("killed_ps_is_an_error")
+    assert result["error"] is not None
+    assert result["error"].startswith("lost a parameter server, ps 0 at 127.0.0.1:")
+    assert "callbacks.backup_dir" in result["error"]
+    assert result["seconds_after_kill"] < 30
+
+
+@pytest.mark.slow
+def test_config_trains_digits_to_095_from_one_command(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run_tfdist(
+        "train", "--config", "configs/parameter_server.yaml", "--metrics_out", str(metrics), timeout=400
+    )
+    assert proc.returncode == 0, _traceback_or_tail(proc.stderr)
+    result = json.loads(metrics.read_text())
+    assert result["strategy"] == "parameter_server"
+    assert result["final"]["val_accuracy"] >= 0.95
+    assert "Epoch 1/" in proc.stdout
+    assert "cluster         2 worker(s), 1 parameter server(s) (local processes)" in proc.stdout
+
+
+def _ps_children(parent_pid):
+    """PIDs of the local parameter-server processes `parent_pid` started."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                args = f.read().split("\0")
+        except OSError:
+            continue
+        if ppid == parent_pid and "ps" in args and any("ps_cluster" in a for a in args):
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_backup(tmp_path):
+    command = tfdist_command(
+        "train", "--config", "configs/parameter_server.yaml",
+        "--set", "train.epochs=6", "--set", "train.verbose=2",
+        "--set", f"callbacks.backup_dir={tmp_path / 'backup'}",
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in first.stdout:
+            if line.startswith("Epoch 3/6"):  # epochs 1 and 2 are backed up
+                for pid in _ps_children(first.pid):
+                    os.kill(pid, 9)
+                break
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 1, err[-3000:]
+    assert "tfdist: error: lost a parameter server" in err
+    assert "Traceback" not in err
+
+    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    epochs = [line.split()[1] for line in second.stdout.splitlines() if line.startswith("Epoch ")]
+    assert epochs[0] in ("3/6", "4/6")  # resumed after the last backed-up epoch
+    assert epochs[-1] == "6/6"

@@ -1,0 +1,94 @@
+"""`tfdist bench parameter_server`: 1 parameter server + 2 workers against all-reduce.
+
+Both sides are `tfdist train` jobs on the same model, data and two cores, each
+run as its own process (a chief connects to its cluster for good), in
+alternating rounds:
+
+- parameter server: 2 worker processes and 1 parameter server on loopback,
+  one intra-op thread per task, each step one batch of `per_device_batch` on
+  whichever worker is free;
+- all-reduce: MirroredStrategy over 2 logical CPUs in one process, intra-op 1 /
+  inter-op 2 threads, global batch 2 x `per_device_batch`.
+
+The same batch per device, as in Horovod's comparison. Figure:
+`ps_vs_allreduce` = median samples/sec of the parameter-server job over the
+all-reduce job's (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
+
+from tfdist.bench.timing import alternate, medians
+from tfdist.config.schema import Config
+from tfdist.errors import ConfigError
+
+__all__ = ["run", "measure"]
+
+TARGET = 0.8
+JOB_TIMEOUT_SECONDS = 600
+
+
+def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
+    if config is not None:
+        raise ConfigError(
+            "config", "is not used by the parameter_server benchmark: it sets both jobs itself.", "given"
+        )
+    return measure(repeats=repeats)
+
+
+def measure(*, repeats: int = 5, per_device_batch: int = 64, epochs: int = 3, steps_per_epoch: int = 40,
+            width: int = 32, steps_per_execution: int = 4) -> dict[str, Any]:
+    common = [
+        "train.verbose=0", f"train.epochs={epochs}", f"train.steps_per_epoch={steps_per_epoch}",
+        f"model.width={width}", "callbacks.throughput_warmup_steps=10",
+    ]
+    jobs = {
+        "parameter_server": common + [
+            "strategy.kind=parameter_server", f"train.global_batch_size={per_device_batch}",
+            "parameter_server.num_workers=2", "parameter_server.num_ps=1",
+            "parameter_server.threads_per_task=1", f"parameter_server.steps_per_execution={steps_per_execution}",
+            "runtime.intra_op_threads=1", "runtime.inter_op_threads=2",
+        ],
+        "allreduce": common + [
+            "strategy.kind=mirrored", "strategy.logical_devices=2",
+            f"train.global_batch_size={2 * per_device_batch}",
+            "runtime.intra_op_threads=1", "runtime.inter_op_threads=2",
+        ],
+    }
+    samples = alternate({name: _job_round(overrides) for name, overrides in jobs.items()}, repeats=repeats, warmup=0)
+    rate = medians(samples)
+    ratio = rate["parameter_server"] / rate["allreduce"]
+    return {
+        "benchmark": "parameter_server",
+        "jobs": {name: " ".join(f"--set {o}" for o in overrides) for name, overrides in jobs.items()},
+        "per_device_batch": per_device_batch,
+        "epochs": epochs,
+        "steps_per_epoch": steps_per_epoch,
+        "repeats": repeats,
+        "samples_per_sec": rate,
+        "samples": samples,
+        "figures": {"ps_vs_allreduce": ratio, "target": TARGET, "meets_target": ratio >= TARGET},
+    }
+
+
+def _job_round(overrides: list[str]):
+    def one_round() -> float:
+        with tempfile.TemporaryDirectory() as scratch:
+            metrics = os.path.join(scratch, "metrics.json")
+            command = [sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
+            for override in overrides:
+                command += ["--set", override]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_SECONDS)
+            if done.returncode != 0:
+                raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{done.stderr[-2000:]}")
+            with open(metrics) as f:
+                return json.load(f)["samples_per_sec"]
+
+    return one_round

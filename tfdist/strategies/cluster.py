@@ -1,0 +1,79 @@
+"""Where the tasks of a multi-process job are: the cluster resolver, free loopback ports, liveness."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import tensorflow as tf
+
+from tfdist.config.schema import Config
+from tfdist.config.validation import check_address
+from tfdist.errors import ConfigError
+
+__all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports"]
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """Ports on 127.0.0.1 that were free a moment ago (all held at once, so distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def accepts_connections(address: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at `host:port` (a killed task's port refuses at once)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
+    """The cluster from the config's `cluster` section, else from TF_CONFIG.
+
+    Raises:
+      ConfigError: both are set, TF_CONFIG is malformed, or an address is off
+        loopback without `cluster.allow_non_loopback`.
+    """
+    c = config.cluster
+    tf_config = os.environ.get("TF_CONFIG", "").strip()
+    if c.workers and tf_config:
+        raise ConfigError(
+            "cluster.workers",
+            "conflicts with the TF_CONFIG environment variable; describe the cluster in one place.",
+            list(c.workers),
+        )
+    if c.workers:
+        jobs = {"worker": list(c.workers)}
+        jobs.update({"chief": [c.chief]} if c.chief else {})
+        jobs.update({"ps": list(c.ps)} if c.ps else {})
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(jobs), task_type=c.task_type.value, task_id=c.task_index, rpc_layer="grpc"
+        )
+    if tf_config:
+        for key, address in _tf_config_addresses(tf_config):
+            check_address(address, key, c.allow_non_loopback)
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
+def _tf_config_addresses(text: str) -> list[tuple[str, str]]:
+    try:
+        cluster = json.loads(text).get("cluster", {})
+        return [
+            (f"TF_CONFIG.cluster.{job}[{i}]", address)
+            for job, addresses in cluster.items()
+            for i, address in enumerate(addresses)
+        ]
+    except (ValueError, AttributeError, TypeError):
+        raise ConfigError(
+            "TF_CONFIG", 'must be JSON like {"cluster": {"worker": [...]}, "task": {...}}.', text
+        ) from None

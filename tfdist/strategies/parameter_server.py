@@ -1,0 +1,300 @@
+"""Parameter-server training that Keras 3's `model.fit` can use.
+
+TensorFlow's `ParameterServerStrategy` keeps every variable on parameter
+servers; a `ClusterCoordinator` on the chief schedules training steps onto
+workers, which pull the variables, compute gradients on their own shard of the
+data and push updates asynchronously. Keras 3 has no coordinator support: its
+`fit` iterates the dataset on the chief, which fails with "you need to pass this
+dataset to ClusterCoordinator.create_per_worker_dataset". This module supplies
+what `fit`, `evaluate` and `predict` need, with no change to user code:
+
+- `experimental_distribute_dataset` returns a `CoordinatedDataset`: on the
+  workers it becomes a per-worker dataset, sharded by worker index and repeated
+  (steps are counted globally, so a worker never runs dry); on the chief it is
+  the plain dataset, for evaluation and prediction.
+- Keras's trainer asks the strategy for its step functions (`keras_hooks`):
+  a training step is `coordinator.schedule`d onto whichever worker is free and
+  returns at once; its logs are the model's metrics read from the parameter
+  servers, which costs the workers nothing. The epoch's final logs wait for
+  every scheduled step (`coordinator.join`). Evaluation and prediction run on
+  the chief against the parameter servers' variables, so validation is exact
+  (every example once) even while a worker is down.
+
+A worker that dies is ClusterCoordinator's business: its steps are rescheduled
+on the others and it rejoins when restarted. A parameter server that dies loses
+the variables: the next step raises `ClusterError`; rerun the job with
+`callbacks.backup_dir` to resume from the last epoch's backup.
+
+Example:
+
+    >>> strategy = ParameterServerStrategy(resolver)  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = keras.Sequential([...])
+    ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    >>> model.fit(dataset, epochs=5, steps_per_epoch=100)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+from tfdist import _compat
+from tfdist.config.schema import Config
+from tfdist.config.validation import SHARDING_UNSUPPORTED
+from tfdist.errors import ClusterError, ConfigError
+from tfdist.strategies.cluster import accepts_connections, cluster_resolver
+from tfdist.strategies.ps_cluster import LocalCluster, serve
+
+__all__ = ["ParameterServerStrategy", "CoordinatedDataset", "from_config"]
+
+IN_FLIGHT_STEPS_PER_WORKER = 2
+# What a scheduled step can raise when a task is lost.
+_COORDINATOR_ERRORS = (
+    tf.errors.OpError, cluster_coordinator.ClosureInputError, cluster_coordinator.ClosureAbortedError
+)
+LOG_INTERVAL_SECONDS = 0.25  # how often a training step's logs are read from the parameter servers
+
+
+class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+    """`tf.distribute.experimental.ParameterServerStrategy` that Keras 3's `fit` can use.
+
+    Args:
+      cluster_resolver: the cluster (chief, workers, parameter servers).
+      variable_partitioner: must be None (see `SHARDING_UNSUPPORTED`).
+    """
+
+    def __init__(self, cluster_resolver, variable_partitioner=None):
+        if variable_partitioner is not None:
+            raise ValueError(SHARDING_UNSUPPORTED)
+        super().__init__(cluster_resolver)
+        self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
+        self.cluster_jobs: dict = cluster_resolver.cluster_spec().as_dict()
+        self.num_workers = len(self.cluster_jobs.get("worker", []))
+        self.local_cluster: Optional[LocalCluster] = None  # set when tfdist started the cluster
+        _compat.install_trainer_hooks()
+        _compat.install_atomic_parameter_server_updates()
+
+    @property
+    def coordinator(self) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
+        return self._coordinator
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        return CoordinatedDataset(self, dataset)
+
+    def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
+        """The step functions Keras's trainer uses for `model` (see `_compat.install_trainer_hooks`)."""
+        def metrics_result():
+            self._coordinator.join()  # the epoch's logs count every scheduled step
+            return _compat.metrics_result(model)
+
+        hooks = {
+            "train_function": _train_function(self, model),
+            "test_function": _local_function(model, model.test_step),
+            "predict_function": _local_predict_function(model),
+            "metrics_result": metrics_result,
+        }
+        ps_addresses = self.cluster_jobs.get("ps", [])
+        return {name: _with_cluster_errors(function, ps_addresses) for name, function in hooks.items()}
+
+
+class CoordinatedDataset:
+    """A Keras input dataset: per-worker (sharded, repeated) for training, local otherwise."""
+
+    def __init__(self, strategy: ParameterServerStrategy, dataset: tf.data.Dataset):
+        self._strategy = strategy
+        self.dataset = dataset
+        self._per_worker_iterator = None
+
+    def __iter__(self):
+        return _CoordinatedIterator(self)
+
+    def per_worker_iterator(self):
+        """One iterator per worker, made once: the repeated shards never run out."""
+        if self._per_worker_iterator is None:
+            num_workers = self._strategy.num_workers
+            spec = self.dataset.element_spec
+            # A dataset made on the chief reaches the workers as its graph.
+            graph = tf.raw_ops.DatasetToGraphV2(
+                input_dataset=tf.data.experimental.to_variant(self.dataset),
+                external_state_policy=1,  # warn about state (e.g. an unseeded shuffle), go on
+                strip_device_assignment=True,
+            )
+
+            def shard(_context):
+                dataset = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+                index = tf.distribute.coordinator.experimental_get_current_worker_index()
+                return dataset.shard(num_workers, index).repeat()
+
+            @tf.function
+            def per_worker_dataset_fn():
+                return self._strategy.distribute_datasets_from_function(shard)
+
+            per_worker = self._strategy.coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+            self._per_worker_iterator = iter(per_worker)
+        return self._per_worker_iterator
+
+
+class _CoordinatedIterator:
+    """What Keras's epoch loop passes to the step functions; `next` reads on the chief."""
+
+    def __init__(self, source: CoordinatedDataset):
+        self.source = source
+        self._local = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._local is None:
+            self._local = iter(self.source.dataset)
+        return next(self._local)
+
+
+def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
+    steps = model.steps_per_execution
+    # Steps queued ahead of the workers: enough that none waits for the chief,
+    # few enough that the progress bar and step times follow real progress.
+    window = IN_FLIGHT_STEPS_PER_WORKER * strategy.num_workers
+    in_flight: collections.deque = collections.deque()
+    last_read = [float("-inf"), {}]  # time, logs
+
+    @tf.function
+    def worker_steps(iterator):
+        for _ in range(steps):
+            strategy.run(model.train_step, args=(next(iterator),))
+        # No output: waiting on it must not copy a tensor from a worker that may have died since.
+
+    def train_function(iterator):
+        if not isinstance(iterator, _CoordinatedIterator):
+            raise ValueError(
+                "ParameterServerStrategy trains from `model.fit` on a dataset or arrays; "
+                "`train_on_batch` is not supported (the step would run on the chief)."
+            )
+        in_flight.append(strategy.coordinator.schedule(worker_steps, args=(iterator.source.per_worker_iterator(),)))
+        while len(in_flight) > window:
+            in_flight.popleft().fetch()
+        now = time.monotonic()
+        if now - last_read[0] >= LOG_INTERVAL_SECONDS:  # reads cost the parameter servers
+            last_read[:] = [now, _compat.metrics_result(model)]  # as they hold them now
+        return last_read[1]
+
+    return train_function
+
+
+def _local_function(model: keras.Model, step):
+    """Evaluation on the chief: steps read the parameter servers' variables."""
+    run_step = tf.function(step, reduce_retracing=True)
+
+    def function(iterator):
+        outputs = None
+        for _ in range(model.steps_per_execution):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if outputs is None:
+                    raise StopIteration
+                break
+            outputs = run_step(data)
+        return outputs
+
+    return function
+
+
+def _local_predict_function(model: keras.Model):
+    run_step = tf.function(model.predict_step, reduce_retracing=True)
+
+    def function(data: list):
+        outputs = [run_step(batch) for batch in data]
+        if len(outputs) == 1:
+            return outputs[0]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
+
+    return function
+
+
+def _with_cluster_errors(function, ps_addresses: list[str]):
+    """`function`, with a lost parameter server turned into a one-line ClusterError.
+
+    The coordinator reports a lost parameter server in several guises (an
+    UnavailableError, a step cancelled or aborted because of it, an error from a
+    worker that could not reach it), so the parameter servers are also probed.
+    """
+
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except _COORDINATOR_ERRORS as error:
+            cause = getattr(error, "original_exception", error)  # unwrap ClosureInput/AbortedError
+            message = getattr(cause, "message", None) or str(cause)
+            lost = [f"ps {i} at {a}" for i, a in enumerate(ps_addresses) if not accepts_connections(a)]
+            if lost or isinstance(cause, tf.errors.UnavailableError) or "/job:ps" in message:
+                where = ", ".join(lost) or "unreachable"
+                raise ClusterError(
+                    f"lost a parameter server, {where} ({_first_line(message)}). The variables it "
+                    "held are gone: restart the cluster and rerun the job; with "
+                    "callbacks.backup_dir set it resumes from the last epoch's backup."
+                ) from error
+            raise
+
+    return wrapped
+
+
+# Lines of a TF graph error that say where, not why.
+_ERROR_FRAMING = ("Graph execution error", "Detected at node", "<stack traces unavailable>")
+
+
+def _first_line(message: Optional[str]) -> str:
+    """The reason in a TF error message: its first root error, else its first line that says why."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    root_errors = [line[len("(0) "):] for line in lines if line.startswith("(0) ")]
+    reasons = [line for line in lines if not line.startswith(_ERROR_FRAMING)]
+    return (root_errors or reasons or lines or ["unavailable"])[0]
+
+
+def from_config(config: Config) -> ParameterServerStrategy:
+    """The chief's strategy: on the cluster from TF_CONFIG or the `cluster` section, or,
+    when neither names one, on a `LocalCluster` started here (`strategy.local_cluster`).
+
+    Raises:
+      ConfigError: the cluster has no parameter servers, or this task is not the chief.
+      ClusterError: a local task did not start.
+    """
+    p = config.parameter_server
+    resolver = cluster_resolver(config)
+    jobs = resolver.cluster_spec().as_dict()
+    cluster = None
+    if not jobs:
+        cluster = LocalCluster(
+            p.num_workers, p.num_ps, threads=p.threads_per_task, restart_workers=p.restart_workers
+        )
+        cluster.start()
+        resolver = cluster.resolver()
+    elif not jobs.get("ps") or not jobs.get("worker"):
+        raise ConfigError("cluster", "needs `ps` and `worker` tasks for strategy.kind=parameter_server.", jobs)
+    elif resolver.task_type != "chief":
+        raise ConfigError(
+            "cluster.task_type",
+            "must be chief to coordinate; workers and parameter servers serve (`tfdist train` does that).",
+            resolver.task_type,
+        )
+    strategy = ParameterServerStrategy(resolver)
+    strategy.local_cluster = cluster
+    return strategy
+
+
+def serve_if_not_chief(config: Config) -> bool:
+    """On a worker or parameter-server task, serves until killed and returns True."""
+    resolver = cluster_resolver(config)
+    if resolver.cluster_spec().jobs and resolver.task_type in ("worker", "ps"):
+        serve(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id,
+              threads=config.parameter_server.threads_per_task)
+        return True
+    return False

@@ -1,0 +1,160 @@
+"""Parameter-server cluster tasks: serving one, and a whole local cluster on loopback.
+
+On a real cluster every task runs `tfdist train`; workers and parameter servers
+call `serve` and never return, the chief coordinates. On one machine
+`LocalCluster` starts the workers and parameter servers as child processes on
+127.0.0.1 and restarts a worker that dies (as Kubernetes would), so
+ClusterCoordinator's worker fault tolerance does its job; a parameter server
+that dies is left dead, and the chief's next step fails with a ClusterError.
+
+Example:
+
+    >>> with LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
+    ...     strategy = ParameterServerStrategy(cluster.resolver())
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+from tfdist.errors import ClusterError
+
+__all__ = ["LocalCluster", "serve"]
+
+START_TIMEOUT_SECONDS = 60
+STOP_TIMEOUT_SECONDS = 10
+
+
+def serve(cluster_spec: dict, job: str, index: int, *, threads: int = 0) -> None:
+    """Runs this process as task `job:index` of the cluster until it is killed."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto()
+    if threads:
+        config.intra_op_parallelism_threads = threads
+        config.inter_op_parallelism_threads = max(2, threads)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(cluster_spec), job_name=job, task_index=index, protocol="grpc", config=config
+    )
+    server.join()
+
+
+class LocalCluster:
+    """Workers and parameter servers as child processes on loopback, plus the chief's address.
+
+    Args:
+      num_workers: worker processes.
+      num_ps: parameter-server processes.
+      threads: intra-op threads per task (0: TensorFlow decides).
+      restart_workers: start a worker again, on the same port, when it dies.
+    """
+
+    def __init__(self, num_workers: int, num_ps: int, *, threads: int = 0, restart_workers: bool = True):
+        from tfdist.strategies.cluster import free_loopback_ports
+
+        ports = free_loopback_ports(1 + num_workers + num_ps)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        self.cluster_spec = {
+            "chief": addresses[:1],
+            "worker": addresses[1 : 1 + num_workers],
+            "ps": addresses[1 + num_workers :],
+        }
+        self.threads = threads
+        self.restart_workers = restart_workers
+        self.processes: dict[tuple[str, int], subprocess.Popen] = {}
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._supervisor: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for job in ("ps", "worker"):
+            for index in range(len(self.cluster_spec[job])):
+                self._spawn(job, index)
+        self._wait_until_listening()
+        self._supervisor = threading.Thread(target=self._supervise, name="tfdist-ps-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def resolver(self):
+        import tensorflow as tf
+
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster_spec), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+
+    def kill(self, job: str, index: int) -> None:
+        """Kills one task with SIGKILL (for fault-tolerance tests)."""
+        self.processes[(job, index)].kill()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=STOP_TIMEOUT_SECONDS)
+
+    def _spawn(self, job: str, index: int) -> None:
+        command = [
+            sys.executable, "-c", "import sys, json; from tfdist.strategies.ps_cluster import serve; "
+            "serve(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), threads=int(sys.argv[4]))",
+            json.dumps(self.cluster_spec), job, str(index), str(self.threads),
+        ]
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+        env.pop("TF_CONFIG", None)
+        self.processes[(job, index)] = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
+
+    def _wait_until_listening(self) -> None:
+        """Every task's port accepts connections, or a ClusterError naming the ones that do not."""
+        from tfdist.strategies.cluster import accepts_connections
+
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        pending = {(job, i): address for job in ("ps", "worker") for i, address in enumerate(self.cluster_spec[job])}
+        while pending and time.monotonic() < deadline:
+            for task, address in list(pending.items()):
+                if self.processes[task].poll() is not None:
+                    self.stop()
+                    raise ClusterError(f"local {task[0]} {task[1]} exited at start-up (code {self.processes[task].returncode}).")
+                if accepts_connections(address):
+                    del pending[task]
+            time.sleep(0.2)
+        if pending:
+            self.stop()
+            names = ", ".join(f"{job} {i}" for job, i in pending)
+            raise ClusterError(f"local tasks did not start within {START_TIMEOUT_SECONDS} s: {names}.")
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.5):
+            for (job, index), process in list(self.processes.items()):
+                if job == "worker" and self.restart_workers and process.poll() is not None:
+                    self.restarts += 1
+                    self._spawn(job, index)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the chief exits, so no server outlives it (Linux prctl)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
