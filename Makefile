@@ -10,7 +10,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: setup demo test pytest bazel-test bench clean
 
-setup: $(STAMPS)/tfdist $(STAMPS)/system
+setup: $(STAMPS)/tfdist $(STAMPS)/system $(STAMPS)/horovod
 
 # The virtual environment and tfdist with its CPU TensorFlow and test tools.
 $(BIN)/python:
@@ -21,9 +21,16 @@ $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[cpu,test]"
 	mkdir -p $(STAMPS) && touch $@
 
-# Debian packages: Bazel for `bazel test //...`.
+# Debian packages: Bazel for `bazel test //...`; cmake and the headers that
+# TensorFlow's XLA headers include, for building Horovod.
+SYSTEM_PACKAGES := bazel-bootstrap cmake libhighwayhash-dev libfarmhash-dev
 $(STAMPS)/system: | $(BIN)/python
-	command -v bazel >/dev/null || { apt-get update -q && apt-get install -y -q bazel-bootstrap; }
+	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES); }
+	mkdir -p $(STAMPS) && touch $@
+
+# Horovod, built once per TensorFlow version and cached outside the repo.
+$(STAMPS)/horovod: $(STAMPS)/tfdist $(STAMPS)/system tools/install_horovod.sh
+	tools/install_horovod.sh $(BIN)
 	mkdir -p $(STAMPS) && touch $@
 
 demo: setup

@@ -23,6 +23,7 @@ __all__ = [
     "ClusterError",
     "Config",
     "ConfigError",
+    "HorovodStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
     "Throughput",
@@ -35,6 +36,7 @@ __all__ = [
 
 _LAZY = {
     "make_strategy": "tfdist.strategies",
+    "HorovodStrategy": "tfdist.strategies",
     "ParameterServerStrategy": "tfdist.strategies",
     "PipelineStrategy": "tfdist.strategies",
     "Throughput": "tfdist.callbacks",

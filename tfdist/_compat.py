@@ -8,8 +8,10 @@ from __future__ import annotations
 __all__ = [
     "configure_coordination_service",
     "graph_nodes",
+    "horovod",
     "install_atomic_parameter_server_updates",
     "install_trainer_hooks",
+    "keras_step_function",
     "loss_tracker",
     "metrics_result",
 ]
@@ -99,9 +101,10 @@ def install_trainer_hooks() -> None:
     `strategy.run` on the calling process, and offers no way to schedule them
     elsewhere (tf.keras had `_cluster_coordinator`; Keras 3 dropped it). For a
     model whose strategy has `keras_hooks(model)`, the trainer's
-    `make_*_function` install the strategy's functions instead, and
-    `get_metrics_result` calls the strategy's `metrics_result`.
-    Every other model keeps Keras's own methods. Idempotent.
+    `make_*_function` install the functions that dict names (`train_function`,
+    `test_function`, `predict_function`) instead of Keras's, and
+    `get_metrics_result` calls its `metrics_result` if it has one.
+    Everything else keeps Keras's own methods. Idempotent.
     """
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -120,23 +123,31 @@ def install_trainer_hooks() -> None:
 
         def make(self, force=False):
             hooks = hooks_of(self)
-            if hooks is None:
+            if attribute not in (hooks or {}):
                 return _ORIGINAL_TRAINER_METHODS[name](self, force=force)
-            if getattr(self, attribute) is None or force:
-                setattr(self, attribute, hooks[attribute])
+            setattr(self, attribute, hooks[attribute])
             return getattr(self, attribute)
 
         return make
 
     def get_metrics_result(self):
         hooks = hooks_of(self)
-        if hooks is not None:
+        if "metrics_result" in (hooks or {}):
             return hooks["metrics_result"]()
         return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
 
     for name in _STEP_FUNCTION_MAKERS:
         setattr(TensorFlowTrainer, name, step_function_maker(name))
     TensorFlowTrainer.get_metrics_result = get_metrics_result
+
+
+def keras_step_function(model, attribute: str):
+    """Keras's own step function (`train_function`, ...) for `model`, for a hook to wrap."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    maker = "make_" + attribute
+    _ORIGINAL_TRAINER_METHODS.get(maker, getattr(TensorFlowTrainer, maker))(model, force=True)
+    return getattr(model, attribute)
 
 
 def metrics_result(model) -> dict:
@@ -179,3 +190,19 @@ def install_atomic_parameter_server_updates() -> None:
 
     Variable.assign_add, Variable.assign_sub = assign_add, assign_sub
     Variable._tfdist_atomic_updates = True
+
+
+def horovod():
+    """`horovod.tensorflow`, or an ImportError that says in one line how to get it.
+
+    Horovod 0.28.1 has no wheel for current TensorFlow; it is built from source
+    by `tools/install_horovod.sh` (which `make setup` runs).
+    """
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as error:
+        raise ImportError(
+            f"Horovod is not installed ({error}); build and install it with "
+            "`tools/install_horovod.sh .venv/bin` (make setup does this)."
+        ) from None
+    return hvd

@@ -54,19 +54,29 @@ class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
         return {"initial": self.initial, "target": self.target, "warmup_steps": self.warmup_steps}
 
 
-def build_optimizer(config: TrainConfig, *, steps_per_epoch: int) -> keras.optimizers.Optimizer:
-    """Builds the configured optimizer (call under a strategy's scope)."""
+def build_optimizer(
+    config: TrainConfig, *, steps_per_epoch: int, accumulation_steps: int = 1
+) -> keras.optimizers.Optimizer:
+    """Builds the configured optimizer (call under a strategy's scope).
+
+    Args:
+      config: the train section.
+      steps_per_epoch: batches per epoch (for the warmup length).
+      accumulation_steps: batches whose gradients are summed before one update
+        (Keras's `gradient_accumulation_steps`; the update uses their mean).
+    """
     rate = scaled_learning_rate(config)
     if config.warmup_epochs:
         warmup_steps = max(1, round(config.warmup_epochs * steps_per_epoch))
         rate = LinearWarmup(config.learning_rate, rate, warmup_steps)
+    options = {"gradient_accumulation_steps": accumulation_steps} if accumulation_steps > 1 else {}
     kind = Optimizer(config.optimizer)
     if kind == Optimizer.SGD:
-        return keras.optimizers.SGD(rate)
+        return keras.optimizers.SGD(rate, **options)
     if kind == Optimizer.MOMENTUM:
-        return keras.optimizers.SGD(rate, momentum=0.9)
+        return keras.optimizers.SGD(rate, momentum=0.9, **options)
     if kind == Optimizer.ADAM:
-        return keras.optimizers.Adam(rate)
+        return keras.optimizers.Adam(rate, **options)
     if kind == Optimizer.ADAMW:
-        return keras.optimizers.AdamW(rate)
-    return keras.optimizers.RMSprop(rate)
+        return keras.optimizers.AdamW(rate, **options)
+    return keras.optimizers.RMSprop(rate, **options)

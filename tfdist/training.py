@@ -27,12 +27,13 @@ from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies import (
+    HorovodStrategy,
     MultiWorkerMirroredStrategy,
     ParameterServerStrategy,
     PipelineStrategy,
     make_strategy,
 )
-from tfdist.strategies import parameter_server
+from tfdist.strategies import horovod, parameter_server
 from tfdist.strategies.multi_worker import lost_task_error
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
@@ -68,7 +69,7 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     steps = train.steps_per_epoch or data.steps_per_epoch(len(split.x_train), train.global_batch_size)
     with strategy.scope():
         model = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
-        optimizer = build_optimizer(train, steps_per_epoch=steps)
+        optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=_accumulation_steps(config))
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),
             loss="sparse_categorical_crossentropy",
@@ -88,6 +89,12 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     )
 
 
+def _accumulation_steps(config: Config) -> int:
+    if config.strategy.kind == StrategyKind.HOROVOD:
+        return config.horovod.backward_passes_per_step
+    return 1
+
+
 def _steps_per_execution(config: Config) -> int:
     if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
         return config.parameter_server.steps_per_execution
@@ -96,6 +103,8 @@ def _steps_per_execution(config: Config) -> int:
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """True in a single-process job and in the chief task of a multi-worker one."""
+    if isinstance(strategy, HorovodStrategy):
+        return strategy.rank == 0
     resolver = getattr(strategy, "cluster_resolver", None)
     jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if not jobs:
@@ -153,7 +162,7 @@ def run(
       `final` (the last epoch's Keras logs).
 
     Raises:
-      ClusterError: a multi-worker job lost a task.
+      ClusterError: a multi-worker job lost a task, or a Horovod job a rank.
     """
     if config.strategy.kind == StrategyKind.PARAMETER_SERVER and parameter_server.serve_if_not_chief(config):
         return {}  # a worker or parameter server: served until the chief's job ended
@@ -173,6 +182,9 @@ def run(
     except tf.errors.OpError as e:
         if isinstance(job.strategy, MultiWorkerMirroredStrategy) and "/job:" in e.message:
             raise lost_task_error(e) from e
+        lost_rank = isinstance(job.strategy, HorovodStrategy) and horovod.lost_rank_error(e)
+        if lost_rank:
+            raise lost_rank from e
         raise
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
@@ -193,6 +205,8 @@ def run(
         jobs = job.strategy.cluster_jobs
         local = " (local processes)" if job.strategy.local_cluster else ""
         result["cluster"] = f"{len(jobs['worker'])} worker(s), {len(jobs['ps'])} parameter server(s){local}"
+    if isinstance(job.strategy, HorovodStrategy):
+        result["cluster"] = f"{job.strategy.size} Horovod rank(s), one process per device"
     if chief:
         print(format_summary(result), file=out)
         if metrics_out:

@@ -125,7 +125,7 @@ BAD_OVERRIDES = [
         "strategy.all_reduce",
         "auto, ring, nccl",
     ),
-    (["strategy.kind=horovod"], "strategy.kind", "not implemented in this version"),
+    (["strategy.kind=tensor_parallel"], "strategy.kind", "not implemented in this version"),
     (["strategy.num_packs=4"], "strategy.num_packs", "only applies to all_reduce nccl"),
     (["strategy.bytes_per_pack=1024"], "strategy.bytes_per_pack", "multi_worker_mirrored"),
     (["strategy.devices=[gpu0]"], "strategy.devices[0]", "local device name"),
@@ -249,6 +249,11 @@ BAD_PIPELINE = [
     (["strategy.kind=pipeline", "pipeline.schedule=1f2b"], "pipeline.schedule", "Did you mean '1f1b'"),
     (["strategy.kind=pipeline", "pipeline.num_micro_batches=0"], "pipeline.num_micro_batches", ">= 1"),
     (["strategy.kind=pipeline", "pipeline.balance_by=flops"], "pipeline.balance_by", "time, params"),
+    (["horovod.fp16_compression=true"], "horovod", "only applies with strategy.kind=horovod"),
+    (["strategy.kind=horovod", "horovod.op=mean"], "horovod.op", "average, sum, adasum"),
+    (["strategy.kind=horovod", "horovod.backward_passes_per_step=0"], "horovod.backward_passes_per_step", ">= 1"),
+    (["strategy.kind=horovod", "horovod.cycle_time_ms=0"], "horovod.cycle_time_ms", "> 0"),
+    (["strategy.kind=horovod", "strategy.devices=[/cpu:0]"], "strategy.devices", "cannot be set"),
 ]
 
 

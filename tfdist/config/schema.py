@@ -26,6 +26,8 @@ __all__ = [
     "DataConfig",
     "Dataset",
     "ModelConfig",
+    "HorovodConfig",
+    "HorovodOp",
     "ModelName",
     "PipelineConfig",
     "Optimizer",
@@ -95,6 +97,12 @@ class Schedule(str, enum.Enum):
 class BalanceBy(str, enum.Enum):
     TIME = "time"
     PARAMS = "params"
+
+
+class HorovodOp(str, enum.Enum):
+    AVERAGE = "average"
+    SUM = "sum"
+    ADASUM = "adasum"
 
 
 class TaskType(str, enum.Enum):
@@ -200,6 +208,41 @@ class ParameterServerConfig:
     min_shard_bytes: int = bounded(0, low=0)
     max_shards: int = bounded(2, low=1)
     steps_per_execution: int = bounded(1, low=1, high=1000)
+
+
+@dataclasses.dataclass(frozen=True)
+class HorovodConfig:
+    """Horovod all-reduce across processes (strategy.kind=horovod).
+
+    One process per device, launched by `horovodrun`; the global batch is
+    split evenly across the ranks.
+
+    Attributes:
+      op: how gradients are combined: `average` (the mean gradient, the same
+        update as one process with the global batch), `sum` (their sum) or
+        `adasum` (Maleki et al. 2021; needs Horovod built and run with MPI).
+      fp16_compression: send gradients as float16 (half the bytes) and
+        restore their dtype after the all-reduce.
+      fusion_threshold_bytes: tensors are fused into all-reduce buffers of at
+        most this size (Horovod's tensor fusion; 0 turns fusion off).
+      cycle_time_ms: how long Horovod waits to collect tensors to fuse.
+      backward_passes_per_step: gradients of this many batches are
+        accumulated locally before one all-reduce and update.
+      timeline: write Horovod's timeline (Chrome trace JSON) here; null for none.
+      stall_check_seconds: report a rank that has not joined a collective
+        within this time.
+      stall_shutdown_seconds: after this time a stalled collective is an
+        error on every rank instead of a hang.
+    """
+
+    op: HorovodOp = HorovodOp.AVERAGE
+    fp16_compression: bool = False
+    fusion_threshold_bytes: int = bounded(64 * 1024 * 1024, low=0)
+    cycle_time_ms: float = bounded(1.0, low=0, low_open=True)
+    backward_passes_per_step: int = bounded(1, low=1, high=1024)
+    timeline: Optional[str] = None
+    stall_check_seconds: float = bounded(30.0, low=1)
+    stall_shutdown_seconds: float = bounded(60.0, low=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,6 +401,7 @@ class Config:
       strategy: how the model is distributed.
       pipeline: pipeline parallelism settings (strategy.kind=pipeline).
       parameter_server: parameter-server settings (strategy.kind=parameter_server).
+      horovod: Horovod all-reduce settings (strategy.kind=horovod).
       precision: dtype policy and loss scaling.
       train: the training loop.
       data: the input data.
@@ -370,6 +414,7 @@ class Config:
     strategy: StrategyConfig = StrategyConfig()
     pipeline: PipelineConfig = PipelineConfig()
     parameter_server: ParameterServerConfig = ParameterServerConfig()
+    horovod: HorovodConfig = HorovodConfig()
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()

@@ -32,6 +32,7 @@ IMPLEMENTED_KINDS = (
     StrategyKind.TPU,
     StrategyKind.PIPELINE,
     StrategyKind.PARAMETER_SERVER,
+    StrategyKind.HOROVOD,
 )
 
 _ALL_REDUCE_BY_KIND = {
@@ -66,6 +67,7 @@ def check(config: Config) -> None:
     _check_strategy(config)
     _check_pipeline(config)
     _check_parameter_server(config)
+    _check_section_kind(config, "horovod", StrategyKind.HOROVOD)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
@@ -109,7 +111,7 @@ def _check_strategy(config: Config) -> None:
             "strategy.devices", "takes at most one device with strategy.kind=one_device.",
             list(s.devices),
         )
-    if s.kind in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.TPU) and s.devices:
+    if s.kind in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.TPU, StrategyKind.HOROVOD) and s.devices:
         raise ConfigError(
             "strategy.devices",
             f"cannot be set with strategy.kind={s.kind.value}: it uses every local "

@@ -16,7 +16,8 @@ import tensorflow as tf
 from tfdist import precision
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_batch_split, check_pipeline_devices
-from tfdist.strategies import data_parallel, multi_worker, parameter_server
+from tfdist.errors import ConfigError
+from tfdist.strategies import data_parallel, horovod, multi_worker, parameter_server
 from tfdist.strategies.devices import configure_runtime, local_devices
 from tfdist.strategies.pipeline import PipelineStrategy
 
@@ -57,6 +58,11 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
         )
     elif kind == StrategyKind.PARAMETER_SERVER:
         strategy = parameter_server.from_config(config)
+    elif kind == StrategyKind.HOROVOD:
+        try:
+            strategy = horovod.from_config(config)
+        except ImportError as error:
+            raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", kind.value) from None
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build

@@ -1,0 +1,102 @@
+"""Horovod scenarios, each run on every rank by test_horovod.py under horovodrun.
+
+`horovodrun -np 2 ... python horovod_scenarios.py NAME OUT_DIR [KEY=VALUE ...]`;
+each rank writes OUT_DIR/rank-N.json.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfdist import HorovodStrategy  # noqa: E402
+
+BATCH = 32
+STEPS = 5
+
+
+def _data(n=BATCH * STEPS, features=12, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features)).astype("float32")
+    y = (x[:, :classes].argmax(axis=1)).astype("int32")
+    return x, y
+
+
+def _model():
+    return keras.Sequential([
+        keras.Input((12,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+def _compile(model, learning_rate, accumulation=1):
+    options = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate, **options),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+
+def matches_single_process(op="average", fp16_compression="0", accumulation="1"):
+    """Trains STEPS steps of global batch BATCH; rank 0 also trains the same
+    model in one plain process (equivalent settings) and compares."""
+    accumulation = int(accumulation)
+    x, y = _data()
+    strategy = HorovodStrategy(op=op, fp16_compression=fp16_compression == "1")
+    keras.utils.set_random_seed(strategy.rank)  # different per rank: the broadcast must even them out
+    with strategy.scope():
+        model = _model()
+        _compile(model, 0.1, accumulation)
+    initial = [w.copy() for w in model.get_weights()]
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    result = {"rank": strategy.rank, "size": strategy.size, "iterations": int(model.optimizer.iterations.numpy()),
+              "weights_checksum": float(sum(np.abs(w).sum() for w in model.get_weights()))}
+    evaluate = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+
+    reference = _model()
+    reference.set_weights(initial)
+    # `sum` adds the ranks' mean gradients: the single-process update with size x the rate.
+    _compile(reference, 0.1 * (strategy.size if op == "sum" else 1), accumulation)
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    result.update(
+        initial_differs_from_seeded=bool(strategy.rank and any(
+            not np.allclose(a, b) for a, b in zip(initial, _seeded_weights(strategy.rank)))),
+        max_abs_diff=max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
+        evaluate=evaluate, reference_evaluate=reference.evaluate(x, y, batch_size=BATCH, verbose=0),
+        predict_shape=list(predictions.shape),
+        predict_diff=float(np.abs(predictions - reference.predict(x, batch_size=BATCH, verbose=0)).max()),
+    )
+    return result
+
+
+def _seeded_weights(seed):
+    keras.utils.set_random_seed(seed)
+    return _model().get_weights()
+
+
+def dies_at_step(step="3"):
+    """Rank 1 exits abruptly at `step`; the others must fail, not hang."""
+    x, y = _data(BATCH * 200)
+    strategy = HorovodStrategy(stall_check_seconds=5, stall_shutdown_seconds=20)
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if strategy.rank == 1 and batch == int(step):
+                os._exit(17)
+
+    with strategy.scope():
+        model = _model()
+        _compile(model, 0.1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Die()])
+    return {"rank": strategy.rank, "finished": True}
+
+
+if __name__ == "__main__":
+    name, out_dir, *options = sys.argv[1:]
+    result = globals()[name](**dict(option.split("=", 1) for option in options))
+    with open(os.path.join(out_dir, f"rank-{result['rank']}.json"), "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,326 @@
+"""Horovod all-reduce that Keras 3's `model.fit` can use.
+
+Horovod's own Keras layer (`horovod.tensorflow.keras`) fails on Keras 3 at the
+first `fit` (`'Variable' object has no attribute 'ref'`). `HorovodStrategy` is a
+`tf.distribute` strategy instead: one replica per process (the process's GPU by
+local rank, else its CPU), whose cross-replica reductions are Horovod
+collectives across the processes `horovodrun` started. Keras does the rest:
+
+- gradients: Keras's optimizers all-reduce the gradients of a step in one batch
+  (`replica_context.all_reduce`), which becomes one `hvd.grouped_allreduce`;
+  Horovod fuses the group into buffers of `fusion_threshold_bytes`.
+- metrics: Keras's metric variables are sync-on-read, so reading them at the
+  end of an epoch or of an evaluation all-reduces them: logs and validation
+  metrics cover every rank's examples.
+- input: each rank keeps its share of every global batch (TensorFlow's
+  auto-sharding, with the rank as the input pipeline), so the ranks run the
+  same number of steps whatever the data size.
+- initial values: every variable created under the scope takes rank 0's
+  initial value (`hvd.broadcast`), so the ranks start identical.
+- predict: each rank predicts its share of every batch; the shares are
+  gathered (`hvd.allgather`), so every rank returns the whole prediction.
+
+What it adds to TensorFlow's MirroredStrategy is only the between-process part:
+the rank-aware replica count, sharding and variable creation above.
+
+Example (under `horovodrun -np 2 -H localhost:2 --gloo python train.py`):
+
+    >>> strategy = HorovodStrategy()  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = build_model(); model.compile(optimizer="sgd", loss="mse")
+    >>> model.fit(x, y, batch_size=64, epochs=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import distribute_lib, distribute_utils, input_util, mirrored_strategy
+
+from tfdist import _compat
+from tfdist.config.schema import Config, HorovodOp
+from tfdist.errors import ClusterError
+
+__all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "lost_rank_error"]
+
+_OPS = tuple(op.value for op in HorovodOp)
+
+
+class HorovodAllReduce(tf.distribute.CrossDeviceOps):
+    """Cross-device ops whose reductions run across Horovod's processes.
+
+    All-reduces of a batch of values are the optimizer's gradient all-reduce:
+    they use the configured `op` and compression, in one grouped (fused)
+    all-reduce. Single reductions (metric reads, `strategy.reduce`) are exact
+    sums or means.
+
+    Args:
+      hvd: the initialised `horovod.tensorflow` module.
+      op: `average`, `sum` or `adasum` (see `HorovodConfig.op`).
+      fp16_compression: send float gradients as float16.
+    """
+
+    def __init__(self, hvd, *, op: str = "average", fp16_compression: bool = False):
+        super().__init__()
+        self._hvd = hvd
+        self.op = op
+        self._compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
+
+    @property
+    def _num_between_graph_workers(self):
+        return self._hvd.size()  # never take TensorFlow's one-device shortcut
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        op = self._hvd.Average if reduce_op == tf.distribute.ReduceOp.MEAN else self._hvd.Sum
+        reduced = self._hvd.allreduce(_local_value(per_replica_value), op=op)
+        return cross_device_ops_lib.simple_broadcast(reduced, destinations, always_mirrored=True)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        reduced = self._all_reduce_group(reduce_op, [_local_value(v) for v, _ in value_destination_pairs])
+        return [
+            cross_device_ops_lib.simple_broadcast(r, destinations, always_mirrored=True)
+            for r, (_, destinations) in zip(reduced, value_destination_pairs)
+        ]
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        """The replica-context all-reduce (no merge_call) Keras's optimizers use."""
+        flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+        return tf.nest.pack_sequence_as(value, self._all_reduce_group(reduce_op, flat))
+
+    def _all_reduce_group(self, reduce_op, tensors: list) -> list:
+        """One grouped (fused) all-reduce of a step's gradients, with the configured op."""
+        # Keras scales each rank's loss by 1/size, so a sum of the gradients is
+        # their mean; `sum` and `adasum` want each rank's own gradient.
+        size = float(self._hvd.size())
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            op, pre, post = self._hvd.Average, 1.0, 1.0
+        elif self.op == "average":
+            op, pre, post = self._hvd.Sum, 1.0, 1.0
+        elif self.op == "sum":
+            op, pre, post = self._hvd.Sum, size, 1.0
+        else:
+            op, pre, post = self._hvd.Adasum, size, 1.0 / size
+        return self._hvd.grouped_allreduce(
+            tensors, op=op, compression=self._compression, prescale_factor=pre, postscale_factor=post
+        )
+
+
+def _local_value(value) -> tf.Tensor:
+    """The one local replica's value, dense (Horovod reduces dense tensors)."""
+    values = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
+    if len(values) != 1:
+        raise ValueError(f"HorovodStrategy runs one replica per process; got {len(values)} local values.")
+    return tf.convert_to_tensor(values[0])
+
+
+class _HorovodExtended(mirrored_strategy.MirroredExtended):
+    """MirroredStrategy on this process's one device, counted among all ranks."""
+
+    def __init__(self, container_strategy, device: str, cross_device_ops: HorovodAllReduce, hvd):
+        self._hvd = hvd
+        self._broadcasts = 0
+        super().__init__(container_strategy, devices=[device], cross_device_ops=cross_device_ops)
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self._hvd.size()
+
+    def _use_merge_call(self):
+        # One local replica: nothing to merge in-graph. Without merge_call the
+        # gradient all-reduce may sit inside a tf.cond (Keras's gradient accumulation).
+        return False
+
+    def _get_cross_device_ops(self, value):
+        return self._cross_device_ops  # MirroredStrategy would pick its own without merge_call
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._hvd.rank() + replica_id
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - self._hvd.rank()
+
+    @property
+    def should_checkpoint(self):
+        return self._hvd.rank() == 0
+
+    @property
+    def should_save_summary(self):
+        return self._hvd.rank() == 0
+
+    def _input_context(self) -> tf.distribute.InputContext:
+        return tf.distribute.InputContext(
+            num_input_pipelines=self._hvd.size(),
+            input_pipeline_id=self._hvd.rank(),
+            num_replicas_in_sync=self._hvd.size(),
+        )
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        return input_util.get_distributed_dataset(
+            dataset,
+            self._input_workers_with_options(options),
+            self._container_strategy(),
+            num_replicas_in_sync=self._num_replicas_in_sync,
+            input_context=self._input_context(),
+            options=options,
+        )
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn=dataset_fn,
+            input_workers=self._input_workers_with_options(options),
+            input_contexts=[self._input_context()],
+            strategy=self._container_strategy(),
+            options=options,
+        )
+
+    def _create_variable(self, next_creator, **kwargs):
+        initial_value = kwargs["initial_value"]
+        self._broadcasts += 1
+        name = f"tfdist_initial_value_{self._broadcasts}"  # the same on every rank: same creation order
+
+        def from_rank_0():
+            value = initial_value() if callable(initial_value) else initial_value
+            return self._hvd.broadcast(tf.convert_to_tensor(value), root_rank=0, name=name)
+
+        kwargs["initial_value"] = from_rank_0
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # MirroredStrategy reduces values on CPUs locally; these must cross processes.
+        if distribute_utils.is_mirrored(value) and reduce_op == tf.distribute.ReduceOp.MEAN:
+            return value
+        return tf.nest.map_structure(
+            lambda v: self._cross_device_ops.reduce(reduce_op, v, destinations, options), value
+        )
+
+
+class HorovodStrategy(distribute_lib.Strategy):
+    """A tf.distribute strategy whose cross-replica reductions are Horovod collectives.
+
+    Run one process per device under `horovodrun`. Options that configure
+    Horovod's runtime (fusion, cycle time, timeline, stall checks) take effect
+    only when this strategy initialises Horovod.
+
+    Args:
+      op: how gradients are combined: `average`, `sum` or `adasum`.
+      fp16_compression: send float gradients as float16.
+      fusion_threshold_bytes: Horovod's tensor-fusion buffer size (0: no fusion).
+      cycle_time_ms: how long Horovod collects tensors to fuse.
+      timeline: write Horovod's timeline (Chrome trace JSON) to this file.
+      stall_check_seconds: warn about a rank missing from a collective after this.
+      stall_shutdown_seconds: fail every rank after a collective stalled this long.
+      device: this process's device; default: its GPU by local rank, else its CPU.
+
+    Raises:
+      ImportError: Horovod is not installed (one line saying how to install it).
+      ValueError: an unknown `op`, `adasum` without MPI, or runtime options
+        given after Horovod was initialised elsewhere.
+    """
+
+    _collective_key_base = 0  # read by MirroredExtended; TF collectives stay local here
+
+    def __init__(
+        self,
+        *,
+        op: str = "average",
+        fp16_compression: bool = False,
+        fusion_threshold_bytes: Optional[int] = None,
+        cycle_time_ms: Optional[float] = None,
+        timeline: Optional[str] = None,
+        stall_check_seconds: Optional[float] = None,
+        stall_shutdown_seconds: Optional[float] = None,
+        device: Optional[str] = None,
+    ):
+        if op not in _OPS:
+            raise ValueError(f"`op` must be one of {', '.join(_OPS)}. Received: {op!r}")
+        hvd = _compat.horovod()
+        runtime = {
+            "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
+            "HOROVOD_CYCLE_TIME": cycle_time_ms,
+            "HOROVOD_TIMELINE": timeline,
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": stall_check_seconds,
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": stall_shutdown_seconds,
+        }
+        _init_horovod(hvd, {k: v for k, v in runtime.items() if v is not None})
+        if op == "adasum" and not hvd.mpi_enabled():
+            raise ValueError(
+                "`op` adasum needs Horovod built and launched with MPI; this Horovod runs on "
+                "Gloo (hvd.mpi_enabled() is False). Use average or sum. Received: 'adasum'"
+            )
+        self.hvd = hvd
+        _compat.install_trainer_hooks()  # for `keras_hooks`
+        cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
+        super().__init__(_HorovodExtended(self, device or _local_device(hvd), cross_device_ops, hvd))
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
+        """Keras's own step functions, with predictions gathered from every rank."""
+        predict_on_this_rank = _compat.keras_step_function(model, "predict_function")
+
+        def predict_function(data):
+            outputs = predict_on_this_rank(data)
+            return tf.nest.map_structure(self.hvd.allgather, outputs)
+
+        return {"predict_function": predict_function}
+
+
+def _init_horovod(hvd, runtime: dict) -> None:
+    """Sets Horovod's runtime options (read once, at `hvd.init`) and initialises it."""
+    if hvd.is_initialized():
+        if runtime:
+            raise ValueError(
+                "Horovod was initialised before HorovodStrategy, so its runtime options "
+                f"({', '.join(sorted(runtime))}) can no longer change. Create the strategy "
+                "before calling hvd.init()."
+            )
+        return
+    for name, value in runtime.items():
+        os.environ[name] = str(value)
+    hvd.init()
+
+
+def _local_device(hvd) -> str:
+    """This rank's GPU by local rank (only it made visible), else the CPU."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "/cpu:0"
+    try:
+        tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+        return "/gpu:0"
+    except RuntimeError:  # TensorFlow already initialised: address the GPU by index
+        return f"/gpu:{hvd.local_rank() % len(gpus)}"
+
+
+def from_config(config: Config) -> HorovodStrategy:
+    """The strategy from the config's `horovod` section."""
+    h = config.horovod
+    return HorovodStrategy(
+        op=h.op.value,
+        fp16_compression=h.fp16_compression,
+        fusion_threshold_bytes=h.fusion_threshold_bytes,
+        cycle_time_ms=h.cycle_time_ms,
+        timeline=h.timeline,
+        stall_check_seconds=h.stall_check_seconds,
+        stall_shutdown_seconds=h.stall_shutdown_seconds,
+    )
+
+
+def lost_rank_error(error: tf.errors.OpError) -> Optional[ClusterError]:
+    """A ClusterError when `error` is Horovod shutting down because a rank failed, else None."""
+    if "Horovod has been shut down" not in (error.message or ""):
+        return None
+    return ClusterError(
+        "Horovod stopped: another rank failed or exited early (its collective could not "
+        "complete). The first failing rank's own error is in its log."
+    )
