@@ -40,11 +40,11 @@ def _compile(model, learning_rate, accumulation=1):
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 
-def matches_single_process(op="average", fp16_compression="0", accumulation="1"):
-    """Trains STEPS steps of global batch BATCH; rank 0 also trains the same
-    model in one plain process (equivalent settings) and compares."""
+def matches_single_process(op="average", fp16_compression="0", accumulation="1", examples=str(BATCH * STEPS)):
+    """One epoch of global batch BATCH; every rank also trains the same model
+    in one plain process (equivalent settings) and compares."""
     accumulation = int(accumulation)
-    x, y = _data()
+    x, y = _data(int(examples))
     strategy = HorovodStrategy(op=op, fp16_compression=fp16_compression == "1")
     keras.utils.set_random_seed(strategy.rank)  # different per rank: the broadcast must even them out
     with strategy.scope():
@@ -76,6 +76,16 @@ def matches_single_process(op="average", fp16_compression="0", accumulation="1")
 def _seeded_weights(seed):
     keras.utils.set_random_seed(seed)
     return _model().get_weights()
+
+
+def adasum_is_refused():
+    try:
+        HorovodStrategy(op="adasum")
+    except ValueError as error:
+        import horovod.tensorflow as hvd
+
+        return {"rank": hvd.rank(), "error": str(error)}
+    raise AssertionError("adasum was accepted without MPI")
 
 
 def dies_at_step(step="3"):

@@ -1,0 +1,129 @@
+"""HorovodStrategy under horovodrun: real ranks on loopback, Gloo controller."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, run_tfdist
+
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scenarios.py")
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def horovodrun(command, np=2, timeout=240, env=None):
+    """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root."""
+    return subprocess.run(
+        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", *command],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+    )
+
+
+def _scenario(tmp_path, name, *options, np=2, expect_ok=True):
+    proc = horovodrun([sys.executable, SCENARIOS, name, str(tmp_path), *options], np=np)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    results = {}
+    for rank in range(np):
+        path = tmp_path / f"rank-{rank}.json"
+        if path.exists():
+            results[rank] = json.loads(path.read_text())
+    return proc, results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("options,tolerance", [
+    ((), 1e-5),
+    (("op=sum",), 1e-5),
+    (("accumulation=2",), 1e-5),
+    (("fp16_compression=1",), 1e-3),  # float16 gradients on the wire
+])
+def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, tolerance):
+    _, results = _scenario(tmp_path, "matches_single_process", *options)
+    assert sorted(results) == [0, 1]
+    for result in results.values():
+        assert result["size"] == 2
+        assert result["max_abs_diff"] <= tolerance
+        assert result["evaluate"] == pytest.approx(result["reference_evaluate"], abs=max(tolerance, 1e-5))
+        assert result["predict_shape"] == [160, 3]  # every rank gets every row, in order
+        assert result["predict_diff"] <= max(tolerance, 1e-5)
+    assert results[0]["weights_checksum"] == results[1]["weights_checksum"]
+    # Rank 1 was seeded differently, yet started from rank 0's weights.
+    assert results[1]["initial_differs_from_seeded"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_uneven_data_gives_every_rank_the_same_steps(tmp_path):
+    # 149 examples, batch 32: the last batch of 21 splits 11/10 over the ranks.
+    _, results = _scenario(tmp_path, "matches_single_process", "examples=149")
+    assert [r["iterations"] for r in results.values()] == [5, 5]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_dead_rank_is_an_error_within_bounded_time_not_a_hang(tmp_path):
+    proc, results = _scenario(tmp_path, "dies_at_step", "step=3", expect_ok=False)
+    assert proc.returncode != 0
+    assert results == {}  # no rank finished training
+    assert "Process 1 exit with status code 17" in proc.stdout + proc.stderr
+    assert "Horovod has been shut down" in proc.stdout + proc.stderr  # rank 0 failed, did not wait
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_adasum_without_mpi_is_refused_with_the_reason(tmp_path):
+    _, results = _scenario(tmp_path, "adasum_is_refused", np=1)
+    assert "needs Horovod built and launched with MPI" in results[0]["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_config_trains_digits_with_two_ranks_and_only_rank_0_reports(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = horovodrun(
+        [sys.executable, "-m", "tfdist.cli", "train", "--config", "configs/horovod.yaml",
+         "--metrics_out", str(metrics)], timeout=360,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    result = json.loads(metrics.read_text())
+    assert result["strategy"] == "horovod" and result["num_replicas"] == 2
+    assert result["final"]["val_accuracy"] >= 0.95
+    lines = proc.stdout.splitlines()
+    assert sum("tfdist summary" in line for line in lines) == 1
+    assert not any(line.startswith("[1]<stdout>") for line in lines)  # rank 1 prints nothing
+
+
+def test_missing_horovod_is_one_clear_line(tmp_path):
+    fake = tmp_path / "horovod"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('simulated: no horovod here')\n")
+    proc = run_tfdist(
+        "train", "--config", "configs/horovod.yaml",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "horovod needs Horovod" in proc.stderr and "tools/install_horovod.sh" in proc.stderr
+
+
+def test_an_unknown_op_is_refused_before_horovod_starts():
+    from tfdist import HorovodStrategy
+
+    with pytest.raises(ValueError, match="`op` must be one of average, sum, adasum"):
+        HorovodStrategy(op="mean")
+
+
+def test_a_shutdown_becomes_a_cluster_error_and_other_errors_do_not():
+    import tensorflow as tf
+
+    from tfdist.strategies.horovod import lost_rank_error
+
+    shutdown = tf.errors.UnknownError(None, None, "Horovod has been shut down. This was caused by ...")
+    assert "another rank failed or exited early" in str(lost_rank_error(shutdown))
+    assert lost_rank_error(tf.errors.InvalidArgumentError(None, None, "bad shape")) is None
