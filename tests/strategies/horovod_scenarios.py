@@ -78,6 +78,39 @@ def _seeded_weights(seed):
     return _model().get_weights()
 
 
+def keras_api_matches_single_process(accumulation="1"):
+    """The Horovod Keras API (`tfdist.horovod_keras`): each rank fits its half of
+    every batch with a DistributedOptimizer; compared with one plain process."""
+    import tfdist.horovod_keras as hvd
+
+    accumulation = int(accumulation)
+    hvd.init()
+    x, y = _data()
+    keras.utils.set_random_seed(hvd.rank())
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5),
+                                         backward_passes_per_step=accumulation,
+                                         average_aggregated_gradients=True)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    half = BATCH // hvd.size()
+    mine = np.concatenate([np.arange(b * BATCH + hvd.rank() * half, b * BATCH + (hvd.rank() + 1) * half)
+                           for b in range(STEPS)])
+    history = model.fit(x[mine], y[mine], batch_size=half, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvd.callbacks.MetricAverageCallback()])
+    reference = _model()
+    reference.set_weights(_seeded_weights(0))  # rank 0's initial weights, which the callback gave every rank
+    options = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5, **options),
+                      loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    averaged_loss = hvd.allreduce(np.float64(history.history["loss"][-1]), name="check_loss")
+    return {"rank": hvd.rank(), "updates": int(model.optimizer.iterations.numpy()),
+            "max_abs_diff": max(float(np.abs(a - b).max())
+                                for a, b in zip(model.get_weights(), reference.get_weights())),
+            "loss_is_rank_average": abs(float(averaged_loss) - history.history["loss"][-1]) < 1e-6}
+
+
 def adasum_is_refused():
     try:
         HorovodStrategy(op="adasum")

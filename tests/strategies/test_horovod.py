@@ -1,5 +1,6 @@
 """HorovodStrategy under horovodrun: real ranks on loopback, Gloo controller."""
 
+import ast
 import json
 import os
 import subprocess
@@ -54,6 +55,44 @@ def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, to
     assert results[0]["weights_checksum"] == results[1]["weights_checksum"]
     # Rank 1 was seeded differently, yet started from rank 0's weights.
     assert results[1]["initial_differs_from_seeded"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("accumulation", ["1", "2"])
+def test_horovod_keras_api_matches_one_process(tmp_path, accumulation):
+    _, results = _scenario(tmp_path, "keras_api_matches_single_process", f"accumulation={accumulation}")
+    for result in results.values():
+        assert result["max_abs_diff"] <= 1e-5
+        assert result["updates"] == 5 // int(accumulation)
+        assert result["loss_is_rank_average"]  # MetricAverageCallback averaged the logs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
+    script = os.path.join(ROOT, "examples", "horovod_keras_digits.py")
+    imports = [
+        alias.name
+        for node in ast.walk(ast.parse(open(script).read()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if "tfdist" in (getattr(node, "module", None) or alias.name)
+    ]
+    assert imports == ["tfdist.horovod_keras"]  # the one changed line; the rest is Horovod's API
+    proc = horovodrun([sys.executable, script, "--epochs", "12", "--checkpoint_dir", str(tmp_path),
+                       "--result", str(tmp_path / "accuracy.txt")], timeout=360)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert float((tmp_path / "accuracy.txt").read_text()) >= 0.95
+    assert "finished gradual learning rate warmup to 0.002" in proc.stdout
+    assert len(list(tmp_path.glob("checkpoint-*.keras"))) == 12  # rank 0 only, once per epoch
+
+    from tfdist.horovod_keras import DistributedOptimizer, load_model
+
+    model = load_model(str(tmp_path / "checkpoint-12.keras"))
+    assert isinstance(model.optimizer, DistributedOptimizer)
+    assert model.optimizer.inner_optimizer.iterations.numpy() == 12 * 22
 
 
 @pytest.mark.multiprocess
