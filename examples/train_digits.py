@@ -26,6 +26,8 @@ def main(argv):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
+    keras.utils.set_random_seed(config.train.seed)  # the same data order on every process
+    chief = tfdist.is_chief(strategy)  # rank 0 / the chief reports; the others stay quiet
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
     x_train, x_val, y_train, y_val = train_test_split(
@@ -57,11 +59,12 @@ def main(argv):
         epochs=config.train.epochs,
         validation_data=(x_val, y_val),
         callbacks=[tfdist.Throughput(config.train.global_batch_size)],
-        verbose=config.train.verbose,
+        verbose=config.train.verbose if chief else 0,
     )
     loss, accuracy = model.evaluate(x_val, y_val, verbose=0)
-    print(f"strategy={config.strategy.kind.value} replicas={strategy.num_replicas_in_sync} "
-          f"val_accuracy={accuracy:.4f}")
+    if chief:
+        print(f"strategy={config.strategy.kind.value} replicas={strategy.num_replicas_in_sync} "
+              f"val_accuracy={accuracy:.4f}")
 
 
 if __name__ == "__main__":

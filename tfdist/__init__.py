@@ -28,6 +28,7 @@ __all__ = [
     "PipelineStrategy",
     "Throughput",
     "__version__",
+    "is_chief",
     "load_config",
     "make_strategy",
     "prepare",
@@ -40,6 +41,7 @@ _LAZY = {
     "ParameterServerStrategy": "tfdist.strategies",
     "PipelineStrategy": "tfdist.strategies",
     "Throughput": "tfdist.callbacks",
+    "is_chief": "tfdist.training",
     "prepare": "tfdist.training",
     "run": "tfdist.training",
 }

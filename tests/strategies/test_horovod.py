@@ -166,3 +166,16 @@ def test_a_shutdown_becomes_a_cluster_error_and_other_errors_do_not():
     shutdown = tf.errors.UnknownError(None, None, "Horovod has been shut down. This was caused by ...")
     assert "another rank failed or exited early" in str(lost_rank_error(shutdown))
     assert lost_rank_error(tf.errors.InvalidArgumentError(None, None, "bad shape")) is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_example_script_runs_under_horovodrun_and_only_rank_0_reports():
+    proc = horovodrun([sys.executable, "examples/train_digits.py", "--config", "configs/horovod.yaml",
+                       "--set", "train.epochs=6"], timeout=360)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    reports = [line for line in proc.stdout.splitlines() if "val_accuracy=" in line]
+    assert len(reports) == 1 and reports[0].startswith("[0]")
+    assert "strategy=horovod replicas=2" in reports[0]
+    assert float(reports[0].rsplit("=", 1)[1]) >= 0.9

@@ -14,6 +14,7 @@ from tfdist.config.schema import Config
 __all__ = ["BENCHMARKS", "one_line", "run"]
 
 BENCHMARKS = {
+    "horovod": "tfdist.bench.horovod",
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",

@@ -17,13 +17,9 @@ all-reduce job's (target >= 0.8).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from typing import Any, Optional
 
+from tfdist.bench.jobs import train_job
 from tfdist.bench.timing import alternate, medians
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
@@ -31,7 +27,6 @@ from tfdist.errors import ConfigError
 __all__ = ["run", "measure"]
 
 TARGET = 0.8
-JOB_TIMEOUT_SECONDS = 600
 
 
 def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
@@ -61,7 +56,7 @@ def measure(*, repeats: int = 5, per_device_batch: int = 64, epochs: int = 3, st
             "runtime.intra_op_threads=1", "runtime.inter_op_threads=2",
         ],
     }
-    samples = alternate({name: _job_round(overrides) for name, overrides in jobs.items()}, repeats=repeats, warmup=0)
+    samples = alternate({name: train_job(overrides) for name, overrides in jobs.items()}, repeats=repeats, warmup=0)
     rate = medians(samples)
     ratio = rate["parameter_server"] / rate["allreduce"]
     return {
@@ -75,20 +70,3 @@ def measure(*, repeats: int = 5, per_device_batch: int = 64, epochs: int = 3, st
         "samples": samples,
         "figures": {"ps_vs_allreduce": ratio, "target": TARGET, "meets_target": ratio >= TARGET},
     }
-
-
-def _job_round(overrides: list[str]):
-    def one_round() -> float:
-        with tempfile.TemporaryDirectory() as scratch:
-            metrics = os.path.join(scratch, "metrics.json")
-            command = [sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
-            for override in overrides:
-                command += ["--set", override]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
-            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_SECONDS)
-            if done.returncode != 0:
-                raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{done.stderr[-2000:]}")
-            with open(metrics) as f:
-                return json.load(f)["samples_per_sec"]
-
-    return one_round

@@ -1,0 +1,36 @@
+"""`tfdist bench horovod`: both jobs run under horovodrun and the figures are theirs."""
+
+import pytest
+
+from helpers import run_tfdist
+from tfdist.bench.horovod import count_gradient_allreduces, measure
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+
+def test_measure_compares_one_and_two_ranks_and_counts_fused_calls():
+    result = measure(repeats=1, per_rank_batch=32, image_size=8, width=8, epochs=1, steps_per_epoch=12,
+                     fusion_threshold_bytes=4096)
+    rate = result["samples_per_sec"]
+    assert set(rate) == {"np1", "np2"} and all(value > 0 for value in rate.values())
+    figures = result["figures"]
+    assert figures["scaling_efficiency_np2"] == pytest.approx(rate["np2"] / (2 * rate["np1"]))
+    # digits_cnn has 8 weight tensors; unfused, each is its own all-reduce.
+    assert result["gradient_tensors"] == 8
+    assert figures["allreduce_calls_per_step_unfused"] == 8
+    assert 1 <= figures["allreduce_calls_per_step_fused"] <= figures["allreduce_calls_bound"]
+    assert figures["allreduce_calls_bound"] == -(-result["gradient_bytes"] // 4096) + 1
+
+
+def test_counting_reads_only_the_optimizers_all_reduces():
+    counts = count_gradient_allreduces([
+        "strategy.kind=horovod", "train.verbose=0", "train.epochs=1", "train.steps_per_epoch=2",
+        "model.width=8", "horovod.fusion_threshold_bytes=67108864",
+    ])
+    assert counts == {"calls_per_step": 1.0, "tensors_per_step": 8.0}  # one fused call for all 8
+
+
+def test_cli_refuses_a_config():
+    proc = run_tfdist("bench", "horovod", "--set", "train.epochs=2")
+    assert proc.returncode == 2
+    assert "`config` is not used by the horovod benchmark" in proc.stderr

@@ -1,0 +1,129 @@
+"""`tfdist bench horovod`: scaling of 2 Horovod ranks over 1, and all-reduce calls per step.
+
+Scaling: `tfdist train` jobs with strategy.kind=horovod under
+`horovodrun -np 1` and `-np 2`, alternated, each rank pinned to its own core
+with one intra-op thread, the same batch per rank (weak scaling, as Horovod
+measures), on a compute-bound convolutional model (synthetic images).
+`scaling_efficiency_np2` = samples/sec(np 2) / (2 x samples/sec(np 1)).
+
+All-reduce calls: the same 2-rank job with Horovod's trace log on, once with
+tensor fusion at `fusion_threshold_bytes` and once with fusion off (threshold 0).
+Every fused all-reduce Horovod performs is one response in its "Sending ready
+responses" lines; the gradient responses divided by the training steps are the
+calls per step. `allreduce_calls_bound` = ceil(gradient bytes / threshold) + 1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
+
+from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, train_command, train_job
+from tfdist.bench.timing import alternate, medians
+from tfdist.config.schema import Config
+from tfdist.errors import ConfigError
+
+__all__ = ["count_gradient_allreduces", "measure", "run"]
+
+TARGET_EFFICIENCY = 0.92
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+# Runs the rest of its command line pinned to the core of its local rank
+# (Horovod's one process per device, on CPUs); the pinning survives exec.
+_PIN_TO_CORE = ("import os, sys; os.sched_setaffinity(0, {int(os.environ['HOROVOD_LOCAL_RANK']) % os.cpu_count()}); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+_RESPONSES = re.compile(r"Sending ready responses as (.*)$")
+
+
+def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
+    if config is not None:
+        raise ConfigError("config", "is not used by the horovod benchmark: it sets its jobs itself.", "given")
+    return measure(repeats=repeats)
+
+
+def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16, width: int = 32,
+            epochs: int = 2, steps_per_epoch: int = 20, fusion_threshold_bytes: int = 1 << 20) -> dict[str, Any]:
+    common = [
+        "strategy.kind=horovod", "train.verbose=0", f"train.epochs={epochs}",
+        f"train.steps_per_epoch={steps_per_epoch}", "data.dataset=synthetic", f"data.image_size={image_size}",
+        "data.synthetic_examples=4096", "model.name=digits_cnn", f"model.width={width}",
+        "runtime.intra_op_threads=1", "runtime.inter_op_threads=2", "callbacks.throughput_warmup_steps=10",
+    ]
+    jobs = {f"np{n}": common + [f"train.global_batch_size={n * per_rank_batch}"] for n in (1, 2)}
+    samples = alternate(
+        {name: train_job(overrides, launcher=_horovodrun(int(name[2:]))) for name, overrides in jobs.items()},
+        repeats=repeats, warmup=0,
+    )
+    rate = medians(samples)
+    efficiency = rate["np2"] / (2 * rate["np1"])
+
+    steps = 3  # enough to see the per-step pattern; the log is long
+    count_job = common[:2] + [
+        "train.epochs=1", f"train.steps_per_epoch={steps}", f"train.global_batch_size={2 * per_rank_batch}",
+    ] + common[4:]
+    fused = count_gradient_allreduces(count_job + [f"horovod.fusion_threshold_bytes={fusion_threshold_bytes}"])
+    unfused = count_gradient_allreduces(count_job + ["horovod.fusion_threshold_bytes=0"])
+    gradient_bytes = _gradient_bytes(image_size, width)
+    bound = math.ceil(gradient_bytes / fusion_threshold_bytes) + 1
+    return {
+        "benchmark": "horovod",
+        "jobs": {name: " ".join(f"--set {o}" for o in overrides) for name, overrides in jobs.items()},
+        "per_rank_batch": per_rank_batch,
+        "repeats": repeats,
+        "samples_per_sec": rate,
+        "samples": samples,
+        "gradient_bytes": gradient_bytes,
+        "gradient_tensors": unfused["tensors_per_step"],
+        "fusion_threshold_bytes": fusion_threshold_bytes,
+        "figures": {
+            "scaling_efficiency_np2": efficiency,
+            "allreduce_calls_per_step_fused": fused["calls_per_step"],
+            "allreduce_calls_per_step_unfused": unfused["calls_per_step"],
+            "allreduce_calls_bound": bound,
+            "target_efficiency": TARGET_EFFICIENCY,
+            "meets_target": efficiency >= TARGET_EFFICIENCY and fused["calls_per_step"] <= bound,
+        },
+    }
+
+
+def _horovodrun(np: int) -> list[str]:
+    return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-c", _PIN_TO_CORE]
+
+
+def count_gradient_allreduces(overrides: list[str]) -> dict[str, float]:
+    """All-reduce calls (fused responses) and tensors per training step of a 2-rank job, from rank 0's trace log."""
+    steps = _setting(overrides, "train.epochs") * _setting(overrides, "train.steps_per_epoch")
+    with tempfile.TemporaryDirectory() as scratch:
+        launcher = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo"]
+        command = [*launcher, *train_command(overrides, os.path.join(scratch, "metrics.json"))]
+        env = {**os.environ, "HOROVOD_LOG_LEVEL": "trace", "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_SECONDS)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{(done.stdout + done.stderr)[-2000:]}")
+    calls = tensors = 0
+    for line in (done.stdout + done.stderr).splitlines():
+        match = _RESPONSES.search(line)
+        if not line.startswith("[0]") or not match:
+            continue
+        for response in filter(None, (r.strip() for r in match.group(1).split(";"))):
+            if "HorovodGroupedAllreduce_gradient" in response:  # the optimizer's gradients, not metric reads
+                calls += 1
+                tensors += len(response.split(", "))
+    return {"calls_per_step": calls / steps, "tensors_per_step": tensors / steps}
+
+
+def _setting(overrides: list[str], key: str) -> int:
+    return int([o for o in overrides if o.startswith(key + "=")][-1].split("=", 1)[1])
+
+
+def _gradient_bytes(image_size: int, width: int) -> int:
+    """Bytes of the float32 gradients of the benchmark's model (its trainable weights)."""
+    from tfdist import models
+    from tfdist.config.schema import ModelConfig
+
+    model = models.build(ModelConfig(width=width), input_shape=(image_size, image_size, 1), num_classes=10)
+    return 4 * sum(math.prod(w.shape) for w in model.trainable_weights)
