@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds horovod from source against the venv's TensorFlow (once per TensorFlow
 # and Python version, cached outside the repo) and installs it into the venv.
+# Gloo and MPI controllers: horovodrun --gloo needs nothing else; Adasum needs MPI.
 # Usage: tools/install_horovod.sh VENV_BIN [CACHE_DIR]
 # Why each step is needed: ../shared/DESIGN.md ("horovod 0.28.1 ... builds only with").
 set -euo pipefail
@@ -21,7 +22,7 @@ else:
     sys.exit("install TensorFlow before building horovod")
 PY
 )
-cache="$cache_root/horovod-$HOROVOD_VERSION-$versions"
+cache="$cache_root/horovod-$HOROVOD_VERSION-gloo-mpi-$versions"
 
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     echo "building horovod $HOROVOD_VERSION against $versions (about 5 minutes; cached in $cache)"
@@ -30,14 +31,17 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     # XLA moved xla_builder.h; Horovod 0.28.1 still includes it by its old path.
     mkdir -p "$work/include/tensorflow/compiler/xla/client"
     echo '#include "xla/hlo/builder/xla_builder.h"' > "$work/include/tensorflow/compiler/xla/client/xla_builder.h"
+    # --no-cache-dir: pip's wheel cache ignores the HOROVOD_* options and would
+    # hand back an earlier build.
     CPATH="$work/include${CPATH:+:$CPATH}" \
-    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
-        "$bin/pip" wheel --quiet --no-build-isolation --no-deps --wheel-dir "$work/wheel" "horovod==$HOROVOD_VERSION"
+        "$bin/pip" wheel --quiet --no-cache-dir --no-build-isolation --no-deps --wheel-dir "$work/wheel" "horovod==$HOROVOD_VERSION"
     mkdir -p "$cache"
     mv "$work"/wheel/horovod-*.whl "$cache"/  # only a finished wheel reaches the cache
 fi
 
 # --no-deps: the wheel's own requirements would pull a second TensorFlow.
-"$bin/pip" install --quiet --no-deps "$cache"/horovod-*.whl
+# --force-reinstall: an installed horovod of the same version may be another build.
+"$bin/pip" install --quiet --no-deps --force-reinstall "$cache"/horovod-*.whl
 "$bin/pip" install --quiet cloudpickle psutil pyyaml packaging cffi

@@ -121,6 +121,48 @@ def adasum_is_refused():
     raise AssertionError("adasum was accepted without MPI")
 
 
+def adasum_matches_its_formula():
+    """op=adasum (under horovodrun --mpi): each step applies, per weight tensor,
+    Adasum(g0, g1) = (1 - g0.g1 / 2|g0|^2) g0 + (1 - g0.g1 / 2|g1|^2) g1 of the
+    ranks' gradients on their halves of the batch (Maleki et al. 2021)."""
+    import tensorflow as tf
+
+    x, y = _data()
+    strategy = HorovodStrategy(op="adasum")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _model()
+        _compile(model, 0.1)
+    initial = [w.copy() for w in model.get_weights()]
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+    def adasum(g0, g1):
+        dot = tf.reduce_sum(g0 * g1)
+        return (1 - dot / (2 * tf.reduce_sum(g0 * g0))) * g0 + (1 - dot / (2 * tf.reduce_sum(g1 * g1))) * g1
+
+    def trained_with(combine):
+        reference = _model()
+        reference.set_weights(initial)
+        loss = keras.losses.SparseCategoricalCrossentropy()
+        half = BATCH // 2
+        for step in range(STEPS):
+            grads = []
+            for part in (0, 1):
+                rows = slice(step * BATCH + part * half, step * BATCH + (part + 1) * half)
+                with tf.GradientTape() as tape:
+                    value = loss(y[rows], reference(x[rows]))
+                grads.append(tape.gradient(value, reference.trainable_variables))
+            for variable, g0, g1 in zip(reference.trainable_variables, *grads):
+                variable.assign_sub(0.1 * combine(g0, g1))
+        return reference.get_weights()
+
+    def max_diff(weights):
+        return max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), weights))
+
+    return {"rank": strategy.rank, "max_abs_diff": max_diff(trained_with(adasum)),
+            "diff_from_average": max_diff(trained_with(lambda g0, g1: (g0 + g1) / 2))}
+
+
 def dies_at_step(step="3"):
     """Rank 1 exits abruptly at `step`; the others must fail, not hang."""
     x, y = _data(BATCH * 200)

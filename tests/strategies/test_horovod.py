@@ -14,17 +14,17 @@ SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_sc
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 
-def horovodrun(command, np=2, timeout=240, env=None):
+def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
     """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root."""
     return subprocess.run(
-        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", *command],
+        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *command],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
 
 
-def _scenario(tmp_path, name, *options, np=2, expect_ok=True):
-    proc = horovodrun([sys.executable, SCENARIOS, name, str(tmp_path), *options], np=np)
+def _scenario(tmp_path, name, *options, np=2, expect_ok=True, controller="--gloo"):
+    proc = horovodrun([sys.executable, SCENARIOS, name, str(tmp_path), *options], np=np, controller=controller)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-4000:]
     results = {}
@@ -115,9 +115,18 @@ def test_a_dead_rank_is_an_error_within_bounded_time_not_a_hang(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_adasum_without_mpi_is_refused_with_the_reason(tmp_path):
+def test_adasum_on_gloo_is_refused_with_the_reason(tmp_path):
     _, results = _scenario(tmp_path, "adasum_is_refused", np=1)
-    assert "needs Horovod built and launched with MPI" in results[0]["error"]
+    assert "adasum needs Horovod's MPI controller: launch with `horovodrun --mpi`" in results[0]["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_adasum_under_mpi_combines_gradients_by_its_formula(tmp_path):
+    _, results = _scenario(tmp_path, "adasum_matches_its_formula", controller="--mpi")
+    assert sorted(results) == [0, 1]
+    assert all(r["max_abs_diff"] <= 1e-5 for r in results.values())
+    assert all(r["diff_from_average"] > 1e-3 for r in results.values())  # not plain averaging
 
 
 @pytest.mark.multiprocess
@@ -127,7 +136,8 @@ def test_config_trains_digits_with_two_ranks_and_only_rank_0_reports(tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = horovodrun(
         [sys.executable, "-m", "tfdist.cli", "train", "--config", "configs/horovod.yaml",
-         "--metrics_out", str(metrics)], timeout=360,
+         "--metrics_out", str(metrics), "--set", f"horovod.timeline={tmp_path / 'timeline.json'}"],
+        timeout=360,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     result = json.loads(metrics.read_text())
@@ -136,6 +146,7 @@ def test_config_trains_digits_with_two_ranks_and_only_rank_0_reports(tmp_path):
     lines = proc.stdout.splitlines()
     assert sum("tfdist summary" in line for line in lines) == 1
     assert not any(line.startswith("[1]<stdout>") for line in lines)  # rank 1 prints nothing
+    assert '"name": "NEGOTIATE_ALLREDUCE"' in (tmp_path / "timeline.json").read_text()
 
 
 def test_missing_horovod_is_one_clear_line(tmp_path):

@@ -220,7 +220,7 @@ class HorovodConfig:
     Attributes:
       op: how gradients are combined: `average` (the mean gradient, the same
         update as one process with the global batch), `sum` (their sum) or
-        `adasum` (Maleki et al. 2021; needs Horovod built and run with MPI).
+        `adasum` (Maleki et al. 2021; needs `horovodrun --mpi`).
       fp16_compression: send gradients as float16 (half the bytes) and
         restore their dtype after the all-reduce.
       fusion_threshold_bytes: tensors are fused into all-reduce buffers of at

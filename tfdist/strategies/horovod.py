@@ -103,7 +103,13 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         elif self.op == "sum":
             op, pre, post = self._hvd.Sum, size, 1.0
         else:
-            op, pre, post = self._hvd.Adasum, size, 1.0 / size
+            # horovod 0.28.1's grouped_allreduce fails for Adasum on Python 3 (it reads
+            # a list comprehension's variable), so Adasum goes tensor by tensor;
+            # Horovod still fuses the tensors that are ready in the same cycle.
+            return [
+                self._hvd.allreduce(t, op=self._hvd.Adasum, compression=self._compression, prescale_factor=size)
+                for t in tensors
+            ]
         return self._hvd.grouped_allreduce(
             tensors, op=op, compression=self._compression, prescale_factor=pre, postscale_factor=post
         )
@@ -217,7 +223,7 @@ class HorovodStrategy(distribute_lib.Strategy):
 
     Raises:
       ImportError: Horovod is not installed (one line saying how to install it).
-      ValueError: an unknown `op`, `adasum` without MPI, or runtime options
+      ValueError: an unknown `op`, `adasum` launched without MPI, or runtime options
         given after Horovod was initialised elsewhere.
     """
 
@@ -248,8 +254,8 @@ class HorovodStrategy(distribute_lib.Strategy):
         _init_horovod(hvd, {k: v for k, v in runtime.items() if v is not None})
         if op == "adasum" and not hvd.mpi_enabled():
             raise ValueError(
-                "`op` adasum needs Horovod built and launched with MPI; this Horovod runs on "
-                "Gloo (hvd.mpi_enabled() is False). Use average or sum. Received: 'adasum'"
+                "`op` adasum needs Horovod's MPI controller: launch with `horovodrun --mpi` "
+                "(this job runs on Gloo, where Horovod has no Adasum). Received: 'adasum'"
             )
         self.hvd = hvd
         _compat.install_trainer_hooks()  # for `keras_hooks`
