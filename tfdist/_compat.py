@@ -1,6 +1,8 @@
-"""The only place tfdist touches TensorFlow internals or probes optional packages.
+"""The only place tfdist patches Keras or TensorFlow, or probes optional packages.
 
 Each function names the public behaviour it needs and why no public API gives it.
+(Strategies that extend TensorFlow's own strategy classes import those from
+`tensorflow.python.distribute` in their module, and say there what they add.)
 """
 
 from __future__ import annotations
