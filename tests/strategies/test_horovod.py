@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -106,11 +107,16 @@ def test_uneven_data_gives_every_rank_the_same_steps(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_dead_rank_is_an_error_within_bounded_time_not_a_hang(tmp_path):
+    started = time.monotonic()
     proc, results = _scenario(tmp_path, "dies_at_step", "step=3", expect_ok=False)
-    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - started < 120
     assert results == {}  # no rank finished training
-    assert "Process 1 exit with status code 17" in proc.stdout + proc.stderr
-    assert "Horovod has been shut down" in proc.stdout + proc.stderr  # rank 0 failed, did not wait
+    assert "Process 1 exit with status code 17" in output
+    # Rank 0 fails on its own as soon as Gloo sees the closed connection (seen in
+    # every run here), unless horovodrun, which stops the other ranks once one
+    # has failed, got to it first.
+    assert "Horovod has been shut down" in output or "Process 0 exit with status code 143" in output
 
 
 @pytest.mark.multiprocess

@@ -229,10 +229,11 @@ class HorovodConfig:
       backward_passes_per_step: gradients of this many batches are
         accumulated locally before one all-reduce and update.
       timeline: write Horovod's timeline (Chrome trace JSON) here; null for none.
-      stall_check_seconds: report a rank that has not joined a collective
-        within this time.
-      stall_shutdown_seconds: after this time a stalled collective is an
-        error on every rank instead of a hang.
+      stall_check_seconds: Horovod's stall inspector reports a rank that has
+        not joined a collective within this time.
+      stall_shutdown_seconds: and shuts Horovod down after this time. (A dead
+        rank fails the others at once; a live rank that never joins was not
+        caught by the inspector in tfdist's tests.)
     """
 
     op: HorovodOp = HorovodOp.AVERAGE

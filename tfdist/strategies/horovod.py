@@ -217,8 +217,9 @@ class HorovodStrategy(distribute_lib.Strategy):
       fusion_threshold_bytes: Horovod's tensor-fusion buffer size (0: no fusion).
       cycle_time_ms: how long Horovod collects tensors to fuse.
       timeline: write Horovod's timeline (Chrome trace JSON) to this file.
-      stall_check_seconds: warn about a rank missing from a collective after this.
-      stall_shutdown_seconds: fail every rank after a collective stalled this long.
+      stall_check_seconds: Horovod's stall inspector: report a rank missing
+        from a collective after this long...
+      stall_shutdown_seconds: ...and shut Horovod down after this long.
       device: this process's device; default: its GPU by local rank, else its CPU.
 
     Raises:
