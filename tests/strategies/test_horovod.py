@@ -196,3 +196,30 @@ def test_the_example_script_runs_under_horovodrun_and_only_rank_0_reports():
     assert len(reports) == 1 and reports[0].startswith("[0]")
     assert "strategy=horovod replicas=2" in reports[0]
     assert float(reports[0].rsplit("=", 1)[1]) >= 0.9
+
+
+def test_learning_rate_schedule_callback_sets_the_rate_per_epoch_and_corrects_momentum():
+    import keras
+    import numpy as np
+
+    from tfdist.horovod_keras.callbacks import LearningRateScheduleCallback, _scale_momentum
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    x, y = np.ones((16, 4), "float32"), np.zeros((16, 2), "float32")
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                        callbacks=[LearningRateScheduleCallback(initial_lr=0.2, multiplier=0.5)])
+    assert history.history["lr"] == pytest.approx([0.2, 0.1, 0.05])
+
+    # Keras 3 SGD keeps velocity in learning-rate units: scaling it by new/old rate
+    # is Horovod's momentum correction.
+    velocity = model.optimizer.momentums[0]
+    before = np.array(velocity.numpy())
+    _scale_momentum(model.optimizer, 0.5)
+    assert np.allclose(velocity.numpy(), 0.5 * before) and np.abs(before).sum() > 0
+
+    adam = keras.optimizers.Adam()
+    adam.build(model.trainable_variables)
+    moments = [np.array(m.numpy()) for m in adam.variables]
+    _scale_momentum(adam, 0.5)  # no velocity in rate units: left alone, as Horovod does
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(moments, adam.variables))
