@@ -7,6 +7,7 @@ each rank writes OUT_DIR/rank-N.json.
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -163,20 +164,23 @@ def adasum_matches_its_formula():
             "diff_from_average": max_diff(trained_with(lambda g0, g1: (g0 + g1) / 2))}
 
 
-def dies_at_step(step="3"):
-    """Rank 1 exits abruptly at `step`; the others must fail, not hang."""
+def fails_at_step(step="3", how="die"):
+    """Rank 1 dies (`die`: exits abruptly) or hangs (`hang`: stays alive and
+    never joins the next all-reduce) at `step`; the others must fail, not wait."""
     x, y = _data(BATCH * 200)
-    strategy = HorovodStrategy()
+    strategy = HorovodStrategy(stall_shutdown_seconds=10)
 
-    class Die(keras.callbacks.Callback):
+    class Fail(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if strategy.rank == 1 and batch == int(step):
-                os._exit(17)
+                if how == "die":
+                    os._exit(17)
+                time.sleep(600)
 
     with strategy.scope():
         model = _model()
         _compile(model, 0.1)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Die()])
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Fail()])
     return {"rank": strategy.rank, "finished": True}
 
 

@@ -108,7 +108,7 @@ def test_uneven_data_gives_every_rank_the_same_steps(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_dead_rank_is_an_error_within_bounded_time_not_a_hang(tmp_path):
     started = time.monotonic()
-    proc, results = _scenario(tmp_path, "dies_at_step", "step=3", expect_ok=False)
+    proc, results = _scenario(tmp_path, "fails_at_step", "how=die", expect_ok=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and time.monotonic() - started < 120
     assert results == {}  # no rank finished training
@@ -117,6 +117,16 @@ def test_a_dead_rank_is_an_error_within_bounded_time_not_a_hang(tmp_path):
     # every run here), unless horovodrun, which stops the other ranks once one
     # has failed, got to it first.
     assert "Horovod has been shut down" in output or "Process 0 exit with status code 143" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_rank_that_hangs_alive_ends_the_job_through_the_step_watchdog(tmp_path):
+    started = time.monotonic()
+    proc, results = _scenario(tmp_path, "fails_at_step", "how=hang", expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - started < 150  # rank 1 would sleep 600 s
+    assert results == {}
+    assert "tfdist: error: rank 0: a step has not finished in 10 s" in proc.stdout + proc.stderr
 
 
 @pytest.mark.multiprocess

@@ -231,9 +231,9 @@ class HorovodConfig:
       timeline: write Horovod's timeline (Chrome trace JSON) here; null for none.
       stall_check_seconds: Horovod's stall inspector reports a rank that has
         not joined a collective within this time.
-      stall_shutdown_seconds: and shuts Horovod down after this time. (A dead
-        rank fails the others at once; a live rank that never joins was not
-        caught by the inspector in tfdist's tests.)
+      stall_shutdown_seconds: a step running longer than this ends the job
+        with an error (tfdist's step watchdog; Horovod's stall inspector
+        shuts down after it too). A dead rank fails the others at once.
     """
 
     op: HorovodOp = HorovodOp.AVERAGE

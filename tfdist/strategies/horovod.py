@@ -19,6 +19,8 @@ collectives across the processes `horovodrun` started. Keras does the rest:
   initial value (`hvd.broadcast`), so the ranks start identical.
 - predict: each rank predicts its share of every batch; the shares are
   gathered (`hvd.allgather`), so every rank returns the whole prediction.
+- hangs: a step that runs longer than `stall_shutdown_seconds` (a rank alive
+  but stuck) ends the process with one line (`StepWatchdog`).
 
 What it adds to TensorFlow's MirroredStrategy is only the between-process part:
 the rank-aware replica count, sharding and variable creation above.
@@ -44,10 +46,12 @@ from tensorflow.python.distribute import distribute_lib, distribute_utils, input
 from tfdist import _compat
 from tfdist.config.schema import Config, HorovodOp
 from tfdist.errors import ClusterError
+from tfdist.strategies.step_watchdog import StepWatchdog
 
 __all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "lost_rank_error"]
 
 _OPS = tuple(op.value for op in HorovodOp)
+DEFAULT_STEP_TIMEOUT_SECONDS = 60.0
 
 
 class HorovodAllReduce(tf.distribute.CrossDeviceOps):
@@ -218,8 +222,10 @@ class HorovodStrategy(distribute_lib.Strategy):
       cycle_time_ms: how long Horovod collects tensors to fuse.
       timeline: write Horovod's timeline (Chrome trace JSON) to this file.
       stall_check_seconds: Horovod's stall inspector: report a rank missing
-        from a collective after this long...
-      stall_shutdown_seconds: ...and shut Horovod down after this long.
+        from a collective after this long.
+      stall_shutdown_seconds: a step running longer than this ends the process
+        with a one-line error (tfdist's step watchdog; default 60 s), and
+        Horovod's stall inspector shuts down after it too.
       device: this process's device; default: its GPU by local rank, else its CPU.
 
     Raises:
@@ -259,6 +265,7 @@ class HorovodStrategy(distribute_lib.Strategy):
                 "(this job runs on Gloo, where Horovod has no Adasum). Received: 'adasum'"
             )
         self.hvd = hvd
+        self._watchdog = StepWatchdog(stall_shutdown_seconds or DEFAULT_STEP_TIMEOUT_SECONDS, f"rank {hvd.rank()}")
         _compat.install_trainer_hooks()  # for `keras_hooks`
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
         super().__init__(_HorovodExtended(self, device or _local_device(hvd), cross_device_ops, hvd))
@@ -272,14 +279,18 @@ class HorovodStrategy(distribute_lib.Strategy):
         return self.hvd.size()
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """Keras's own step functions, with predictions gathered from every rank."""
+        """Keras's own step functions under the step watchdog, predictions gathered from every rank."""
         predict_on_this_rank = _compat.keras_step_function(model, "predict_function")
 
         def predict_function(data):
             outputs = predict_on_this_rank(data)
             return tf.nest.map_structure(self.hvd.allgather, outputs)
 
-        return {"predict_function": predict_function}
+        return {
+            "train_function": self._watchdog.wrap(_compat.keras_step_function(model, "train_function")),
+            "test_function": self._watchdog.wrap(_compat.keras_step_function(model, "test_function")),
+            "predict_function": self._watchdog.wrap(predict_function),
+        }
 
 
 def _init_horovod(hvd, runtime: dict) -> None:
