@@ -115,10 +115,14 @@ def install_trainer_hooks() -> None:
     _ORIGINAL_TRAINER_METHODS.update({name: getattr(TensorFlowTrainer, name) for name in _TRAINER_HOOKS})
 
     def hooks_of(model):
-        if "_tfdist_hooks" not in model.__dict__:
+        # Made once per compile: `compile` makes a new `_compile_config`, and a
+        # recompiled model (new optimizer or loss) needs new step functions.
+        compiled_as = getattr(model, "_compile_config", None)
+        cached = model.__dict__.get("_tfdist_hooks")
+        if cached is None or cached[0] is not compiled_as:
             make = getattr(model.distribute_strategy, "keras_hooks", None)
-            model.__dict__["_tfdist_hooks"] = make(model) if make else None
-        return model.__dict__["_tfdist_hooks"]
+            model.__dict__["_tfdist_hooks"] = (compiled_as, make(model) if make else None)
+        return model.__dict__["_tfdist_hooks"][1]
 
     def step_function_maker(name: str):
         attribute = name.replace("make_", "")

@@ -233,3 +233,4 @@ def test_learning_rate_schedule_callback_sets_the_rate_per_epoch_and_corrects_mo
     moments = [np.array(m.numpy()) for m in adam.variables]
     _scale_momentum(adam, 0.5)  # no velocity in rate units: left alone, as Horovod does
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(moments, adam.variables))
+
