@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from typing import Any, Optional
 
-from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, train_command, train_job
+from tfdist.bench.jobs import described, run_train, train_job
 from tfdist.bench.timing import alternate, medians
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
@@ -47,13 +46,16 @@ def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
 
 def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16, width: int = 32,
             epochs: int = 2, steps_per_epoch: int = 20, fusion_threshold_bytes: int = 1 << 20) -> dict[str, Any]:
-    common = [
-        "strategy.kind=horovod", "train.verbose=0", f"train.epochs={epochs}",
-        f"train.steps_per_epoch={steps_per_epoch}", "data.dataset=synthetic", f"data.image_size={image_size}",
+    setting = [
+        "strategy.kind=horovod", "train.verbose=0", "data.dataset=synthetic", f"data.image_size={image_size}",
         "data.synthetic_examples=4096", "model.name=digits_cnn", f"model.width={width}",
         "runtime.intra_op_threads=1", "runtime.inter_op_threads=2", "callbacks.throughput_warmup_steps=10",
     ]
-    jobs = {f"np{n}": common + [f"train.global_batch_size={n * per_rank_batch}"] for n in (1, 2)}
+    jobs = {
+        f"np{n}": setting + [f"train.epochs={epochs}", f"train.steps_per_epoch={steps_per_epoch}",
+                             f"train.global_batch_size={n * per_rank_batch}"]
+        for n in (1, 2)
+    }
     samples = alternate(
         {name: train_job(overrides, launcher=_horovodrun(int(name[2:]))) for name, overrides in jobs.items()},
         repeats=repeats, warmup=0,
@@ -62,16 +64,15 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
     efficiency = rate["np2"] / (2 * rate["np1"])
 
     steps = 3  # enough to see the per-step pattern; the log is long
-    count_job = common[:2] + [
-        "train.epochs=1", f"train.steps_per_epoch={steps}", f"train.global_batch_size={2 * per_rank_batch}",
-    ] + common[4:]
-    fused = count_gradient_allreduces(count_job + [f"horovod.fusion_threshold_bytes={fusion_threshold_bytes}"])
-    unfused = count_gradient_allreduces(count_job + ["horovod.fusion_threshold_bytes=0"])
+    count_job = setting + ["train.epochs=1", f"train.steps_per_epoch={steps}",
+                           f"train.global_batch_size={2 * per_rank_batch}"]
+    fused = count_gradient_allreduces(count_job + [f"horovod.fusion_threshold_bytes={fusion_threshold_bytes}"], steps)
+    unfused = count_gradient_allreduces(count_job + ["horovod.fusion_threshold_bytes=0"], steps)
     gradient_bytes = _gradient_bytes(image_size, width)
     bound = math.ceil(gradient_bytes / fusion_threshold_bytes) + 1
     return {
         "benchmark": "horovod",
-        "jobs": {name: " ".join(f"--set {o}" for o in overrides) for name, overrides in jobs.items()},
+        "jobs": described(jobs),
         "per_rank_batch": per_rank_batch,
         "repeats": repeats,
         "samples_per_sec": rate,
@@ -94,16 +95,13 @@ def _horovodrun(np: int) -> list[str]:
     return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-c", _PIN_TO_CORE]
 
 
-def count_gradient_allreduces(overrides: list[str]) -> dict[str, float]:
-    """All-reduce calls (fused responses) and tensors per training step of a 2-rank job, from rank 0's trace log."""
-    steps = _setting(overrides, "train.epochs") * _setting(overrides, "train.steps_per_epoch")
+def count_gradient_allreduces(overrides: list[str], steps: int) -> dict[str, float]:
+    """All-reduce calls (fused responses) and tensors per step of a 2-rank job of `steps`
+    training steps, from rank 0's Horovod trace log."""
     with tempfile.TemporaryDirectory() as scratch:
-        launcher = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo"]
-        command = [*launcher, *train_command(overrides, os.path.join(scratch, "metrics.json"))]
-        env = {**os.environ, "HOROVOD_LOG_LEVEL": "trace", "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_SECONDS)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{(done.stdout + done.stderr)[-2000:]}")
+        done = run_train(overrides, os.path.join(scratch, "metrics.json"),
+                         launcher=[HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo"],
+                         env={"HOROVOD_LOG_LEVEL": "trace"})
     calls = tensors = 0
     for line in (done.stdout + done.stderr).splitlines():
         match = _RESPONSES.search(line)
@@ -114,10 +112,6 @@ def count_gradient_allreduces(overrides: list[str]) -> dict[str, float]:
                 calls += 1
                 tensors += len(response.split(", "))
     return {"calls_per_step": calls / steps, "tensors_per_step": tensors / steps}
-
-
-def _setting(overrides: list[str], key: str) -> int:
-    return int([o for o in overrides if o.startswith(key + "=")][-1].split("=", 1)[1])
 
 
 def _gradient_bytes(image_size: int, width: int) -> int:

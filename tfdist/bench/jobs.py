@@ -9,36 +9,41 @@ import sys
 import tempfile
 from typing import Callable, Sequence
 
-__all__ = ["train_job", "train_command"]
+__all__ = ["described", "run_train", "train_job"]
 
 JOB_TIMEOUT_SECONDS = 600
 
 
-def train_command(overrides: Sequence[str], metrics: str) -> list[str]:
-    """`python -m tfdist.cli train --metrics_out METRICS --set ...` with this interpreter."""
-    command = [sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
-    for override in overrides:
-        command += ["--set", override]
-    return command
-
-
-def train_job(overrides: Sequence[str], launcher: Sequence[str] = (), env: dict | None = None) -> Callable[[], float]:
-    """A benchmark round: one `tfdist train` job (under `launcher`, e.g. horovodrun); returns samples/sec.
+def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = (),
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs `tfdist train --metrics_out METRICS --set ...` (under `launcher`, e.g. horovodrun).
 
     Raises:
       RuntimeError: the job failed (with the end of its output).
     """
+    command = [*launcher, sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
+    for override in overrides:
+        command += ["--set", override]
+    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=job_env, timeout=JOB_TIMEOUT_SECONDS)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{(done.stdout + done.stderr)[-2000:]}")
+    return done
+
+
+def train_job(overrides: Sequence[str], launcher: Sequence[str] = ()) -> Callable[[], float]:
+    """A benchmark round: one `tfdist train` job; returns its samples/sec."""
 
     def one_round() -> float:
         with tempfile.TemporaryDirectory() as scratch:
             metrics = os.path.join(scratch, "metrics.json")
-            job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
-            done = subprocess.run([*launcher, *train_command(overrides, metrics)], capture_output=True,
-                                  text=True, env=job_env, timeout=JOB_TIMEOUT_SECONDS)
-            if done.returncode != 0:
-                output = (done.stdout + done.stderr)[-2000:]
-                raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{output}")
+            run_train(overrides, metrics, launcher)
             with open(metrics) as f:
                 return json.load(f)["samples_per_sec"]
 
     return one_round
+
+
+def described(jobs: dict[str, Sequence[str]]) -> dict[str, str]:
+    """Each job's overrides as the `--set` flags that reproduce it."""
+    return {name: " ".join(f"--set {o}" for o in overrides) for name, overrides in jobs.items()}

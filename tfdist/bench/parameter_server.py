@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tfdist.bench.jobs import train_job
+from tfdist.bench.jobs import described, train_job
 from tfdist.bench.timing import alternate, medians
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
@@ -61,7 +61,7 @@ def measure(*, repeats: int = 5, per_device_batch: int = 64, epochs: int = 3, st
     ratio = rate["parameter_server"] / rate["allreduce"]
     return {
         "benchmark": "parameter_server",
-        "jobs": {name: " ".join(f"--set {o}" for o in overrides) for name, overrides in jobs.items()},
+        "jobs": described(jobs),
         "per_device_batch": per_device_batch,
         "epochs": epochs,
         "steps_per_epoch": steps_per_epoch,
