@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import data, models, precision
-from tfdist.callbacks import Throughput
+from tfdist.callbacks import RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
@@ -120,10 +120,12 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
         job.config.train.global_batch_size, warmup_steps=cfg.throughput_warmup_steps
     )
     callbacks: list[keras.callbacks.Callback] = [throughput]
-    if cfg.tensorboard_dir and is_chief(job.strategy):
+    chief = is_chief(job.strategy)
+    if cfg.tensorboard_dir and chief:
         callbacks.append(keras.callbacks.TensorBoard(cfg.tensorboard_dir))
-    if cfg.backup_dir:
-        callbacks.append(keras.callbacks.BackupAndRestore(cfg.backup_dir))
+    if cfg.backup_dir:  # every process resumes from the backup; only the chief writes it
+        backup = keras.callbacks.BackupAndRestore if chief else RestoreOnlyBackup
+        callbacks.append(backup(cfg.backup_dir))
     return throughput, callbacks
 
 

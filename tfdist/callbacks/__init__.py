@@ -1,5 +1,6 @@
 """Keras callbacks tfdist adds to training."""
 
+from tfdist.callbacks.backup import RestoreOnlyBackup
 from tfdist.callbacks.throughput import Throughput
 
-__all__ = ["Throughput"]
+__all__ = ["RestoreOnlyBackup", "Throughput"]
