@@ -137,8 +137,11 @@ def install_trainer_hooks() -> None:
         return make
 
     def get_metrics_result(self):
+        import tensorflow as tf
+
         hooks = hooks_of(self)
-        if "metrics_result" in (hooks or {}):
+        # In a traced step (Keras's own compute_metrics) the graph reads the metrics itself.
+        if "metrics_result" in (hooks or {}) and tf.executing_eagerly():
             return hooks["metrics_result"]()
         return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
 

@@ -13,11 +13,41 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import keras
 
 from tfdist.config.schema import ModelConfig, ModelName
+from tfdist.layers import ShardedEmbedding
 
-__all__ = ["build"]
+__all__ = ["PixelTokens", "build"]
+
+INTENSITY_LEVELS = 9  # digits pixels (k/16) to eighths: fewer, better-trained rows
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class PixelTokens(keras.layers.Layer):
+    """Each pixel as one token id: its position and its intensity level.
+
+    Intensities are clipped to [0, 1] and rounded to `levels` steps, so an
+    image of P pixels becomes P ids below P * levels.
+    """
+
+    def __init__(self, levels: int = INTENSITY_LEVELS, **kwargs):
+        super().__init__(**kwargs)
+        self.levels = levels
+
+    def call(self, images):
+        ops = keras.ops
+        flat = ops.reshape(images, (-1, math.prod(images.shape[1:])))
+        level = ops.cast(ops.round(ops.clip(ops.cast(flat, "float32"), 0, 1) * (self.levels - 1)), "int32")
+        return ops.arange(flat.shape[-1], dtype="int32") * self.levels + level
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], math.prod(input_shape[1:]))
+
+    def get_config(self):
+        return {**super().get_config(), "levels": self.levels}
 
 
 def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
@@ -30,6 +60,15 @@ def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int
             layers.MaxPooling2D(),
             layers.Flatten(),
             layers.Dense(4 * config.width, activation="relu"),
+        ]
+    elif ModelName(config.name) == ModelName.PIXEL_EMBEDDING:
+        # Each (position, intensity) token gets its own vector: the embedding
+        # table is the large variable that parameter servers can hold in shards.
+        body = [
+            PixelTokens(),
+            ShardedEmbedding(math.prod(input_shape) * INTENSITY_LEVELS, config.width),
+            layers.Flatten(),
+            layers.Dense(2 * config.width, activation="relu"),
         ]
     else:
         body = [layers.Flatten()]

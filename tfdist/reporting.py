@@ -52,6 +52,7 @@ def format_summary(result: Mapping[str, Any]) -> str:
         "tfdist summary",
         f"  strategy        {result['strategy']} ({replicas} replica(s))",
         *([f"  cluster         {result['cluster']}"] if "cluster" in result else []),
+        *([f"  sharded tables  {result['sharded_tables']}"] if "sharded_tables" in result else []),
         f"  local devices   {', '.join(_short(d) for d in result['devices'])}",
         f"  global batch    {result['global_batch_size']} ({per_replica} per replica)",
         f"  precision       {result['precision']}",

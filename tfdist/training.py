@@ -24,6 +24,7 @@ import tensorflow as tf
 from tfdist import data, models, precision
 from tfdist.callbacks import RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
+from tfdist.layers import shard_placement
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies import (
@@ -207,6 +208,9 @@ def run(
         jobs = job.strategy.cluster_jobs
         local = " (local processes)" if job.strategy.local_cluster else ""
         result["cluster"] = f"{len(jobs['worker'])} worker(s), {len(jobs['ps'])} parameter server(s){local}"
+        tables = shard_placement(job.model)
+        if tables:
+            result["sharded_tables"] = "; ".join(_shards_line(name, devices) for name, devices in tables.items())
     if isinstance(job.strategy, HorovodStrategy):
         result["cluster"] = f"{job.strategy.size} Horovod rank(s), one process per device"
     if chief:
@@ -214,3 +218,8 @@ def run(
         if metrics_out:
             write_json(metrics_out, result)
     return result
+
+
+def _shards_line(table: str, devices: list[str]) -> str:
+    tasks = ", ".join(str(tf.DeviceSpec.from_string(device).task) for device in devices)
+    return f"{table} in {len(devices)} shard(s) on ps {tasks}"

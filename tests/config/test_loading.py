@@ -242,8 +242,6 @@ BAD_PIPELINE = [
     (["strategy.kind=multi_worker_mirrored", "cluster.ps=[127.0.0.1:2]"], "cluster.ps",
      "only applies to strategy.kind=parameter_server"),
     (["cluster.task_type=boss"], "cluster.task_type", "chief"),
-    (["strategy.kind=parameter_server", "parameter_server.min_shard_bytes=65536"],
-     "parameter_server.min_shard_bytes", "cannot hold TensorFlow's ShardedVariable"),
     (["strategy.kind=pipeline", "pipeline.boundaries=[a, b]"], "pipeline.boundaries", "must name 1 layer"),
     (["strategy.kind=pipeline", "pipeline.num_stages=3", "pipeline.boundaries=[a, a]"], "pipeline.boundaries", "twice"),
     (["strategy.kind=pipeline", "pipeline.schedule=1f2b"], "pipeline.schedule", "Did you mean '1f1b'"),

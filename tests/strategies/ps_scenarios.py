@@ -7,6 +7,7 @@ run inside the pytest process. `python ps_scenarios.py NAME` prints one JSON lin
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -14,7 +15,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import tensorflow as tf  # noqa: E402
+
 from tfdist import ClusterError  # noqa: E402
+from tfdist.layers import ShardedEmbedding  # noqa: E402
 from tfdist.strategies.parameter_server import ParameterServerStrategy  # noqa: E402
 from tfdist.strategies.ps_cluster import LocalCluster  # noqa: E402
 
@@ -104,6 +108,57 @@ def killed_ps_is_an_error():
         except ClusterError as error:
             return {"error": str(error), "seconds_after_kill": time.monotonic() - kill.done_at}
         return {"error": None}
+
+
+def _token_data(n=512, vocab=300, length=6, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab, (n, length)).astype("int32")
+    return x, (x % classes == 0).sum(axis=1).clip(max=classes - 1).astype("int32")
+
+
+def _token_model(embedding, classes=4):
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"), embedding, keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(classes, activation="softmax"),
+    ])
+
+
+def sharded_embedding_matches_a_whole_one():
+    """Two parameter servers, a table cut in two: each holds one shard, and training
+    with one worker matches keras.layers.Embedding on one device."""
+    x, y = _token_data()
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=4096, max_shards=2)
+    with LocalCluster(num_workers=1, num_ps=2, threads=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.resolver(), variable_partitioner=partitioner)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = _token_model(ShardedEmbedding(300, 8))
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        sharded = model.layers[0]
+        keras.utils.set_random_seed(0)
+        reference = _token_model(keras.layers.Embedding(300, 8))
+        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        reference.layers[0].embeddings.assign(sharded.embeddings)
+        reference.layers[-1].set_weights(model.layers[-1].get_weights())
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return {
+            "shard_rows": [int(s.shape[0]) for s in sharded.shards],
+            "shard_devices": [s.value.device for s in sharded.shards],
+            "table_diff": float(np.abs(sharded.embeddings.numpy() - reference.layers[0].embeddings.numpy()).max()),
+            "dense_diff": max(float(np.abs(a - b).max()) for a, b in
+                              zip(model.layers[-1].get_weights(), reference.layers[-1].get_weights())),
+            "reloaded_on_one_device_diff": _reload_diff(model, x[:64]),
+        }
+
+
+def _reload_diff(model, x):
+    """Saves `model`, loads it outside the strategy (one shard) and compares predictions."""
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert len(loaded.layers[0].shards) == 1
+    return float(np.abs(loaded.predict(x, verbose=0) - model.predict(x, verbose=0)).max())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,11 +30,14 @@ def _traceback_or_tail(stderr):
     return stderr[start:start + 6000] if start >= 0 else stderr[-3000:]
 
 
-def test_variable_partitioning_is_refused_with_the_reason():
-    from tfdist import ParameterServerStrategy
-
-    with pytest.raises(ValueError, match="Keras 3 variables cannot hold TensorFlow's ShardedVariable"):
-        ParameterServerStrategy(None, variable_partitioner=lambda shape, dtype: [1] * len(shape))
+def test_a_sharded_embedding_spreads_over_the_parameter_servers_and_matches_a_whole_one():
+    result = _scenario("sharded_embedding_matches_a_whole_one")
+    assert result["shard_rows"] == [150, 150]
+    # Round robin from wherever the strategy's count of variables stands: one shard each.
+    assert sorted(result["shard_devices"]) == [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
+    assert result["table_diff"] <= 1e-5
+    assert result["dense_diff"] <= 1e-5
+    assert result["reloaded_on_one_device_diff"] <= 1e-6
 
 
 def test_one_worker_matches_single_device_training():
@@ -75,6 +79,23 @@ def test_config_trains_digits_to_095_from_one_command(tmp_path):
     assert result["final"]["val_accuracy"] >= 0.95
     assert "Epoch 1/" in proc.stdout
     assert "cluster         2 worker(s), 1 parameter server(s) (local processes)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sharded_config_trains_digits_to_095_with_the_table_on_both_servers(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run_tfdist(
+        "train", "--config", "configs/parameter_server_sharded.yaml", "--metrics_out", str(metrics), timeout=400
+    )
+    assert proc.returncode == 0, _traceback_or_tail(proc.stderr)
+    result = json.loads(metrics.read_text())
+    assert result["final"]["val_accuracy"] >= 0.95
+    assert result["sharded_tables"] in ("sharded_embedding in 2 shard(s) on ps 0, 1",
+                                        "sharded_embedding in 2 shard(s) on ps 1, 0")
+    assert f"sharded tables  {result['sharded_tables']}" in proc.stdout
+    # Logs are read consistently: a metric's total and count never come from different moments.
+    accuracies = [float(v) for v in re.findall(r" accuracy: ([0-9.]+)", proc.stdout)]
+    assert accuracies and max(accuracies) <= 1.0
 
 
 def _ps_children(parent_pid):

@@ -119,6 +119,7 @@ class Dataset(str, enum.Enum):
 class ModelName(str, enum.Enum):
     DIGITS_CNN = "digits_cnn"
     MLP = "mlp"
+    PIXEL_EMBEDDING = "pixel_embedding"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,10 +195,11 @@ class ParameterServerConfig:
       num_ps: local parameter servers to start.
       threads_per_task: intra-op threads of each local task (0: TensorFlow decides).
       restart_workers: restart a local worker that dies (its steps are rescheduled).
-      min_shard_bytes: cut variables larger than this across parameter servers
-        (at most `max_shards`). Not available yet with Keras 3 variables: only
-        0 (never cut) is accepted.
-      max_shards: most shards per variable.
+      min_shard_bytes: cut embedding tables (`tfdist.layers.ShardedEmbedding`)
+        into row shards of at least this many bytes, placed round robin on the
+        parameter servers; 0 keeps every table whole. Other Keras variables
+        always stay whole.
+      max_shards: most shards per table.
       steps_per_execution: training steps per scheduled function.
     """
 
@@ -320,8 +322,12 @@ class ModelConfig:
     """The model to train.
 
     Attributes:
-      name: `digits_cnn` (a small convolutional classifier) or `mlp`.
-      width: filters of the first conv layer, or units of each MLP layer.
+      name: `digits_cnn` (a small convolutional classifier), `mlp`, or
+        `pixel_embedding` (each pixel's position and intensity as a token in a
+        `tfdist.layers.ShardedEmbedding` table of pixels x 9 rows, the
+        vectors concatenated, then a hidden layer of 2 x width).
+      width: filters of the first conv layer, units of each MLP layer, or the
+        embedding width.
       depth: number of hidden MLP layers (mlp only).
       dropout: dropout rate before the classifier.
     """

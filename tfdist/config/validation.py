@@ -45,15 +45,6 @@ _ALL_REDUCE_BY_KIND = {
     StrategyKind.MULTI_WORKER_MIRRORED: (AllReduce.AUTO, AllReduce.RING, AllReduce.NCCL),
 }
 
-# TensorFlow cuts a variable into a ShardedVariable, but a Keras 3 variable
-# cannot hold one: its gradient needs the variable's `handle`, which a
-# ShardedVariable has not.
-SHARDING_UNSUPPORTED = (
-    "sharding variables across parameter servers is not available yet: Keras 3 "
-    "variables cannot hold TensorFlow's ShardedVariable (their gradients need a "
-    "single `handle`). Leave variables whole (parameter_server.min_shard_bytes: 0)."
-)
-
 _DEVICE = re.compile(r"^/(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
 _LOSS_SCALE_WORDS = ("dynamic", "none")
 
@@ -183,10 +174,6 @@ def _check_train(config: Config) -> None:
 
 def _check_parameter_server(config: Config) -> None:
     _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
-    if config.parameter_server.min_shard_bytes:
-        raise ConfigError(
-            "parameter_server.min_shard_bytes", SHARDING_UNSUPPORTED, config.parameter_server.min_shard_bytes
-        )
 
 
 def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:

@@ -47,7 +47,6 @@ from tensorflow.python.distribute.coordinator import cluster_coordinator
 
 from tfdist import _compat
 from tfdist.config.schema import Config
-from tfdist.config.validation import SHARDING_UNSUPPORTED
 from tfdist.errors import ClusterError, ConfigError
 from tfdist.strategies.cluster import accepts_connections, cluster_resolver
 from tfdist.strategies.ps_cluster import LocalCluster, serve
@@ -67,13 +66,16 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
 
     Args:
       cluster_resolver: the cluster (chief, workers, parameter servers).
-      variable_partitioner: must be None (see `SHARDING_UNSUPPORTED`).
+      variable_partitioner: a TensorFlow partitioner (e.g.
+        `tf.distribute.experimental.partitioners.MinSizePartitioner`) that
+        decides how many shards each `tfdist.layers.ShardedEmbedding` table is
+        cut into. Other variables stay whole: a Keras 3 variable cannot hold
+        TensorFlow's `ShardedVariable` (its gradient needs a single `handle`).
     """
 
     def __init__(self, cluster_resolver, variable_partitioner=None):
-        if variable_partitioner is not None:
-            raise ValueError(SHARDING_UNSUPPORTED)
-        super().__init__(cluster_resolver)
+        super().__init__(cluster_resolver)  # no partitioner: TF would cut every Keras variable
+        self.shard_partitioner = variable_partitioner
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self.cluster_jobs: dict = cluster_resolver.cluster_spec().as_dict()
         self.num_workers = len(self.cluster_jobs.get("worker", []))
@@ -90,12 +92,14 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """The step functions Keras's trainer uses for `model` (see `_compat.install_trainer_hooks`)."""
+        train_function, read_logs = _train_function(self, model)
+
         def metrics_result():
             self._coordinator.join()  # the epoch's logs count every scheduled step
-            return _compat.metrics_result(model)
+            return read_logs(fresh_epoch=True)
 
         hooks = {
-            "train_function": _train_function(self, model),
+            "train_function": train_function,
             "test_function": _local_function(model, model.test_step),
             "predict_function": _local_predict_function(model),
             "metrics_result": metrics_result,
@@ -158,6 +162,7 @@ class _CoordinatedIterator:
 
 
 def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
+    """Keras's train function for `model`, and the reader of its logs."""
     steps = model.steps_per_execution
     # Steps queued ahead of the workers: enough that none waits for the chief,
     # few enough that the progress bar and step times follow real progress.
@@ -171,6 +176,31 @@ def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
             strategy.run(model.train_step, args=(next(iterator),))
         # No output: waiting on it must not copy a tensor from a worker that may have died since.
 
+    @tf.function
+    def metric_values():
+        # Workers update a metric's variables in creation order (Mean: total,
+        # then count) while this reads them. Read all at once, total and count
+        # (maybe on different parameter servers) came from different moments:
+        # accuracy showed 1.08. Read one after another in that same order, a
+        # step counted in a total is counted in its count by the time that is
+        # read, so a mid-epoch value lags by at most a step in flight.
+        values, previous = {}, []
+        for metric in model.metrics:
+            snapshot = []
+            for variable in metric.variables:
+                with tf.control_dependencies(previous):
+                    previous = [tf.identity(variable.value)]
+                snapshot.append(previous[0])
+            result = metric.stateless_result(snapshot)
+            values.update(result if isinstance(result, dict) else {metric.name: result})
+        return values
+
+    def read_logs(fresh_epoch: bool = False) -> dict:
+        logs = {name: float(value) for name, value in metric_values().items()}
+        # A new epoch shows no logs until its first read: not the last epoch's, not the reset zeros.
+        last_read[:] = [time.monotonic(), {} if fresh_epoch else logs]
+        return logs
+
     def train_function(iterator):
         if not isinstance(iterator, _CoordinatedIterator):
             raise ValueError(
@@ -180,12 +210,11 @@ def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
         in_flight.append(strategy.coordinator.schedule(worker_steps, args=(iterator.source.per_worker_iterator(),)))
         while len(in_flight) > window:
             in_flight.popleft().fetch()
-        now = time.monotonic()
-        if now - last_read[0] >= LOG_INTERVAL_SECONDS:  # reads cost the parameter servers
-            last_read[:] = [now, _compat.metrics_result(model)]  # as they hold them now
+        if time.monotonic() - last_read[0] >= LOG_INTERVAL_SECONDS:  # reads cost the parameter servers
+            read_logs()  # as the parameter servers hold them now
         return last_read[1]
 
-    return train_function
+    return train_function, read_logs
 
 
 def _local_function(model: keras.Model, step):
@@ -285,7 +314,12 @@ def from_config(config: Config) -> ParameterServerStrategy:
             "must be chief to coordinate; workers and parameter servers serve (`tfdist train` does that).",
             resolver.task_type,
         )
-    strategy = ParameterServerStrategy(resolver)
+    partitioner = None
+    if p.min_shard_bytes:
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=p.min_shard_bytes, max_shards=p.max_shards
+        )
+    strategy = ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     strategy.local_cluster = cluster
     return strategy
 
