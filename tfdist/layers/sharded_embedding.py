@@ -80,7 +80,7 @@ class ShardedEmbedding(keras.layers.Layer):
         # Consecutive variables go to consecutive parameter servers (round robin).
         self.shards = [
             self.add_weight(
-                shape=rows.shape, initializer=_constant(rows), name=f"embeddings_shard_{i}",
+                shape=rows.shape, initializer=keras.initializers.Constant(rows), name=f"embeddings_shard_{i}",
                 regularizer=self.embeddings_regularizer, constraint=self.embeddings_constraint,
                 autocast=False,  # lookups read the table's own dtype, as keras.layers.Embedding does
             )
@@ -147,9 +147,3 @@ def _shards_from_strategy(rows: int, columns: int, dtype) -> int:
     partitions = partitioner(tf.TensorShape([rows, columns]), tf.as_dtype(dtype))
     return max(1, min(int(partitions[0]), rows))
 
-
-def _constant(value: np.ndarray):
-    def initializer(shape, dtype=None):
-        return tf.constant(value, dtype=dtype)
-
-    return initializer

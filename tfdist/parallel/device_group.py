@@ -1,0 +1,91 @@
+"""A group of devices that tensor-parallel layers split their kernels over.
+
+Layers such as `tfdist.layers.ColumnParallelDense` take the group they are
+built in: `with DeviceGroup(["/cpu:0", "/cpu:1"]).scope():`, or the scope of a
+`tfdist.TensorParallelStrategy` (which holds one). A group of one device is the
+plain, unsharded layer, placed wherever the surrounding strategy puts it; that
+is how a model saved from a sharded run loads on one device.
+
+Example:
+
+    >>> group = DeviceGroup(["/cpu:0"])
+    >>> with group.scope():
+    ...     current_group() is group
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Optional, Sequence
+
+import tensorflow as tf
+
+__all__ = ["DeviceGroup", "current_group"]
+
+_SCOPES = threading.local()
+
+
+class DeviceGroup:
+    """Devices that share one tensor-parallel layer's work, in shard order.
+
+    Args:
+      devices: device names (`/cpu:0`, `/gpu:1`), each at most once.
+
+    Raises:
+      ValueError: no devices, a repeated device, or a device this process
+        does not have.
+    """
+
+    def __init__(self, devices: Sequence[str]):
+        devices = list(devices)
+        if not devices:
+            raise ValueError("`devices` must name at least one device. Received: []")
+        resolved = [_resolve(d) for d in devices]
+        if len(set(resolved)) != len(resolved):
+            raise ValueError(f"`devices` must not repeat a device. Received: {devices}")
+        known = {_resolve(d.name) for d in tf.config.list_logical_devices()}
+        missing = [d for d, r in zip(devices, resolved) if r not in known]
+        if missing:
+            raise ValueError(
+                f"`devices` must exist in this process; {missing} do not. Available: "
+                f"{sorted(known)} (more CPUs: strategy.logical_devices)."
+            )
+        self.devices = devices
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["DeviceGroup"]:
+        """Tensor-parallel layers made inside use this group."""
+        stack = _stack()
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def __repr__(self) -> str:
+        return f"DeviceGroup({self.devices})"
+
+
+def current_group() -> Optional[DeviceGroup]:
+    """The innermost group in scope: a `DeviceGroup.scope()`, else the strategy's."""
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    return getattr(tf.distribute.get_strategy(), "tensor_parallel_group", None)
+
+
+def _stack() -> list:
+    if not hasattr(_SCOPES, "stack"):
+        _SCOPES.stack = []
+    return _SCOPES.stack
+
+
+def _resolve(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
