@@ -19,7 +19,9 @@ def test_config_prints_resolved_yaml():
     "args,message",
     [
         (["config", "--set", "train.epoch=3"], "`train.epoch` is not a known key. Did you mean `train.epochs`?"),
-        (["config", "--set", "strategy.kind=tensor_parallel"], "`strategy.kind` tensor_parallel is not implemented"),
+        (["config", "--set", "strategy.kind=tensor_parallel"], "`model.name` must be transformer with strategy.kind=tensor_parallel"),
+        (["train", "--config", "configs/tensor_parallel.yaml", "--set", "strategy.logical_devices=3"],
+         "`strategy.logical_devices` must give a number of devices that divides model.heads (4)"),
         (["config", "--config", "does/not/exist.yaml"], "`config` must name an existing YAML file"),
         (["train", "--set", "train.global_batch_size=0"], "`train.global_batch_size` must be >= 1"),
         (["train", "--set", "strategy.devices=[/gpu:0]"], "`strategy.devices[0]` names a device that does not exist"),

@@ -18,9 +18,12 @@ import math
 import keras
 
 from tfdist.config.schema import ModelConfig, ModelName
-from tfdist.layers import ShardedEmbedding
+import tensorflow as tf
 
-__all__ = ["PixelTokens", "build"]
+from tfdist.layers import ParallelMLP, ParallelMultiHeadAttention, ShardedEmbedding
+from tfdist.parallel import DeviceGroup, current_group
+
+__all__ = ["PixelTokens", "PositionEmbedding", "build"]
 
 INTENSITY_LEVELS = 9  # digits pixels (k/16) to eighths: fewer, better-trained rows
 
@@ -50,9 +53,22 @@ class PixelTokens(keras.layers.Layer):
         return {**super().get_config(), "levels": self.levels}
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per sequence position (the inputs are (batch, length, width))."""
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(shape=tuple(input_shape[1:]), initializer="zeros", name="positions")
+
+    def call(self, inputs):
+        return inputs + self.positions
+
+
 def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
     """Builds the configured model (call under a strategy's scope)."""
     layers = keras.layers
+    if ModelName(config.name) == ModelName.TRANSFORMER:
+        return _transformer(config, input_shape, num_classes)
     if ModelName(config.name) == ModelName.DIGITS_CNN:
         body = [
             layers.Conv2D(config.width, 3, padding="same", activation="relu"),
@@ -81,3 +97,28 @@ def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int
     return keras.Sequential(
         [keras.Input(input_shape), *body, *head], name=ModelName(config.name).value
     )
+
+
+def _transformer(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+    """Image rows as a sequence, pre-norm Transformer blocks, mean-pooled classifier.
+
+    The attention and MLP blocks split over the tensor-parallel group in scope;
+    with none (any other strategy) they are plain layers on one device.
+    """
+    layers = keras.layers
+    group = current_group() or DeviceGroup([tf.config.list_logical_devices()[0].name])
+    inputs = keras.Input(input_shape)
+    x = layers.Reshape((input_shape[0], math.prod(input_shape[1:])))(inputs)
+    x = PositionEmbedding()(layers.Dense(config.width)(x))
+    for block in range(config.depth):
+        y = layers.LayerNormalization(name=f"block{block}_attention_norm")(x)
+        y = ParallelMultiHeadAttention(
+            config.heads, config.width // config.heads, group=group, name=f"block{block}_attention"
+        )(y, y)
+        x = layers.Add()([x, y])
+        y = layers.LayerNormalization(name=f"block{block}_mlp_norm")(x)
+        x = layers.Add()([x, ParallelMLP(4 * config.width, group=group, name=f"block{block}_mlp")(y)])
+    x = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
+    x = layers.Dropout(config.dropout)(x)
+    outputs = layers.Activation("softmax", dtype="float32")(layers.Dense(num_classes)(x))
+    return keras.Model(inputs, outputs, name=ModelName.TRANSFORMER.value)

@@ -32,6 +32,7 @@ from tfdist.strategies import (
     MultiWorkerMirroredStrategy,
     ParameterServerStrategy,
     PipelineStrategy,
+    TensorParallelStrategy,
     make_strategy,
 )
 from tfdist.strategies import horovod, parameter_server
@@ -133,6 +134,8 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
 def _devices(strategy: tf.distribute.Strategy) -> list[str]:
     if isinstance(strategy, PipelineStrategy):
         return [d for group in strategy.stage_devices for d in group]
+    if isinstance(strategy, TensorParallelStrategy):
+        return strategy.devices
     return list(strategy.extended.worker_devices)
 
 

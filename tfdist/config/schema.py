@@ -120,6 +120,7 @@ class ModelName(str, enum.Enum):
     DIGITS_CNN = "digits_cnn"
     MLP = "mlp"
     PIXEL_EMBEDDING = "pixel_embedding"
+    TRANSFORMER = "transformer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,19 +323,24 @@ class ModelConfig:
     """The model to train.
 
     Attributes:
-      name: `digits_cnn` (a small convolutional classifier), `mlp`, or
+      name: `digits_cnn` (a small convolutional classifier), `mlp`,
         `pixel_embedding` (each pixel's position and intensity as a token in a
         `tfdist.layers.ShardedEmbedding` table of pixels x 9 rows, the
-        vectors concatenated, then a hidden layer of 2 x width).
-      width: filters of the first conv layer, units of each MLP layer, or the
-        embedding width.
-      depth: number of hidden MLP layers (mlp only).
+        vectors concatenated, then a hidden layer of 2 x width), or
+        `transformer` (image rows as a sequence; pre-norm blocks of
+        `tfdist.layers.ParallelMultiHeadAttention` and `ParallelMLP`, which
+        split over the devices of strategy.kind=tensor_parallel).
+      width: filters of the first conv layer, units of each MLP layer, the
+        embedding width, or the transformer's model width.
+      depth: number of hidden MLP layers, or transformer blocks.
+      heads: attention heads per transformer block (transformer only).
       dropout: dropout rate before the classifier.
     """
 
     name: ModelName = ModelName.DIGITS_CNN
     width: int = bounded(32, low=1)
     depth: int = bounded(2, low=1, high=64)
+    heads: int = bounded(4, low=1, high=256)
     dropout: float = bounded(0.1, low=0, high=0.9)
 
 

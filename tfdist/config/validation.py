@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from tfdist.config.schema import AllReduce, Config, PrecisionPolicy, StrategyKind
+from tfdist.config.schema import AllReduce, Config, ModelName, PrecisionPolicy, StrategyKind
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "check_address",
     "check_batch_split",
     "check_pipeline_devices",
+    "check_tensor_parallel_devices",
     "check_devices",
     "parse_device",
 ]
@@ -33,6 +34,7 @@ IMPLEMENTED_KINDS = (
     StrategyKind.PIPELINE,
     StrategyKind.PARAMETER_SERVER,
     StrategyKind.HOROVOD,
+    StrategyKind.TENSOR_PARALLEL,
 )
 
 _ALL_REDUCE_BY_KIND = {
@@ -59,6 +61,7 @@ def check(config: Config) -> None:
     _check_pipeline(config)
     _check_parameter_server(config)
     _check_section_kind(config, "horovod", StrategyKind.HOROVOD)
+    _check_tensor_parallel(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
@@ -174,6 +177,32 @@ def _check_train(config: Config) -> None:
 
 def _check_parameter_server(config: Config) -> None:
     _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
+
+
+def _check_tensor_parallel(config: Config) -> None:
+    m = config.model
+    if config.strategy.kind == StrategyKind.TENSOR_PARALLEL and m.name != ModelName.TRANSFORMER:
+        raise ConfigError(
+            "model.name",
+            "must be transformer with strategy.kind=tensor_parallel: the other models have no "
+            "tensor-parallel layers, so nothing would be split.",
+            m.name.value,
+        )
+    if m.name == ModelName.TRANSFORMER and m.width % m.heads:
+        raise ConfigError("model.width", f"must divide by model.heads ({m.heads}) for transformer.", m.width)
+
+
+def check_tensor_parallel_devices(config: Config, devices: int) -> None:
+    """Raises ConfigError unless the transformer's heads and MLP split over `devices`."""
+    m = config.model
+    key = "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
+    for name, value in (("model.heads", m.heads), ("4 x model.width (MLP units)", 4 * m.width)):
+        if value % devices:
+            raise ConfigError(
+                key,
+                f"must give a number of devices that divides {name} ({value}). This config gives {devices}.",
+                list(config.strategy.devices) or config.strategy.logical_devices,
+            )
 
 
 def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:

@@ -6,6 +6,7 @@ from tfdist.strategies.horovod import HorovodStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
 from tfdist.strategies.pipeline import PipelineStrategy
+from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = [
     "HorovodStrategy",
@@ -13,5 +14,6 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "TensorParallelStrategy",
     "make_strategy",
 ]

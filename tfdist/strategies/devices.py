@@ -82,7 +82,7 @@ def configure_runtime(config: Config) -> int:
     )
     gpus = physical_gpus()
     check_devices(config, gpus=gpus)
-    single_host = (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE, StrategyKind.PIPELINE)
+    single_host = (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE, StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL)
     if not gpus and config.strategy.kind in single_host:
         ensure_logical_cpus(config.strategy.logical_devices)
     return gpus
