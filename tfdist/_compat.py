@@ -16,6 +16,7 @@ __all__ = [
     "keras_step_function",
     "loss_tracker",
     "metrics_result",
+    "needs_gradient",
 ]
 
 
@@ -165,6 +166,13 @@ def metrics_result(model) -> dict:
 
     original = _ORIGINAL_TRAINER_METHODS.get("get_metrics_result", TensorFlowTrainer.get_metrics_result)
     return original(model)
+
+
+def needs_gradient(tensor) -> bool:
+    """Whether a gradient tape in scope records `tensor` (so something needs its gradient)."""
+    from tensorflow.python.eager import record
+
+    return bool(record.should_record_backprop([tensor]))
 
 
 def install_atomic_parameter_server_updates() -> None:

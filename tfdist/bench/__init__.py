@@ -18,6 +18,7 @@ BENCHMARKS = {
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",
+    "tensor_parallel": "tfdist.bench.tensor_parallel",
 }
 
 

@@ -1,0 +1,142 @@
+"""`tfdist bench tensor_parallel`: a column-then-row-parallel MLP against the same MLP on one device.
+
+Two logical CPU devices with single-threaded ops (intra-op 1, inter-op 2:
+DESIGN.md shows that ops on two such devices run concurrently). The model is
+one large `ParallelMLP` block (input width -> hidden -> input width, Megatron's
+MLP) trained by `model.fit` with SGD on a repeated batch, so no input work
+competes for the cores:
+
+- `tensor_parallel`: under `TensorParallelStrategy` on `/cpu:0` and `/cpu:1`,
+  each device holding half of both kernels;
+- `one_device`: the identical block under a one-device group, i.e. two plain
+  Dense matmuls on `/cpu:0`.
+
+Rounds alternate; medians are compared. Figures: `speedup` = one-device
+training step time / tensor-parallel step time; `bound` = 2.0 (the group
+size); `efficiency` = speedup / bound; `speedup_forward` = the same ratio for
+the forward pass alone (a compiled `model(x)`); `max_device_share` = the
+largest fraction of the sharded MLP's variable bytes that one device holds
+(1/N when split evenly). Target: speedup >= 1.8.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from tfdist.bench.timing import alternate, medians
+from tfdist.callbacks import Throughput
+from tfdist.config.schema import Config
+from tfdist.errors import ConfigError
+
+__all__ = ["run", "measure"]
+
+DEVICES = ("/cpu:0", "/cpu:1")
+TARGET_SPEEDUP = 1.8
+
+
+def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
+    if config is not None:
+        raise ConfigError(
+            "config",
+            "is not used by the tensor_parallel benchmark: it sets its own devices, threads and model.",
+            "given",
+        )
+    return measure(repeats=repeats)
+
+
+def measure(
+    *, repeats: int = 5, width: int = 2048, hidden: int = 8192, batch: int = 256, steps_per_round: int = 5
+) -> dict[str, Any]:
+    """Times both variants in this process (call before TensorFlow has started)."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+
+    import keras
+
+    from tfdist.layers import ParallelMLP
+    from tfdist.parallel import DeviceGroup
+    from tfdist.strategies.devices import ensure_logical_cpus
+    from tfdist.strategies.tensor_parallel import TensorParallelStrategy
+
+    ensure_logical_cpus(len(DEVICES))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, width)).astype("float32")
+    dataset = tf.data.Dataset.from_tensors((x, x)).repeat()
+
+    def build(scope):
+        with scope:
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((width,)), ParallelMLP(hidden, activation="relu")])
+            model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+        return model
+
+    models = {
+        "tensor_parallel": build(TensorParallelStrategy(list(DEVICES)).scope()),
+        "one_device": build(DeviceGroup([DEVICES[0]]).scope()),
+    }
+
+    def train_round(model):
+        def one_round() -> float:
+            timer = Throughput(batch, warmup_steps=1)
+            model.fit(dataset, epochs=1, steps_per_epoch=steps_per_round, verbose=0, callbacks=[timer])
+            return timer.step_time_ms
+
+        return one_round
+
+    def forward_round(model):
+        forward = tf.function(lambda: model(inputs, training=False))
+        inputs = tf.constant(x)
+        forward()  # traced outside the timing
+
+        def one_round() -> float:
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                forward().numpy()
+            return 1000 * (time.perf_counter() - start) / steps_per_round
+
+        return one_round
+
+    rounds = {name: train_round(model) for name, model in models.items()}
+    rounds.update({f"{name}_forward": forward_round(model) for name, model in models.items()})
+    samples = alternate(rounds, repeats=repeats)
+    step_ms = medians(samples)
+    bytes_per_device = _variable_bytes_per_device(models["tensor_parallel"])
+    speedup = step_ms["one_device"] / step_ms["tensor_parallel"]
+    figures = {
+        "speedup": speedup,
+        "bound": float(len(DEVICES)),
+        "efficiency": speedup / len(DEVICES),
+        "speedup_forward": step_ms["one_device_forward"] / step_ms["tensor_parallel_forward"],
+        "max_device_share": max(bytes_per_device.values()) / sum(bytes_per_device.values()),
+        "meets_speedup_target": speedup >= TARGET_SPEEDUP,
+    }
+    return {
+        "benchmark": "tensor_parallel",
+        "strategy": "tensor_parallel",
+        "devices": list(DEVICES),
+        "global_batch_size": batch,
+        "model": {"block": "ParallelMLP", "width": width, "hidden": hidden},
+        "threads": {"intra_op": 1, "inter_op": 2},
+        "steps_per_round": steps_per_round,
+        "repeats": repeats,
+        "step_time_ms": step_ms,
+        "samples_per_sec": {k: 1000 * batch / v for k, v in step_ms.items()},
+        "step": "train: model.fit step with SGD; *_forward: model(x) alone",
+        "variable_bytes_per_device": bytes_per_device,
+        "samples": samples,
+        "figures": figures,
+    }
+
+
+def _variable_bytes_per_device(model) -> dict[str, int]:
+    """Bytes of the model's variables by device (optimizer state excluded)."""
+    totals: dict[str, int] = {}
+    for variable in model.weights:
+        device = variable.value.device.split("device:")[-1]
+        totals[device] = totals.get(device, 0) + int(np.prod(variable.shape)) * variable.value.dtype.size
+    return totals
