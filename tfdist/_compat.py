@@ -15,7 +15,6 @@ __all__ = [
     "install_trainer_hooks",
     "keras_step_function",
     "loss_tracker",
-    "metrics_result",
     "needs_gradient",
 ]
 
@@ -158,14 +157,6 @@ def keras_step_function(model, attribute: str):
     maker = "make_" + attribute
     _ORIGINAL_TRAINER_METHODS.get(maker, getattr(TensorFlowTrainer, maker))(model, force=True)
     return getattr(model, attribute)
-
-
-def metrics_result(model) -> dict:
-    """Keras's own `get_metrics_result`, without any strategy hook (no waiting)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    original = _ORIGINAL_TRAINER_METHODS.get("get_metrics_result", TensorFlowTrainer.get_metrics_result)
-    return original(model)
 
 
 def needs_gradient(tensor) -> bool:
