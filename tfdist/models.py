@@ -103,22 +103,25 @@ def _transformer(config: ModelConfig, input_shape: tuple[int, ...], num_classes:
     """Image rows as a sequence, pre-norm Transformer blocks, mean-pooled classifier.
 
     The attention and MLP blocks split over the tensor-parallel group in scope;
-    with none (any other strategy) they are plain layers on one device.
+    with none (any other strategy) they are plain layers on one device. Every
+    layer is named, so a placement by name (`placement.layers`) is stable.
     """
     layers = keras.layers
     group = current_group() or DeviceGroup([tf.config.list_logical_devices()[0].name])
-    inputs = keras.Input(input_shape)
-    x = layers.Reshape((input_shape[0], math.prod(input_shape[1:])))(inputs)
-    x = PositionEmbedding()(layers.Dense(config.width)(x))
+    inputs = keras.Input(input_shape, name="image")
+    x = layers.Reshape((input_shape[0], math.prod(input_shape[1:])), name="rows")(inputs)
+    x = PositionEmbedding(name="positions")(layers.Dense(config.width, name="embed")(x))
     for block in range(config.depth):
         y = layers.LayerNormalization(name=f"block{block}_attention_norm")(x)
         y = ParallelMultiHeadAttention(
             config.heads, config.width // config.heads, group=group, name=f"block{block}_attention"
         )(y, y)
-        x = layers.Add()([x, y])
+        x = layers.Add(name=f"block{block}_attention_residual")([x, y])
         y = layers.LayerNormalization(name=f"block{block}_mlp_norm")(x)
-        x = layers.Add()([x, ParallelMLP(4 * config.width, group=group, name=f"block{block}_mlp")(y)])
-    x = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
-    x = layers.Dropout(config.dropout)(x)
-    outputs = layers.Activation("softmax", dtype="float32")(layers.Dense(num_classes)(x))
+        y = ParallelMLP(4 * config.width, group=group, name=f"block{block}_mlp")(y)
+        x = layers.Add(name=f"block{block}_mlp_residual")([x, y])
+    x = layers.GlobalAveragePooling1D(name="pool")(layers.LayerNormalization(name="final_norm")(x))
+    x = layers.Dropout(config.dropout, name="dropout")(x)
+    logits = layers.Dense(num_classes, name="classifier")(x)
+    outputs = layers.Activation("softmax", dtype="float32", name="softmax")(logits)
     return keras.Model(inputs, outputs, name=ModelName.TRANSFORMER.value)

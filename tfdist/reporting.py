@@ -53,6 +53,7 @@ def format_summary(result: Mapping[str, Any]) -> str:
         f"  strategy        {result['strategy']} ({replicas} replica(s))",
         *([f"  cluster         {result['cluster']}"] if "cluster" in result else []),
         *([f"  sharded tables  {result['sharded_tables']}"] if "sharded_tables" in result else []),
+        *([f"  placement       {result['placement']}"] if "placement" in result else []),
         f"  local devices   {', '.join(_short(d) for d in result['devices'])}",
         f"  global batch    {result['global_batch_size']} ({per_replica} per replica)",
         f"  precision       {result['precision']}",

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 from typing import Any, Optional, TextIO
@@ -25,6 +26,8 @@ from tfdist import data, models, precision
 from tfdist.callbacks import RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.layers import shard_placement
+from tfdist.parallel import DeviceGroup
+from tfdist.parallel.placement import balance_by_memory
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies import (
@@ -69,6 +72,9 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     keras.utils.set_random_seed(train.seed)
     split = data.load(config.data, seed=train.seed)
     steps = train.steps_per_epoch or data.steps_per_epoch(len(split.x_train), train.global_batch_size)
+    if isinstance(strategy, TensorParallelStrategy) and config.placement.balance_by_memory:
+        strategy.place(_placement_by_memory(config, split, strategy.devices))
+        keras.utils.set_random_seed(train.seed)  # the probe drew from it; the model starts as without placement
     with strategy.scope():
         model = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
         optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=_accumulation_steps(config))
@@ -214,6 +220,9 @@ def run(
         tables = shard_placement(job.model)
         if tables:
             result["sharded_tables"] = "; ".join(_shards_line(name, devices) for name, devices in tables.items())
+    if isinstance(job.strategy, TensorParallelStrategy) and job.strategy.placement:
+        per_device = collections.Counter(job.strategy.placement.values())
+        result["placement"] = ", ".join(f"{n} layer(s) on {d}" for d, n in sorted(per_device.items()))
     if isinstance(job.strategy, HorovodStrategy):
         result["cluster"] = f"{job.strategy.size} Horovod rank(s), one process per device"
     if chief:
@@ -226,3 +235,10 @@ def run(
 def _shards_line(table: str, devices: list[str]) -> str:
     tasks = ", ".join(str(tf.DeviceSpec.from_string(device).task) for device in devices)
     return f"{table} in {len(devices)} shard(s) on ps {tasks}"
+
+
+def _placement_by_memory(config: Config, split, devices: list[str]) -> dict[str, str]:
+    """Layer name -> device, from a throwaway build of the model on one device (its layers are named)."""
+    with DeviceGroup(devices[:1]).scope():
+        probe = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
+    return balance_by_memory(probe, devices)

@@ -71,3 +71,80 @@ def test_transformer_config_trains_with_tensor_parallelism(tmp_path):
     assert result["devices"] == ["/cpu:0", "/cpu:1"]
     assert result["final"]["val_accuracy"] >= 0.9
     assert "local devices   /cpu:0, /cpu:1" in proc.stdout
+
+
+def _layers_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(32, activation="relu", name="a"),
+        keras.layers.Dense(32, activation="relu", name="b"), keras.layers.Dense(3, name="c"),
+    ])
+
+
+def test_balance_by_memory_cuts_the_layers_into_contiguous_even_runs():
+    from tfdist.parallel.placement import balance_by_memory
+
+    # Parameters: a 288, b 1056, c 99: [a] [b, c] leaves the larger run smallest.
+    assert balance_by_memory(_layers_model(), ["/cpu:0", "/cpu:1"]) == {"a": "/cpu:0", "b": "/cpu:1", "c": "/cpu:1"}
+    with pytest.raises(ValueError, match="must not outnumber the model's layers \\(3\\)"):
+        balance_by_memory(_layers_model(), ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
+
+
+def test_placed_layers_keep_variables_state_and_computation_on_their_device():
+    strategy = TensorParallelStrategy(["/cpu:0", "/cpu:1"], placement={"b": "/cpu:1", "c": "/cpu:1"})
+    with strategy.scope():
+        model = _layers_model()
+        model.compile(optimizer="adam", loss="mse")
+    reference = _layers_model()
+    reference.compile(optimizer="adam", loss="mse")
+    x, y = np.random.default_rng(0).random((64, 8), "float32"), np.random.default_rng(1).random((64, 3), "float32")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert {v.path.split("/")[1]: _device_index(v) for v in model.weights} == {"a": 0, "b": 1, "c": 1}
+    slots = [v for v in model.optimizer.variables if "_b_" in v.path or "_c_" in v.path]
+    assert slots and all(_device_index(v) == 1 for v in slots)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return tape.gradient(loss, model.trainable_weights)
+
+    graph = step.get_concrete_function(tf.TensorSpec((None, 8))).graph
+    matmul_devices = [op.device for op in _all_ops(graph) if op.type == "MatMul"]
+    # a's forward and kernel gradient stay unplaced (first device); b's and c's
+    # forward (2) and backward (input and kernel gradients: 4) run on /cpu:1.
+    assert sum("CPU:1" in d for d in matmul_devices) == 6
+
+
+def _all_ops(graph):
+    ops = list(graph.get_operations())
+    for function in graph._functions.values():
+        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+    return ops
+
+
+def test_a_placement_naming_no_layer_fails_before_the_first_step():
+    strategy = TensorParallelStrategy(["/cpu:0", "/cpu:1"], placement={"nope": "/cpu:1"})
+    with strategy.scope():
+        model = _layers_model()
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match=r"the placement names layers the model does not have: \['nope'\]"):
+        model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
+
+
+def test_a_placement_off_the_group_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"`placement` must use the strategy's devices"):
+        TensorParallelStrategy(["/cpu:0", "/cpu:1"], placement={"a": "/cpu:2"})
+
+
+def test_config_places_the_transformer_by_memory(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run_tfdist("train", "--config", "configs/tensor_parallel.yaml", "--set", "train.epochs=1",
+                      "--set", "placement.balance_by_memory=true", "--metrics_out", str(metrics), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placement = json.loads(metrics.read_text())["placement"]
+    assert "layer(s) on /cpu:0" in placement and "layer(s) on /cpu:1" in placement
+    assert f"placement       {placement}" in proc.stdout

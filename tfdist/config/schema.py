@@ -156,6 +156,23 @@ class StrategyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """Model parallelism: whole layers on devices (strategy.kind=tensor_parallel).
+
+    A placed layer's variables are created on its device and its forward and
+    backward run there; layers not placed stay on the first device.
+
+    Attributes:
+      layers: `name=device` pairs (`block1_mlp=/cpu:1`).
+      balance_by_memory: place every layer: contiguous runs of the model's
+        layers, one per device, with parameter bytes balanced.
+    """
+
+    layers: tuple[str, ...] = ()
+    balance_by_memory: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline parallelism (strategy.kind=pipeline).
 
@@ -415,6 +432,7 @@ class Config:
       pipeline: pipeline parallelism settings (strategy.kind=pipeline).
       parameter_server: parameter-server settings (strategy.kind=parameter_server).
       horovod: Horovod all-reduce settings (strategy.kind=horovod).
+      placement: whole layers on devices (strategy.kind=tensor_parallel).
       precision: dtype policy and loss scaling.
       train: the training loop.
       data: the input data.
@@ -428,6 +446,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     parameter_server: ParameterServerConfig = ParameterServerConfig()
     horovod: HorovodConfig = HorovodConfig()
+    placement: PlacementConfig = PlacementConfig()
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()

@@ -20,6 +20,7 @@ __all__ = [
     "check_batch_split",
     "check_pipeline_devices",
     "check_tensor_parallel_devices",
+    "placement_pairs",
     "check_devices",
     "parse_device",
 ]
@@ -62,6 +63,7 @@ def check(config: Config) -> None:
     _check_parameter_server(config)
     _check_section_kind(config, "horovod", StrategyKind.HOROVOD)
     _check_tensor_parallel(config)
+    _check_placement(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
@@ -192,17 +194,39 @@ def _check_tensor_parallel(config: Config) -> None:
         raise ConfigError("model.width", f"must divide by model.heads ({m.heads}) for transformer.", m.width)
 
 
-def check_tensor_parallel_devices(config: Config, devices: int) -> None:
-    """Raises ConfigError unless the transformer's heads and MLP split over `devices`."""
+def _check_placement(config: Config) -> None:
+    _check_section_kind(config, "placement", StrategyKind.TENSOR_PARALLEL)
+    p = config.placement
+    if p.layers and p.balance_by_memory:
+        raise ConfigError("placement.balance_by_memory", "and placement.layers exclude each other.", True)
+    for i, pair in enumerate(p.layers):
+        name, _, device = pair.partition("=")
+        if not name or not device:
+            raise ConfigError(f"placement.layers[{i}]", "must be `layer_name=device`, e.g. block1_mlp=/cpu:1.", pair)
+        parse_device(device, f"placement.layers[{i}]")
+
+
+def placement_pairs(config: Config) -> dict[str, str]:
+    """`placement.layers` as layer name -> device."""
+    return dict(pair.split("=", 1) for pair in config.placement.layers)
+
+
+def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
+    """Raises ConfigError unless the transformer's heads and MLP split over `devices`
+    and every placed layer goes to one of them."""
     m = config.model
     key = "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
     for name, value in (("model.heads", m.heads), ("4 x model.width (MLP units)", 4 * m.width)):
-        if value % devices:
+        if value % len(devices):
             raise ConfigError(
                 key,
-                f"must give a number of devices that divides {name} ({value}). This config gives {devices}.",
+                f"must give a number of devices that divides {name} ({value}). This config gives {len(devices)}.",
                 list(config.strategy.devices) or config.strategy.logical_devices,
             )
+    local = {parse_device(d, key) for d in devices}
+    for i, device in enumerate(placement_pairs(config).values()):
+        if parse_device(device, f"placement.layers[{i}]") not in local:
+            raise ConfigError(f"placement.layers[{i}]", f"must place on one of the strategy's devices {devices}.", device)
 
 
 def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:

@@ -9,8 +9,7 @@ needs one sum per block, and the activation in between stays on each device.
 
 Every shard is its own Keras variable, created on its device, so each device
 holds 1/N of a sharded kernel. Each shard's forward and backward run on its
-device (`_on_device`): TensorFlow's tape would otherwise place gradient ops
-without a device, and they piled up on the first one.
+device (`tfdist.parallel.placement.on_device`).
 
 Initial values and saved weights are the whole kernels, in the layout of the
 Keras layer each one replaces (`Dense`, `MultiHeadAttention`), so they do not
@@ -30,43 +29,16 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_group
+from tfdist.parallel.placement import on_device
 
 __all__ = ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense"]
-
-
-def _on_device(device: Optional[str], fn: Callable, *inputs):
-    """`fn(*inputs)` with its forward and its gradient both placed on `device`."""
-    if device is None:
-        return fn(*inputs)
-    # Only inputs a tape records get gradients: for the model's input data an
-    # input gradient would be a wasted matmul per shard (measured: the speed-up
-    # of a 2-device MLP fell from 2.0 to 1.7). A tensor passed twice
-    # (attention's key is its value) is one input, or its gradient would count twice.
-    differentiable = list({id(x): x for x in inputs if _compat.needs_gradient(x)}.values())
-
-    @tf.custom_gradient
-    def forward(*xs):
-        replaced = {id(d): x for d, x in zip(differentiable, xs)}
-        with tf.device(device), tf.GradientTape() as tape:
-            tape.watch(xs)
-            y = fn(*[replaced.get(id(x), x) for x in inputs])
-
-        def backward(dy, variables=None):
-            with tf.device(device):
-                grads = tape.gradient(y, list(xs) + list(variables or []), output_gradients=dy)
-            return grads[: len(xs)], grads[len(xs):]
-
-        return y, backward
-
-    return forward(*differentiable)
 
 
 class _TensorParallelLayer(keras.layers.Layer):
@@ -173,7 +145,7 @@ class ColumnParallelDense(_TensorParallelLayer):
                 return self.activation(y + bias if bias is not None else y)
             return fn
 
-        parts = [_on_device(d, shard(k, b), inputs) for d, k, b in zip(self.devices, self.kernels, self.biases)]
+        parts = [on_device(d, shard(k, b), inputs) for d, k, b in zip(self.devices, self.kernels, self.biases)]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=-1)
 
     def compute_output_shape(self, input_shape):
@@ -212,7 +184,7 @@ class RowParallelDense(_TensorParallelLayer):
     def call(self, inputs):
         slices = tf.split(inputs, len(self.kernels), axis=-1)
         parts = [
-            _on_device(d, lambda x, k=k: tf.tensordot(x, k, 1), x)
+            on_device(d, lambda x, k=k: tf.tensordot(x, k, 1), x)
             for d, k, x in zip(self.devices, self.kernels, slices)
         ]
         y = tf.add_n(parts)  # the all-reduce
@@ -263,7 +235,7 @@ class ParallelMLP(_TensorParallelLayer):
             return lambda x: tf.tensordot(self.activation(tf.tensordot(x, w1, 1) + b1), w2, 1)
 
         parts = [
-            _on_device(d, shard(w1, b1, w2), inputs)
+            on_device(d, shard(w1, b1, w2), inputs)
             for d, w1, b1, w2 in zip(self.devices, self.hidden_kernels, self.hidden_biases, self.output_kernels)
         ]
         return tf.add_n(parts) + self.output_bias
@@ -333,7 +305,7 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
             return fn
 
         parts = [
-            _on_device(d, shard(q, k, v, o), query, key, value)
+            on_device(d, shard(q, k, v, o), query, key, value)
             for d, q, k, v, o in zip(self.devices, self.query, self.key, self.value, self.output_kernels)
         ]
         return tf.add_n(parts) + self.output_bias

@@ -15,7 +15,12 @@ import tensorflow as tf
 
 from tfdist import precision
 from tfdist.config.schema import Config, StrategyKind
-from tfdist.config.validation import check_batch_split, check_pipeline_devices, check_tensor_parallel_devices
+from tfdist.config.validation import (
+    check_batch_split,
+    check_pipeline_devices,
+    check_tensor_parallel_devices,
+    placement_pairs,
+)
 from tfdist.errors import ConfigError
 from tfdist.strategies import data_parallel, horovod, multi_worker, parameter_server
 from tfdist.strategies.devices import configure_runtime, local_devices
@@ -66,8 +71,8 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
             raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", kind.value) from None
     elif kind == StrategyKind.TENSOR_PARALLEL:
         devices = local_devices(config, gpus)
-        check_tensor_parallel_devices(config, len(devices))
-        strategy = TensorParallelStrategy(devices)
+        check_tensor_parallel_devices(config, devices)
+        strategy = TensorParallelStrategy(devices, placement=placement_pairs(config))
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build

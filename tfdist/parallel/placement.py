@@ -1,0 +1,119 @@
+"""Placing computation on devices: one function (`on_device`), or whole layers.
+
+`on_device` runs a function's forward and backward on one device; TensorFlow's
+tape would otherwise leave the gradient ops without a device, and they piled
+up on the first one. Tensor-parallel layers use it for each shard.
+
+A placement maps layer names to devices. Under `tfdist.TensorParallelStrategy`
+a placed layer's variables are created on its device (matched by the Keras
+name scope they are built in) and its computation, forward and backward, runs
+there (`place_computation`). Layers not named stay on the strategy's first
+device. `balance_by_memory` proposes a placement: the model's layers in order,
+cut into one contiguous run per device with the parameter bytes as even as
+possible (the partition the pipeline strategy also uses).
+
+Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="a"),
+    ...                           keras.layers.Dense(8, name="b")])
+    >>> balance_by_memory(model, ["/cpu:0", "/cpu:1"])
+    {'a': '/cpu:0', 'b': '/cpu:1'}
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Mapping, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdist import _compat
+from tfdist.parallel.partition import balance
+
+__all__ = ["balance_by_memory", "device_for_scope", "on_device", "place_computation"]
+
+
+def on_device(device: Optional[str], fn: Callable, *inputs):
+    """`fn(*inputs)` with its forward and its gradient both placed on `device`."""
+    if device is None:
+        return fn(*inputs)
+    # Only inputs a tape records get gradients: for the model's input data an
+    # input gradient would be a matmul per shard that nothing uses. A tensor
+    # passed twice (attention's key is its value) is one input, or its
+    # gradient would count twice.
+    differentiable = list({id(x): x for x in inputs if _compat.needs_gradient(x)}.values())
+
+    @tf.custom_gradient
+    def forward(*xs):
+        replaced = {id(d): x for d, x in zip(differentiable, xs)}
+        with tf.device(device), tf.GradientTape() as tape:
+            tape.watch(xs)
+            y = fn(*[replaced.get(id(x), x) for x in inputs])
+
+        def backward(dy, variables=None):
+            with tf.device(device):
+                grads = tape.gradient(y, list(xs) + list(variables or []), output_gradients=dy)
+            return grads[: len(xs)], grads[len(xs):]
+
+        return y, backward
+
+    return forward(*differentiable)
+
+
+def balance_by_memory(model: keras.Model, devices: Sequence[str]) -> dict[str, str]:
+    """Every top-level layer of `model` on one of `devices`, contiguous runs, parameter bytes balanced.
+
+    Raises:
+      ValueError: fewer layers than devices.
+    """
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    if len(layers) < len(devices):
+        raise ValueError(
+            f"`devices` must not outnumber the model's layers ({len(layers)}) to place them by memory. "
+            f"Received: {len(devices)} devices"
+        )
+    costs = [sum(w.value.dtype.size * int(tf.size(w.value)) for w in layer.weights) for layer in layers]
+    starts = [0, *balance(costs, len(devices)), len(layers)]
+    return {
+        layer.name: device
+        for device, start, stop in zip(devices, starts[:-1], starts[1:])
+        for layer in layers[start:stop]
+    }
+
+
+def device_for_scope(placement: Mapping[str, str], name_scope: str) -> Optional[str]:
+    """The device of the innermost placed layer in a name scope (`model/block1_mlp`), if any."""
+    for part in reversed(name_scope.split("/")):
+        if part in placement:
+            return placement[part]
+    return None
+
+
+def place_computation(model: keras.Model, placement: Mapping[str, str]) -> None:
+    """Runs each placed layer of `model` on its device, forward and backward. Idempotent.
+
+    Raises:
+      ValueError: the placement names a layer that `model` does not have.
+    """
+    layers = {layer.name: layer for layer in model._flatten_layers(include_self=False, recursive=True)}
+    unknown = sorted(set(placement) - set(layers))
+    if unknown:
+        raise ValueError(
+            f"the placement names layers the model does not have: {unknown}. Layers: {sorted(layers)}"
+        )
+    for name, device in placement.items():
+        layer = layers[name]
+        if getattr(layer, "_tfdist_device", None) == device:
+            continue
+        original = getattr(layer, "_tfdist_original_call", layer.call)
+
+        @functools.wraps(original)
+        def call(*args, _original=original, _device=device, **kwargs):
+            if all(tf.is_tensor(a) for a in args):
+                return on_device(_device, lambda *xs: _original(*xs, **kwargs), *args)
+            with tf.device(_device):  # nested inputs: the forward alone is placed
+                return _original(*args, **kwargs)
+
+        layer._tfdist_original_call, layer._tfdist_device = original, device
+        layer.call = call
