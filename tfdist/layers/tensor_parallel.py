@@ -115,8 +115,27 @@ class _TensorParallelLayer(keras.layers.Layer):
         self.set_unsharded_weights([store[str(i)] for i in range(len(store.keys()))])
 
 
+class _ParallelDense(_TensorParallelLayer):
+    """What the column- and row-parallel `Dense` share: Dense's arguments and config."""
+
+    def __init__(self, units: int, activation=None, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", group=None, **kwargs):
+        super().__init__(group, **kwargs)
+        self.units, self.use_bias = units, use_bias
+        self.activation = keras.activations.get(activation)
+        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "use_bias": self.use_bias,
+                "activation": keras.activations.serialize(self.activation),
+                "kernel_initializer": self.kernel_initializer, "bias_initializer": self.bias_initializer}
+
+
 @keras.saving.register_keras_serializable(package="tfdist")
-class ColumnParallelDense(_TensorParallelLayer):
+class ColumnParallelDense(_ParallelDense):
     """`Dense` with its output columns split over the group; outputs gathered.
 
     Args:
@@ -125,13 +144,9 @@ class ColumnParallelDense(_TensorParallelLayer):
       group: the devices; None takes the group in scope.
     """
 
-    def __init__(self, units: int, activation=None, use_bias: bool = True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", group=None, **kwargs):
-        super().__init__(group, **kwargs)
+    def __init__(self, units: int, *args, **kwargs):
+        super().__init__(units, *args, **kwargs)
         self._check_divisible("units", units)
-        self.units, self.use_bias = units, use_bias
-        self.activation = keras.activations.get(activation)
-        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
 
     def build(self, input_shape):
         self.kernels = self._add_sharded("kernel", (input_shape[-1], self.units), 1, self.kernel_initializer)
@@ -148,17 +163,9 @@ class ColumnParallelDense(_TensorParallelLayer):
         parts = [on_device(d, shard(k, b), inputs) for d, k, b in zip(self.devices, self.kernels, self.biases)]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=-1)
 
-    def compute_output_shape(self, input_shape):
-        return (*input_shape[:-1], self.units)
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units, "use_bias": self.use_bias,
-                "activation": keras.activations.serialize(self.activation),
-                "kernel_initializer": self.kernel_initializer, "bias_initializer": self.bias_initializer}
-
 
 @keras.saving.register_keras_serializable(package="tfdist")
-class RowParallelDense(_TensorParallelLayer):
+class RowParallelDense(_ParallelDense):
     """`Dense` with its input rows split over the group; partial products summed.
 
     Args:
@@ -168,13 +175,6 @@ class RowParallelDense(_TensorParallelLayer):
       group: the devices; None takes the group in scope. The input width must
         divide by its size.
     """
-
-    def __init__(self, units: int, activation=None, use_bias: bool = True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", group=None, **kwargs):
-        super().__init__(group, **kwargs)
-        self.units, self.use_bias = units, use_bias
-        self.activation = keras.activations.get(activation)
-        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
 
     def build(self, input_shape):
         self._check_divisible("input width", input_shape[-1])
@@ -189,14 +189,6 @@ class RowParallelDense(_TensorParallelLayer):
         ]
         y = tf.add_n(parts)  # the all-reduce
         return self.activation(y + self.bias if self.bias is not None else y)
-
-    def compute_output_shape(self, input_shape):
-        return (*input_shape[:-1], self.units)
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units, "use_bias": self.use_bias,
-                "activation": keras.activations.serialize(self.activation),
-                "kernel_initializer": self.kernel_initializer, "bias_initializer": self.bias_initializer}
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
