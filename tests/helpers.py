@@ -1,5 +1,6 @@
 """Helpers for tests that run tfdist in subprocesses."""
 
+import json
 import os
 import subprocess
 import sys
@@ -24,3 +25,15 @@ def run_tfdist(*args, timeout=120, env=None):
         cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
+
+
+def measure_in_fresh_process(module, kwargs, timeout=600):
+    """`module.measure(**kwargs)`'s result, run in a fresh interpreter (benchmarks fix
+    TensorFlow's thread pools before it starts). `kwargs` is Python source, e.g. "dict(repeats=1)"."""
+    script = f"import json; from {module} import measure; print(json.dumps(measure(**{kwargs})))"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,13 +1,8 @@
 """`tfdist bench pipeline`: the figures, on a model small enough for a test."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from helpers import ROOT, run_tfdist
+from helpers import measure_in_fresh_process, run_tfdist
 from tfdist.bench.pipeline import bound
 
 SMALL = "dict(repeats=1, width=64, layers=4, batch=64, steps_per_round=2)"
@@ -21,14 +16,7 @@ def test_bound_is_gpipes_formula():
 
 @pytest.mark.slow
 def test_measure_reports_every_figure():
-    # A fresh interpreter: the benchmark fixes TensorFlow's thread pools before start-up.
-    script = f"import json; from tfdist.bench.pipeline import measure; print(json.dumps(measure(**{SMALL})))"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = measure_in_fresh_process("tfdist.bench.pipeline", SMALL)
     figures, step_ms, serial = result["figures"], result["step_time_ms"], result["serial_step_time_ms"]
     assert set(step_ms) == {"naive_m1"} | {f"m{m}_{s}" for m in (2, 4, 8) for s in ("gpipe", "1f1b")}
     assert set(serial) == {"naive_m1", "m8_1f1b"}

@@ -1,27 +1,15 @@
 """`tfdist bench tensor_parallel`: the figures, on an MLP small enough for a test."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from helpers import ROOT, run_tfdist
+from helpers import measure_in_fresh_process, run_tfdist
 
 SMALL = "dict(repeats=1, width=64, hidden=256, batch=32, steps_per_round=2)"
 
 
 @pytest.mark.slow
 def test_measure_reports_every_figure():
-    # A fresh interpreter: the benchmark fixes TensorFlow's thread pools before start-up.
-    script = f"import json; from tfdist.bench.tensor_parallel import measure; print(json.dumps(measure(**{SMALL})))"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = measure_in_fresh_process("tfdist.bench.tensor_parallel", SMALL)
     figures, step_ms = result["figures"], result["step_time_ms"]
     assert set(step_ms) == {"tensor_parallel", "one_device", "tensor_parallel_forward", "one_device_forward"}
     assert all(t > 0 for t in step_ms.values())

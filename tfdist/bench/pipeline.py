@@ -33,8 +33,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from tfdist.bench.timing import alternate, medians
-from tfdist.callbacks import Throughput
+from tfdist.bench.timing import alternate, fit_round, medians
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
 
@@ -175,15 +174,10 @@ def _time_variants(
     plan.update({f"m{m}_{s}": (m, s) for m in MICRO_BATCHES for s in SCHEDULES})
     variants = {name: build(*args) for name, args in plan.items() if only is None or name in only}
 
-    def round_of(model):
-        def one_round() -> float:
-            timer = Throughput(batch, warmup_steps=1)
-            model.fit(dataset, epochs=1, steps_per_epoch=steps_per_round, verbose=0, callbacks=[timer])
-            return timer.step_time_ms
-
-        return one_round
-
-    samples = alternate({name: round_of(model) for name, (_, model) in variants.items()}, repeats=repeats)
+    rounds = {
+        name: fit_round(model, dataset, batch=batch, steps=steps_per_round) for name, (_, model) in variants.items()
+    }
+    samples = alternate(rounds, repeats=repeats)
     stash = {name: strategy.peak_stashed_micro_batches for name, (strategy, _) in variants.items()}
     return medians(samples), samples, stash
 

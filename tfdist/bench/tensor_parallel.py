@@ -26,8 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from tfdist.bench.timing import alternate, medians
-from tfdist.callbacks import Throughput
+from tfdist.bench.timing import alternate, fit_round, medians
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
 
@@ -80,14 +79,6 @@ def measure(
         "one_device": build(DeviceGroup([DEVICES[0]]).scope()),
     }
 
-    def train_round(model):
-        def one_round() -> float:
-            timer = Throughput(batch, warmup_steps=1)
-            model.fit(dataset, epochs=1, steps_per_epoch=steps_per_round, verbose=0, callbacks=[timer])
-            return timer.step_time_ms
-
-        return one_round
-
     def forward_round(model):
         forward = tf.function(lambda: model(inputs, training=False))
         inputs = tf.constant(x)
@@ -101,7 +92,7 @@ def measure(
 
         return one_round
 
-    rounds = {name: train_round(model) for name, model in models.items()}
+    rounds = {name: fit_round(model, dataset, batch=batch, steps=steps_per_round) for name, model in models.items()}
     rounds.update({f"{name}_forward": forward_round(model) for name, model in models.items()})
     samples = alternate(rounds, repeats=repeats)
     step_ms = medians(samples)

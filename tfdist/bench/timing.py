@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Mapping
 
-__all__ = ["alternate", "medians"]
+__all__ = ["alternate", "fit_round", "medians"]
 
 
 def alternate(
@@ -43,3 +43,15 @@ def alternate(
 
 def medians(samples: Mapping[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def fit_round(model, dataset, *, batch: int, steps: int) -> Callable[[], float]:
+    """A round for `alternate`: `model.fit` for `steps` steps; returns its median step time (ms)."""
+    from tfdist.callbacks import Throughput  # Keras: only for the benchmarks that train
+
+    def one_round() -> float:
+        timer = Throughput(batch, warmup_steps=1)
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
+        return timer.step_time_ms
+
+    return one_round
