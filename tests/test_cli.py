@@ -20,6 +20,8 @@ def test_config_prints_resolved_yaml():
     [
         (["config", "--set", "train.epoch=3"], "`train.epoch` is not a known key. Did you mean `train.epochs`?"),
         (["config", "--set", "strategy.kind=tensor_parallel"], "`model.name` must be transformer with strategy.kind=tensor_parallel"),
+        (["train", "--config", "configs/tensor_parallel.yaml", "--set", "placement.layers=[nope=/cpu:1]"],
+         "`placement.layers` must name layers of the transformer model (block0_attention, "),
         (["train", "--config", "configs/tensor_parallel.yaml", "--set", "strategy.logical_devices=3"],
          "`strategy.logical_devices` must give a number of devices that divides model.heads (4)"),
         (["config", "--config", "does/not/exist.yaml"], "`config` must name an existing YAML file"),

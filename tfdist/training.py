@@ -25,9 +25,10 @@ import tensorflow as tf
 from tfdist import data, models, precision
 from tfdist.callbacks import RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
+from tfdist.errors import ConfigError
 from tfdist.layers import shard_placement
 from tfdist.parallel import DeviceGroup
-from tfdist.parallel.placement import balance_by_memory
+from tfdist.parallel.placement import balance_by_memory, unknown_layers
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies import (
@@ -77,6 +78,10 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         keras.utils.set_random_seed(train.seed)  # the probe drew from it; the model starts as without placement
     with strategy.scope():
         model = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
+        unknown = unknown_layers(model, strategy.placement) if isinstance(strategy, TensorParallelStrategy) else []
+        if unknown:
+            names = ", ".join(sorted(layer.name for layer in model.layers))
+            raise ConfigError("placement.layers", f"must name layers of the {model.name} model ({names}).", unknown)
         optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=_accumulation_steps(config))
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),

@@ -131,7 +131,7 @@ def test_a_placement_naming_no_layer_fails_before_the_first_step():
     with strategy.scope():
         model = _layers_model()
         model.compile(optimizer="adam", loss="mse")
-    with pytest.raises(ValueError, match=r"the placement names layers the model does not have: \['nope'\]"):
+    with pytest.raises(ValueError, match=r"`placement` must name layers of the model .* Received: \['nope'\]"):
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
 
 

@@ -60,7 +60,7 @@ def check(config: Config) -> None:
     """Raises ConfigError for contradictions inside the config itself."""
     _check_strategy(config)
     _check_pipeline(config)
-    _check_parameter_server(config)
+    _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
     _check_section_kind(config, "horovod", StrategyKind.HOROVOD)
     _check_tensor_parallel(config)
     _check_placement(config)
@@ -175,10 +175,6 @@ def _check_train(config: Config) -> None:
         raise ConfigError(
             "train.warmup_epochs", f"must not exceed train.epochs ({t.epochs}).", t.warmup_epochs
         )
-
-
-def _check_parameter_server(config: Config) -> None:
-    _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
 
 
 def _check_tensor_parallel(config: Config) -> None:

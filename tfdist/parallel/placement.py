@@ -31,7 +31,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.parallel.partition import balance
 
-__all__ = ["balance_by_memory", "device_for_scope", "on_device", "place_computation"]
+__all__ = ["balance_by_memory", "device_for_scope", "on_device", "place_computation", "unknown_layers"]
 
 
 def on_device(device: Optional[str], fn: Callable, *inputs):
@@ -90,18 +90,21 @@ def device_for_scope(placement: Mapping[str, str], name_scope: str) -> Optional[
     return None
 
 
+def unknown_layers(model: keras.Model, placement: Mapping[str, str]) -> list[str]:
+    """The names in `placement` that no layer of `model` has."""
+    return sorted(set(placement) - set(_layers_by_name(model)))
+
+
 def place_computation(model: keras.Model, placement: Mapping[str, str]) -> None:
     """Runs each placed layer of `model` on its device, forward and backward. Idempotent.
 
     Raises:
       ValueError: the placement names a layer that `model` does not have.
     """
-    layers = {layer.name: layer for layer in model._flatten_layers(include_self=False, recursive=True)}
-    unknown = sorted(set(placement) - set(layers))
+    layers = _layers_by_name(model)
+    unknown = unknown_layers(model, placement)
     if unknown:
-        raise ValueError(
-            f"the placement names layers the model does not have: {unknown}. Layers: {sorted(layers)}"
-        )
+        raise ValueError(f"`placement` must name layers of the model ({sorted(layers)}). Received: {unknown}")
     for name, device in placement.items():
         layer = layers[name]
         if getattr(layer, "_tfdist_device", None) == device:
@@ -117,3 +120,7 @@ def place_computation(model: keras.Model, placement: Mapping[str, str]) -> None:
 
         layer._tfdist_original_call, layer._tfdist_device = original, device
         layer.call = call
+
+
+def _layers_by_name(model: keras.Model) -> dict:
+    return {layer.name: layer for layer in model._flatten_layers(include_self=False, recursive=True)}
