@@ -1,5 +1,6 @@
 """Helpers for tests that run tfdist in subprocesses."""
 
+import collections
 import json
 import os
 import subprocess
@@ -37,3 +38,12 @@ def measure_in_fresh_process(module, kwargs, timeout=600):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ops_per_device(graph, types):
+    """How many ops of `types` each device (`CPU:1`) runs in `graph` and the functions it calls."""
+    ops = list(graph.get_operations())
+    for function in graph._functions.values():
+        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+    devices = [op.device.split("device:")[-1] for op in ops if op.type in types]
+    return dict(collections.Counter(d for d in devices if d))

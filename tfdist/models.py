@@ -102,23 +102,27 @@ def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int
 def _transformer(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
     """Image rows as a sequence, pre-norm Transformer blocks, mean-pooled classifier.
 
-    The attention and MLP blocks split over the tensor-parallel group in scope;
-    with none (any other strategy) they are plain layers on one device. Every
-    layer is named, so a placement by name (`placement.layers`) is stable.
+    The attention and MLP blocks split over the tensor-parallel group in scope
+    (and follow the scope when called: each replica and pipeline stage uses
+    its own group); with none (any other strategy) they are plain layers on
+    one device. Every layer is named, so a placement by name
+    (`placement.layers`) is stable.
     """
+    if current_group() is None:
+        with DeviceGroup([tf.config.list_logical_devices()[0].name]).scope():
+            return _transformer(config, input_shape, num_classes)
     layers = keras.layers
-    group = current_group() or DeviceGroup([tf.config.list_logical_devices()[0].name])
     inputs = keras.Input(input_shape, name="image")
     x = layers.Reshape((input_shape[0], math.prod(input_shape[1:])), name="rows")(inputs)
     x = PositionEmbedding(name="positions")(layers.Dense(config.width, name="embed")(x))
     for block in range(config.depth):
         y = layers.LayerNormalization(name=f"block{block}_attention_norm")(x)
         y = ParallelMultiHeadAttention(
-            config.heads, config.width // config.heads, group=group, name=f"block{block}_attention"
+            config.heads, config.width // config.heads, name=f"block{block}_attention"
         )(y, y)
         x = layers.Add(name=f"block{block}_attention_residual")([x, y])
         y = layers.LayerNormalization(name=f"block{block}_mlp_norm")(x)
-        y = ParallelMLP(4 * config.width, group=group, name=f"block{block}_mlp")(y)
+        y = ParallelMLP(4 * config.width, name=f"block{block}_mlp")(y)
         x = layers.Add(name=f"block{block}_mlp_residual")([x, y])
     x = layers.GlobalAveragePooling1D(name="pool")(layers.LayerNormalization(name="final_norm")(x))
     x = layers.Dropout(config.dropout, name="dropout")(x)

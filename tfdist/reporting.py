@@ -44,6 +44,12 @@ def _short(device: str) -> str:
     return device.split("device:")[-1] if device.startswith("/job:localhost") else device
 
 
+def _groups(groups: list) -> str:
+    """`[[a, b], [c, d]]` -> `2 of 2 devices: [a, b], [c, d]`."""
+    listed = ", ".join(f"[{', '.join(_short(d) for d in group)}]" for group in groups)
+    return f"{len(groups)} of {len(groups[0])} devices: {listed}"
+
+
 def format_summary(result: Mapping[str, Any]) -> str:
     """A short block of text: strategy, devices, batch, throughput, final metrics."""
     replicas = result["num_replicas"]
@@ -53,6 +59,7 @@ def format_summary(result: Mapping[str, Any]) -> str:
         f"  strategy        {result['strategy']} ({replicas} replica(s))",
         *([f"  cluster         {result['cluster']}"] if "cluster" in result else []),
         *([f"  sharded tables  {result['sharded_tables']}"] if "sharded_tables" in result else []),
+        *([f"  tensor groups   {_groups(result['tensor_parallel_groups'])}"] if "tensor_parallel_groups" in result else []),
         *([f"  placement       {result['placement']}"] if "placement" in result else []),
         f"  local devices   {', '.join(_short(d) for d in result['devices'])}",
         f"  global batch    {result['global_batch_size']} ({per_replica} per replica)",

@@ -74,7 +74,7 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     split = data.load(config.data, seed=train.seed)
     steps = train.steps_per_epoch or data.steps_per_epoch(len(split.x_train), train.global_batch_size)
     if isinstance(strategy, TensorParallelStrategy) and config.placement.balance_by_memory:
-        strategy.place(_placement_by_memory(config, split, strategy.devices))
+        strategy.place(_placement_by_memory(config, split, strategy.groups[0].devices))
         keras.utils.set_random_seed(train.seed)  # the probe drew from it; the model starts as without placement
     with strategy.scope():
         model = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
@@ -144,10 +144,21 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
 
 def _devices(strategy: tf.distribute.Strategy) -> list[str]:
     if isinstance(strategy, PipelineStrategy):
-        return [d for group in strategy.stage_devices for d in group]
+        return [d for replica in strategy.stage_groups for group in replica for d in group.devices]
     if isinstance(strategy, TensorParallelStrategy):
         return strategy.devices
     return list(strategy.extended.worker_devices)
+
+
+def _tensor_parallel_groups(strategy: tf.distribute.Strategy) -> list[list[str]]:
+    """The device groups tensor-parallel layers split over; none when nothing is split."""
+    if isinstance(strategy, TensorParallelStrategy):
+        groups = strategy.groups
+    elif isinstance(strategy, PipelineStrategy):
+        groups = [group for replica in strategy.stage_groups for group in replica]
+    else:
+        return []
+    return [list(group.devices) for group in groups] if groups[0].size > 1 else []
 
 
 def _pipeline_report(strategy: PipelineStrategy, model: keras.Model) -> dict[str, Any]:
@@ -225,6 +236,9 @@ def run(
         tables = shard_placement(job.model)
         if tables:
             result["sharded_tables"] = "; ".join(_shards_line(name, devices) for name, devices in tables.items())
+    groups = _tensor_parallel_groups(job.strategy)
+    if groups:
+        result["tensor_parallel_groups"] = groups
     if isinstance(job.strategy, TensorParallelStrategy) and job.strategy.placement:
         per_device = collections.Counter(job.strategy.placement.values())
         result["placement"] = ", ".join(f"{n} layer(s) on {d}" for d, n in sorted(per_device.items()))

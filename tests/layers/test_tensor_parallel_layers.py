@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import ops_per_device
 from tfdist.layers import ColumnParallelDense, ParallelMLP, ParallelMultiHeadAttention, RowParallelDense
 from tfdist.parallel import DeviceGroup
 
@@ -161,3 +162,22 @@ def test_a_layer_outside_any_group_is_a_clear_error():
 def test_bad_device_groups_are_clear_errors(devices, message):
     with pytest.raises(ValueError, match=message):
         DeviceGroup(devices)
+
+
+def test_a_layer_from_scope_computes_on_the_group_in_scope_when_called(group):
+    with group.scope():
+        layer = ColumnParallelDense(4)
+    pinned = ColumnParallelDense(4, group=group)
+    other = DeviceGroup(["/cpu:2", "/cpu:3"])
+
+    @tf.function
+    def forward(x):
+        return layer(x) + pinned(x)
+
+    with other.scope():
+        graph = forward.get_concrete_function(tf.TensorSpec((2, 8))).graph
+    devices = ops_per_device(graph, ["MatMul"])
+    # `layer` follows the scope to /cpu:2 and /cpu:3; `pinned` stays on its own group.
+    assert devices == {"CPU:0": 1, "CPU:1": 1, "CPU:2": 1, "CPU:3": 1}
+    with DeviceGroup(["/cpu:0"]).scope(), pytest.raises(ValueError, match=r"has 2 shard\(s\) and must be called with a group of as many"):
+        layer(_inputs((2, 8)))

@@ -1,11 +1,16 @@
 """PipelineStrategy: same weights as one device, schedules, errors, save/load, config."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import ops_per_device, run_tfdist
 from tfdist import ConfigError, PipelineStrategy, load_config, make_strategy
+from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
+from tfdist.parallel import DeviceGroup
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 STEPS = 5
@@ -115,6 +120,44 @@ def test_save_and_load_on_one_device(tmp_path):
     np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0), atol=1e-6)
 
 
+def _tensor_parallel():
+    keras.utils.set_random_seed(0)  # sharded and whole kernels start from the same whole values
+    return keras.Sequential([
+        keras.Input((12,)), keras.layers.Dense(24, activation="tanh", name="embed"),
+        ColumnParallelDense(24, activation="tanh", name="column"), RowParallelDense(24, name="row"),
+        ParallelMLP(32, name="mlp"), keras.layers.Dense(5, name="logits"),
+    ])
+
+
+def _unsharded(model):
+    return [w for layer in model.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_tensor_parallel_stages_match_one_device(recompute):
+    strategy = PipelineStrategy(2, 4, devices=FOUR, tensor_parallel_size=2, boundaries=["row"],
+                                recompute=recompute, verbose=False)
+    assert [[g.devices for g in replica] for replica in strategy.stage_groups] == [[FOUR[:2], FOUR[2:]]]
+    with DeviceGroup(["/cpu:0"]).scope():
+        start, reference, _ = _train(_tensor_parallel)
+    _, model, _ = _train(_tensor_parallel, strategy)
+    assert len(model.get_layer("column").kernels) == 2
+    for a, b in zip(_unsharded(model), _unsharded(reference)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert max(np.abs(a - b).max() for a, b in zip(start, reference.get_weights())) > 1e-3
+
+    data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH))
+
+    @tf.function(autograph=False)  # the step as Keras builds it
+    def step(iterator):
+        return strategy.run(model.train_step, args=(next(iterator),))
+
+    counts = ops_per_device(step.get_concrete_function(iter(data)).graph, ["MatMul"])
+    # Stage 0 (embed, column) splits over /cpu:0 and /cpu:1, stage 1 (row, mlp, logits) over /cpu:2 and /cpu:3.
+    assert set(counts) == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, counts
+    assert counts["CPU:2"] > counts["CPU:3"] > 0 and counts["CPU:0"] > counts["CPU:1"] > 0, counts
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_and_dropout_train(policy):
     keras.mixed_precision.set_dtype_policy(policy)
@@ -188,6 +231,9 @@ def test_more_stages_than_layers():
     [
         (dict(num_stages=3, devices=FOUR), "multiple of `num_stages` \\(3\\)"),
         (dict(num_stages=2, devices=["/cpu:0"]), "multiple of `num_stages`"),
+        (dict(num_stages=2, devices=FOUR[:3], tensor_parallel_size=2),
+         r"multiple of `num_stages` \(2\) x `tensor_parallel_size` \(2\): each pipeline replica takes 4"),
+        (dict(tensor_parallel_size=0), "`tensor_parallel_size` must be >= 1"),
         (dict(schedule="interleaved"), "must be one of gpipe, 1f1b"),
         (dict(num_micro_batches=0), "must be >= 1"),
         (dict(balance_by="flops"), "must be one of"),
@@ -213,6 +259,15 @@ def test_from_config():
     assert strategy.schedule == "gpipe"
 
 
+def test_from_config_with_tensor_parallel_stages():
+    strategy = make_strategy(load_config(
+        "configs/pipeline.yaml",
+        ["strategy.tensor_parallel_size=2", "model.name=transformer", "model.width=32", "model.heads=2"],
+    ))
+    assert strategy.num_replicas_in_sync == 1
+    assert [[g.devices for g in replica] for replica in strategy.stage_groups] == [[FOUR[:2], FOUR[2:]]]
+
+
 @pytest.mark.parametrize(
     "overrides,key,rule",
     [
@@ -224,3 +279,16 @@ def test_from_config():
 def test_config_errors_that_need_the_devices(overrides, key, rule):
     with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):
         make_strategy(load_config("configs/pipeline.yaml", overrides))
+
+
+@pytest.mark.slow
+def test_pipeline_of_tensor_parallel_stages_trains_from_its_config(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run_tfdist("train", "--config", "configs/pipeline_tensor_parallel.yaml", "--set", "train.epochs=8",
+                      "--metrics_out", str(metrics), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
+    assert result["devices"] == FOUR
+    assert result["final"]["val_accuracy"] >= 0.9
+    assert "stage 1 on /cpu:2, /cpu:3 (tensor parallel)" in proc.stdout

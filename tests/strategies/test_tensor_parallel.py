@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import run_tfdist
+from helpers import ops_per_device, run_tfdist
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
 from tfdist.parallel import DeviceGroup
+from tfdist import ConfigError, load_config, make_strategy
 from tfdist.strategies import TensorParallelStrategy
 
 
@@ -113,17 +114,9 @@ def test_placed_layers_keep_variables_state_and_computation_on_their_device():
         return tape.gradient(loss, model.trainable_weights)
 
     graph = step.get_concrete_function(tf.TensorSpec((None, 8))).graph
-    matmul_devices = [op.device for op in _all_ops(graph) if op.type == "MatMul"]
     # a's forward and kernel gradient stay unplaced (first device); b's and c's
     # forward (2) and backward (input and kernel gradients: 4) run on /cpu:1.
-    assert sum("CPU:1" in d for d in matmul_devices) == 6
-
-
-def _all_ops(graph):
-    ops = list(graph.get_operations())
-    for function in graph._functions.values():
-        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
-    return ops
+    assert ops_per_device(graph, ["MatMul"]).get("CPU:1") == 6
 
 
 def test_a_placement_naming_no_layer_fails_before_the_first_step():
@@ -136,7 +129,7 @@ def test_a_placement_naming_no_layer_fails_before_the_first_step():
 
 
 def test_a_placement_off_the_group_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"`placement` must use the strategy's devices"):
+    with pytest.raises(ValueError, match=r"`placement` must use the devices of the first group \[./cpu:0., ./cpu:1.\]"):
         TensorParallelStrategy(["/cpu:0", "/cpu:1"], placement={"a": "/cpu:2"})
 
 
@@ -148,3 +141,121 @@ def test_config_places_the_transformer_by_memory(tmp_path):
     placement = json.loads(metrics.read_text())["placement"]
     assert "layer(s) on /cpu:0" in placement and "layer(s) on /cpu:1" in placement
     assert f"placement       {placement}" in proc.stdout
+
+
+FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+# The config's thread pools cannot be applied once this process has started TensorFlow.
+SHARED_THREADS = ["runtime.intra_op_threads=0", "runtime.inter_op_threads=0"]
+
+
+def _component_devices(variable):
+    return [tf.DeviceSpec.from_string(c.device).device_index for c in variable.value.values]
+
+
+def test_groups_train_data_parallel_and_match_one_device():
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, 64)
+    strategy = TensorParallelStrategy(FOUR, group_size=2)
+    assert strategy.num_replicas_in_sync == 2 and [g.devices for g in strategy.groups] == [FOUR[:2], FOUR[2:]]
+    with strategy.scope():
+        sharded = _model()
+        sharded.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    with DeviceGroup(["/cpu:0"]).scope():
+        single = _model()
+        single.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    sharded.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(sharded.layers, single.layers):
+        for u, v in zip(getattr(a, "unsharded_weights", a.get_weights)(), getattr(b, "unsharded_weights", b.get_weights)()):
+            np.testing.assert_allclose(u, v, atol=1e-5)
+    # Shard i of every kernel has a copy on device i of each group; the rest on the groups' first devices.
+    for variable in sharded.weights:
+        assert _component_devices(variable) == ([1, 3] if "_shard_1" in variable.path else [0, 2]), variable.path
+
+
+def test_each_group_computes_its_replica_on_its_own_devices():
+    strategy = TensorParallelStrategy(FOUR, group_size=2)
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((np.ones((16, 8), "float32"), np.zeros(16))).batch(16)
+    )
+
+    @tf.function(autograph=False)  # the step as Keras builds it
+    def step(iterator):
+        return strategy.run(model.train_step, args=(next(iterator),))
+
+    counts = ops_per_device(step.get_concrete_function(iter(data)).graph, ["MatMul"])
+    # Replica 1 is replica 0 moved to the second group; every shard device does work.
+    assert counts["CPU:0"] == counts["CPU:2"] and counts["CPU:1"] == counts["CPU:3"] > 0, counts
+
+
+def test_placement_repeats_in_every_group():
+    strategy = TensorParallelStrategy(FOUR, group_size=2, placement={"b": "/cpu:1", "c": "/cpu:1"})
+    with strategy.scope():
+        model = _layers_model()
+        model.compile(optimizer="adam", loss="mse")
+    reference = _layers_model()
+    reference.compile(optimizer="adam", loss="mse")
+    x, y = np.random.default_rng(0).random((64, 8), "float32"), np.random.default_rng(1).random((64, 3), "float32")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert {v.path.split("/")[1]: _component_devices(v) for v in model.weights} == {"a": [0, 2], "b": [1, 3], "c": [1, 3]}
+
+
+def test_a_group_size_that_does_not_divide_the_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"`group_size` must divide the 4 devices into whole groups. Received: 3"):
+        TensorParallelStrategy(FOUR, group_size=3)
+
+
+def test_config_makes_mirrored_groups():
+    strategy = make_strategy(load_config(
+        "configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=2", *SHARED_THREADS]
+    ))
+    assert [g.devices for g in strategy.groups] == [FOUR[:2], FOUR[2:]]
+    assert strategy.num_replicas_in_sync == 2
+
+
+@pytest.mark.parametrize("path, overrides, key, rule", [
+    ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=3"],
+     "strategy.tensor_parallel_size", "must divide the 4 devices into whole groups"),
+    ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=4", "model.heads=2",
+                                      "model.width=32"],
+     "strategy.tensor_parallel_size", r"devices per group that divides model.heads \(2\). This config gives 4"),
+    ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=2",
+                                      "placement.layers=[classifier=/cpu:2]"],
+     r"placement.layers\[0\]", r"must place on a device of the first group \['/cpu:0', '/cpu:1'\]"),
+    ("configs/pipeline.yaml", ["strategy.tensor_parallel_size=2", "strategy.logical_devices=2", "model.name=transformer",
+                               "model.width=32"],
+     "strategy.logical_devices", r"pipeline.num_stages \(2\) x strategy.tensor_parallel_size \(2\) devices"),
+])
+def test_config_errors_of_groups(path, overrides, key, rule):
+    with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):
+        make_strategy(load_config(path, [*overrides, *SHARED_THREADS]))
+
+
+@pytest.mark.parametrize("path, overrides, key, rule", [
+    ("configs/default.yaml", ["strategy.tensor_parallel_size=2"],
+     "strategy.tensor_parallel_size", "only applies with strategy.kind=tensor_parallel or pipeline"),
+    ("configs/pipeline.yaml", ["strategy.tensor_parallel_size=2"],
+     "model.name", "must be transformer with strategy.kind=pipeline and strategy.tensor_parallel_size > 1"),
+])
+def test_config_errors_found_at_load(path, overrides, key, rule):
+    with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):
+        load_config(path, overrides)
+
+
+@pytest.mark.slow
+def test_config_trains_mirrored_tensor_parallel_groups(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run_tfdist("train", "--config", "configs/tensor_parallel.yaml", "--set", "strategy.logical_devices=4",
+                      "--set", "strategy.tensor_parallel_size=2", "--set", "train.epochs=8",
+                      "--metrics_out", str(metrics), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["num_replicas"] == 2 and result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
+    assert result["final"]["val_accuracy"] >= 0.9
+    assert "tensor groups   2 of 2 devices: [/cpu:0, /cpu:1], [/cpu:2, /cpu:3]" in proc.stdout

@@ -143,6 +143,10 @@ class StrategyConfig:
         instead of hanging (multi_worker_mirrored).
       tpu: the TPU to connect to (name or grpc:// address, `local` on a TPU VM)
         for strategy.kind=tpu; empty lets TPUClusterResolver look for one.
+      tensor_parallel_size: devices that each tensor-parallel layer splits
+        over. With tensor_parallel, 0 puts every device in one group, and a
+        smaller size makes several groups, one model replica each, trained
+        data parallel. With pipeline, the devices of each stage (0: one).
     """
 
     kind: StrategyKind = StrategyKind.MIRRORED
@@ -153,6 +157,7 @@ class StrategyConfig:
     bytes_per_pack: int = bounded(0, low=0)
     collective_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
     tpu: str = ""
+    tensor_parallel_size: int = bounded(0, low=0, high=64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +165,9 @@ class PlacementConfig:
     """Model parallelism: whole layers on devices (strategy.kind=tensor_parallel).
 
     A placed layer's variables are created on its device and its forward and
-    backward run there; layers not placed stay on the first device.
+    backward run there; layers not placed stay on the first device. With
+    several groups (strategy.tensor_parallel_size) the devices are the first
+    group's, and every group places the same layers at the same positions.
 
     Attributes:
       layers: `name=device` pairs (`block1_mlp=/cpu:1`).

@@ -21,6 +21,7 @@ __all__ = [
     "check_pipeline_devices",
     "check_tensor_parallel_devices",
     "placement_pairs",
+    "tensor_parallel_size",
     "check_devices",
     "parse_device",
 ]
@@ -178,12 +179,20 @@ def _check_train(config: Config) -> None:
 
 
 def _check_tensor_parallel(config: Config) -> None:
-    m = config.model
-    if config.strategy.kind == StrategyKind.TENSOR_PARALLEL and m.name != ModelName.TRANSFORMER:
+    m, s = config.model, config.strategy
+    if s.tensor_parallel_size and s.kind not in (StrategyKind.TENSOR_PARALLEL, StrategyKind.PIPELINE):
+        raise ConfigError(
+            "strategy.tensor_parallel_size",
+            f"only applies with strategy.kind=tensor_parallel or pipeline; strategy.kind is {s.kind.value}.",
+            s.tensor_parallel_size,
+        )
+    splits = s.kind == StrategyKind.TENSOR_PARALLEL or s.tensor_parallel_size > 1
+    if splits and m.name != ModelName.TRANSFORMER:
         raise ConfigError(
             "model.name",
-            "must be transformer with strategy.kind=tensor_parallel: the other models have no "
-            "tensor-parallel layers, so nothing would be split.",
+            f"must be transformer with strategy.kind={s.kind.value}"
+            f"{'' if s.kind == StrategyKind.TENSOR_PARALLEL else ' and strategy.tensor_parallel_size > 1'}: "
+            "the other models have no tensor-parallel layers, so nothing would be split.",
             m.name.value,
         )
     if m.name == ModelName.TRANSFORMER and m.width % m.heads:
@@ -207,22 +216,37 @@ def placement_pairs(config: Config) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in config.placement.layers)
 
 
+def tensor_parallel_size(config: Config, devices: int) -> int:
+    """Devices per tensor-parallel group: the configured size, else all (tensor_parallel) or one (pipeline)."""
+    s = config.strategy
+    return s.tensor_parallel_size or (devices if s.kind == StrategyKind.TENSOR_PARALLEL else 1)
+
+
 def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
-    """Raises ConfigError unless the transformer's heads and MLP split over `devices`
-    and every placed layer goes to one of them."""
-    m = config.model
-    key = "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
+    """Raises ConfigError unless `devices` form whole tensor-parallel groups over which the
+    transformer's heads and MLP split, and every placed layer goes to the first group."""
+    m, s = config.model, config.strategy
+    key = "strategy.devices" if s.devices else "strategy.logical_devices"
+    size = tensor_parallel_size(config, len(devices))
+    if len(devices) % size:
+        raise ConfigError(
+            "strategy.tensor_parallel_size",
+            f"must divide the {len(devices)} devices into whole groups.",
+            s.tensor_parallel_size,
+        )
     for name, value in (("model.heads", m.heads), ("4 x model.width (MLP units)", 4 * m.width)):
-        if value % len(devices):
+        if value % size:
             raise ConfigError(
-                key,
-                f"must give a number of devices that divides {name} ({value}). This config gives {len(devices)}.",
-                list(config.strategy.devices) or config.strategy.logical_devices,
+                "strategy.tensor_parallel_size" if s.tensor_parallel_size else key,
+                f"must give a number of devices{' per group' if s.tensor_parallel_size else ''} that divides "
+                f"{name} ({value}). This config gives {size}.",
+                s.tensor_parallel_size or list(s.devices) or s.logical_devices,
             )
-    local = {parse_device(d, key) for d in devices}
+    first = devices[:size]
+    local = {parse_device(d, key) for d in first}
     for i, device in enumerate(placement_pairs(config).values()):
         if parse_device(device, f"placement.layers[{i}]") not in local:
-            raise ConfigError(f"placement.layers[{i}]", f"must place on one of the strategy's devices {devices}.", device)
+            raise ConfigError(f"placement.layers[{i}]", f"must place on a device of the first group {first}.", device)
 
 
 def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:
@@ -342,14 +366,19 @@ def check_batch_split(config: Config, replicas: int) -> None:
         )
 
 
-def check_pipeline_devices(config: Config, devices: int) -> None:
-    """Raises ConfigError unless the devices form whole pipeline replicas."""
+def check_pipeline_devices(config: Config, devices: list[str]) -> None:
+    """Raises ConfigError unless the devices form whole pipeline replicas (of whole
+    tensor-parallel groups)."""
     stages = config.pipeline.num_stages
-    if devices < stages or devices % stages:
+    size = tensor_parallel_size(config, len(devices))
+    if len(devices) < stages * size or len(devices) % (stages * size):
         key = "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
+        per_stage = f" x strategy.tensor_parallel_size ({size})" if size > 1 else ""
         raise ConfigError(
             key,
-            f"must give a non-zero multiple of pipeline.num_stages ({stages}) devices: each "
-            f"pipeline replica takes {stages}. This config gives {devices}.",
+            f"must give a non-zero multiple of pipeline.num_stages ({stages}){per_stage} devices: each "
+            f"pipeline replica takes {stages * size}. This config gives {len(devices)}.",
             list(config.strategy.devices) or config.strategy.logical_devices,
         )
+    if size > 1:
+        check_tensor_parallel_devices(config, devices[: stages * size])

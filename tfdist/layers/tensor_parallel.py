@@ -46,6 +46,7 @@ class _TensorParallelLayer(keras.layers.Layer):
 
     def __init__(self, group: Optional[DeviceGroup] = None, **kwargs):
         super().__init__(**kwargs)
+        self._group_from_scope = group is None
         self.group = group or current_group()
         if self.group is None:
             raise ValueError(
@@ -59,8 +60,22 @@ class _TensorParallelLayer(keras.layers.Layer):
 
     @property
     def devices(self) -> list[Optional[str]]:
-        """Where each shard computes; None (no pinning) for a group of one."""
-        return list(self.group.devices) if self.group.size > 1 else [None]
+        """Where each shard computes now; None (no pinning) for a group of one.
+
+        A layer given its `group` always computes there. One that took the
+        group from scope computes on the group in scope when called: the
+        replica's own under data parallelism, the stage's in a pipeline.
+
+        Raises:
+          ValueError: the group in scope has a different size than the layer's.
+        """
+        group = (current_group() if self._group_from_scope else None) or self.group
+        if group.size != self.group.size:
+            raise ValueError(
+                f"{self.name} has {self.group.size} shard(s) and must be called with a group of as many "
+                f"devices in scope. Received: {group}"
+            )
+        return list(group.devices) if group.size > 1 else [None]
 
     def _check_divisible(self, argument: str, value: int) -> None:
         if value % self.group.size:
@@ -71,11 +86,12 @@ class _TensorParallelLayer(keras.layers.Layer):
 
     def _add_sharded(self, name: str, shape: Sequence[int], axis: Optional[int], initializer) -> list:
         """The weight `shape`, initialised whole, then cut along `axis` (None: whole, first device)."""
-        value = keras.ops.convert_to_numpy(keras.initializers.get(initializer)(tuple(shape), dtype=self.variable_dtype))
-        pieces = np.split(value, len(self.devices), axis=axis) if axis is not None else [value]
+        with tf.init_scope():  # eager even when the layer is first built inside a traced step
+            value = keras.ops.convert_to_numpy(keras.initializers.get(initializer)(tuple(shape), dtype=self.variable_dtype))
+        pieces = np.split(value, self.group.size, axis=axis) if axis is not None else [value]
         shards = []
-        for i, (device, piece) in enumerate(zip(self.devices, pieces)):
-            with tf.device(device):
+        for i, piece in enumerate(pieces):
+            with tf.device(self.group.devices[i] if self.group.size > 1 else None):
                 shards.append(self.add_weight(
                     shape=piece.shape, initializer=keras.initializers.Constant(piece),
                     name=name if len(pieces) == 1 else f"{name}_shard_{i}",

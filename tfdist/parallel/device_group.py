@@ -2,9 +2,15 @@
 
 Layers such as `tfdist.layers.ColumnParallelDense` take the group they are
 built in: `with DeviceGroup(["/cpu:0", "/cpu:1"]).scope():`, or the scope of a
-`tfdist.TensorParallelStrategy` (which holds one). A group of one device is the
-plain, unsharded layer, placed wherever the surrounding strategy puts it; that
-is how a model saved from a sharded run loads on one device.
+strategy that holds groups (`tfdist.TensorParallelStrategy`, and
+`tfdist.PipelineStrategy` with a tensor-parallel size). A group of one device
+is the plain, unsharded layer, placed wherever the surrounding strategy puts
+it; that is how a model saved from a sharded run loads on one device.
+
+The group in scope can change between build and call: with several model
+replicas each replica computes on its own group, and a pipeline stage on the
+stage's group. Such strategies answer `tensor_parallel_group` for the replica
+(and stage) running now.
 
 Example:
 
@@ -22,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import tensorflow as tf
 
-__all__ = ["DeviceGroup", "current_group"]
+__all__ = ["DeviceGroup", "current_group", "current_replica"]
 
 _SCOPES = threading.local()
 
@@ -58,6 +64,12 @@ class DeviceGroup:
     def size(self) -> int:
         return len(self.devices)
 
+    def index(self, device: str) -> Optional[int]:
+        """The position of `device` in the group (any spelling of its name), or None."""
+        resolved = [_resolve(d) for d in self.devices]
+        target = _resolve(device)
+        return resolved.index(target) if target in resolved else None
+
     @contextlib.contextmanager
     def scope(self) -> Iterator["DeviceGroup"]:
         """Tensor-parallel layers made inside use this group."""
@@ -78,6 +90,15 @@ def current_group() -> Optional[DeviceGroup]:
     if stack:
         return stack[-1]
     return getattr(tf.distribute.get_strategy(), "tensor_parallel_group", None)
+
+
+def current_replica() -> int:
+    """The id of the replica whose step is being built; 0 outside a replica (cross-replica context)."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 0
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return 0 if replica is None else int(replica)
 
 
 def _stack() -> list:

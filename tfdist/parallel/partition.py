@@ -324,6 +324,7 @@ def _time_ms(fn_model: keras.Model, input_tensors, batch: int, repeats: int = 3)
 def _node_costs_ms(nodes, batch: int) -> Optional[list[float]]:
     costs = []
     for op, node_inputs, node_outputs in nodes:
+        node_inputs = list({id(t): t for t in node_inputs}.values())  # self-attention takes x twice
         try:
             single = keras.Model(node_inputs, node_outputs)
         except ValueError:

@@ -95,8 +95,13 @@ def unknown_layers(model: keras.Model, placement: Mapping[str, str]) -> list[str
     return sorted(set(placement) - set(_layers_by_name(model)))
 
 
-def place_computation(model: keras.Model, placement: Mapping[str, str]) -> None:
+def place_computation(
+    model: keras.Model, placement: Mapping[str, str], resolve: Callable[[str], str] = lambda device: device
+) -> None:
     """Runs each placed layer of `model` on its device, forward and backward. Idempotent.
+
+    `resolve` turns a placement device into the one to use in the step being
+    built (a model replica's own device under data parallelism).
 
     Raises:
       ValueError: the placement names a layer that `model` does not have.
@@ -113,9 +118,10 @@ def place_computation(model: keras.Model, placement: Mapping[str, str]) -> None:
 
         @functools.wraps(original)
         def call(*args, _original=original, _device=device, **kwargs):
+            device = resolve(_device)
             if all(tf.is_tensor(a) for a in args):
-                return on_device(_device, lambda *xs: _original(*xs, **kwargs), *args)
-            with tf.device(_device):  # nested inputs: the forward alone is placed
+                return on_device(device, lambda *xs: _original(*xs, **kwargs), *args)
+            with tf.device(device):  # nested inputs: the forward alone is placed
                 return _original(*args, **kwargs)
 
         layer._tfdist_original_call, layer._tfdist_device = original, device

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ConfigError
@@ -38,10 +39,15 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
 
     _key_bases = itertools.count(1)
     _KEYS_PER_INSTANCE = 100_000
+    # A subclass that places variables its own way gives its MirroredExtended subclass here.
+    _extended_type = mirrored_strategy.MirroredExtended
 
     def __init__(self, devices=None, cross_device_ops=None):
         self._collective_key_base = next(self._key_bases) * self._KEYS_PER_INSTANCE
-        super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+        # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
+        distribute_lib.Strategy.__init__(
+            self, self._extended_type(self, devices=devices, cross_device_ops=cross_device_ops)
+        )
 
 
 def make_one_device(device: str) -> tf.distribute.OneDeviceStrategy:

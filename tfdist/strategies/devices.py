@@ -12,7 +12,7 @@ from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_devices
 from tfdist.errors import ConfigError
 
-__all__ = ["configure_runtime", "ensure_logical_cpus", "local_devices", "physical_gpus"]
+__all__ = ["configure_runtime", "default_devices", "ensure_logical_cpus", "local_devices", "physical_gpus"]
 
 
 def physical_gpus() -> int:
@@ -98,3 +98,9 @@ def local_devices(config: Config, gpus: int) -> list[str]:
     if gpus:
         return [f"/gpu:{i}" for i in range(gpus)]
     return [f"/cpu:{i}" for i in range(config.strategy.logical_devices)]
+
+
+def default_devices() -> list[str]:
+    """Every logical GPU, else every logical CPU: the devices of a strategy given none."""
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

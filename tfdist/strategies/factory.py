@@ -20,6 +20,7 @@ from tfdist.config.validation import (
     check_pipeline_devices,
     check_tensor_parallel_devices,
     placement_pairs,
+    tensor_parallel_size,
 )
 from tfdist.errors import ConfigError
 from tfdist.strategies import data_parallel, horovod, multi_worker, parameter_server
@@ -51,7 +52,7 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
         strategy = multi_worker.from_config(config)
     elif kind == StrategyKind.PIPELINE:
         devices = local_devices(config, gpus)
-        check_pipeline_devices(config, len(devices))
+        check_pipeline_devices(config, devices)
         p = config.pipeline
         strategy = PipelineStrategy(
             p.num_stages,
@@ -61,6 +62,7 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
             boundaries=list(p.boundaries) or None,
             balance_by=p.balance_by.value,
             recompute=p.recompute,
+            tensor_parallel_size=tensor_parallel_size(config, len(devices)),
         )
     elif kind == StrategyKind.PARAMETER_SERVER:
         strategy = parameter_server.from_config(config)
@@ -72,7 +74,9 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     elif kind == StrategyKind.TENSOR_PARALLEL:
         devices = local_devices(config, gpus)
         check_tensor_parallel_devices(config, devices)
-        strategy = TensorParallelStrategy(devices, placement=placement_pairs(config))
+        strategy = TensorParallelStrategy(
+            devices, group_size=tensor_parallel_size(config, len(devices)), placement=placement_pairs(config)
+        )
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build

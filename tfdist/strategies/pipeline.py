@@ -1,13 +1,16 @@
 """Pipeline parallelism for Keras 3 `model.fit`: `PipelineStrategy`.
 
 Devices form pipeline replicas of `num_stages` devices each (4 devices, 2
-stages: replicas [d0, d1] and [d2, d3]). The strategy is a `MirroredStrategy`
-over the first device of every replica, so data parallelism across replicas,
-variable mirroring and gradient all-reduce are TensorFlow's own. What it adds
-is the training step inside each replica:
+stages: replicas [d0, d1] and [d2, d3]); with `tensor_parallel_size` T each
+stage is a group of T devices that the tensor-parallel layers of
+`tfdist.layers` split over (8 devices, 2 stages, T=2: replicas
+[[d0, d1], [d2, d3]] and [[d4, d5], [d6, d7]]). The strategy is a
+`MirroredStrategy` over the first device of every replica, so data parallelism
+across replicas, variable mirroring and gradient all-reduce are TensorFlow's
+own. What it adds is the training step inside each replica:
 
 1. the model is cut into stages (`tfdist.parallel.partition`), stage k on the
-   replica's device k;
+   replica's device (group) k;
 2. the replica's batch is split into `num_micro_batches` micro-batches;
 3. every stage runs the forward (F) and backward (B) of each micro-batch in
    the order the schedule gives it (`tfdist.parallel.schedules`), enforced by
@@ -33,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Optional, Sequence, Union
@@ -43,7 +47,9 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
+from tfdist.parallel.device_group import DeviceGroup, current_replica
 from tfdist.strategies.data_parallel import MirroredStrategy
+from tfdist.strategies.devices import default_devices
 
 __all__ = ["PipelineStrategy"]
 
@@ -55,8 +61,9 @@ class PipelineStrategy(MirroredStrategy):
       num_stages: stages per pipeline replica (K).
       num_micro_batches: micro-batches per replica batch (M).
       schedule: `gpipe` or `1f1b`.
-      devices: all devices, a multiple of `num_stages`; replica r uses
-        devices[r*K:(r+1)*K]. Default: every GPU, else every logical CPU.
+      devices: all devices, a multiple of `num_stages` x `tensor_parallel_size`;
+        replica r uses devices[r*K*T:(r+1)*K*T], stage by stage. Default:
+        every GPU, else every logical CPU.
       boundaries: the layer (name or index) starting each stage after the
         first; None balances the stages (see `balance_by`).
       balance_by: `time` (measured per-layer cost) or `params`.
@@ -65,10 +72,13 @@ class PipelineStrategy(MirroredStrategy):
         compute). Layers that draw random numbers (Dropout) are refused, since
         their recomputed masks would differ.
       verbose: print the chosen partition when the first step is built.
+      tensor_parallel_size: devices per stage (T); the tensor-parallel layers
+        made in this strategy's scope split over the stage's devices.
+        Variables live on each replica's first device, as for every stage.
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
-        that is not a multiple of `num_stages`.
+        that is not a multiple of `num_stages` x `tensor_parallel_size`.
     """
 
     def __init__(
@@ -82,13 +92,20 @@ class PipelineStrategy(MirroredStrategy):
         balance_by: str = "time",
         recompute: bool = False,
         verbose: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
-        devices = list(devices or _default_devices())
-        if len(devices) < num_stages or len(devices) % num_stages:
+        devices = list(devices or default_devices())
+        if tensor_parallel_size < 1:
+            raise ValueError(f"`tensor_parallel_size` must be >= 1. Received: {tensor_parallel_size}")
+        per_replica = num_stages * tensor_parallel_size
+        if len(devices) < per_replica or len(devices) % per_replica:
+            sizes = f"`num_stages` ({num_stages})" + (
+                f" x `tensor_parallel_size` ({tensor_parallel_size})" if tensor_parallel_size > 1 else ""
+            )
             raise ValueError(
-                f"`devices` must be a non-zero multiple of `num_stages` ({num_stages}): each "
-                f"pipeline replica takes {num_stages} devices. Received: {len(devices)} device(s) {devices}"
+                f"`devices` must be a non-zero multiple of {sizes}: each pipeline replica takes "
+                f"{per_replica} devices. Received: {len(devices)} device(s) {devices}"
             )
         if balance_by not in partition_lib.BALANCE_BASES:
             raise ValueError(
@@ -98,7 +115,10 @@ class PipelineStrategy(MirroredStrategy):
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         self.recompute = recompute
-        self.stage_devices = [devices[i : i + num_stages] for i in range(0, len(devices), num_stages)]
+        groups = [DeviceGroup(devices[i : i + tensor_parallel_size]) for i in range(0, len(devices), tensor_parallel_size)]
+        self.stage_groups = [groups[i : i + num_stages] for i in range(0, len(groups), num_stages)]
+        self.stage_devices = [[group.devices[0] for group in replica] for replica in self.stage_groups]
+        self.tensor_parallel_size = tensor_parallel_size
         self._boundaries = boundaries
         self._balance_by = balance_by
         self._verbose = verbose
@@ -110,6 +130,12 @@ class PipelineStrategy(MirroredStrategy):
     def peak_stashed_micro_batches(self) -> list[int]:
         """Per stage, the most micro-batch activations alive at once under the schedule."""
         return [schedules.peak_stash(order) for order in self._orders]
+
+    @property
+    def tensor_parallel_group(self) -> DeviceGroup:
+        """The first stage's group of the replica whose step is being built (the
+        pipelined training step puts each stage's own group in scope)."""
+        return self.stage_groups[current_replica()][0]
 
     def partition_of(self, model: keras.Model) -> Optional[partition_lib.Partition]:
         """The partition used for `model`, once its first training step was built."""
@@ -160,18 +186,18 @@ class PipelineStrategy(MirroredStrategy):
                 for label, value in (("predicted", stage.predicted_ms), ("measured", stage.measured_ms))
                 if value is not None
             )
+            group = self.stage_groups[0][stage.index]
+            where = group.devices[0] if group.size == 1 else f"{', '.join(group.devices)} (tensor parallel)"
             lines.append(
-                f"  stage {stage.index} on {self.stage_devices[0][stage.index]}: "
+                f"  stage {stage.index} on {where}: "
                 f"{', '.join(stage.layer_names)} ({stage.num_params:,} params{'; ' + times if times else ''})"
             )
         return "\n".join(lines)
 
     def _train_step(self, model: keras.Model, partition: partition_lib.Partition, data):
-        replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-        devices = self.stage_devices[int(replica)]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         micro, shares = _split_micro_batches((x, y, sample_weight), self.num_micro_batches)
-        step = _PipelinedStep(model, partition, devices, self.recompute)
+        step = _PipelinedStep(model, partition, self.stage_groups[current_replica()], self.recompute)
         for stage_index, (kind, m) in self._sequence:
             if kind == "F":
                 step.forward(stage_index, m, micro[m], shares[m])
@@ -190,10 +216,10 @@ class PipelineStrategy(MirroredStrategy):
 class _PipelinedStep:
     """The tensors of one replica's pipelined step while its graph is built."""
 
-    def __init__(self, model, partition, devices, recompute):
+    def __init__(self, model, partition, groups, recompute):
         self.model = model
         self.partition = partition
-        self.devices = devices
+        self.groups = groups
         self.recompute = recompute
         self.live: dict[int, dict[int, tf.Tensor]] = {}  # micro-batch -> KerasTensor id -> value
         self.out_grads: dict[int, dict[int, tf.Tensor]] = {}  # gradients w.r.t. those values
@@ -202,6 +228,13 @@ class _PipelinedStep:
         self.var_grads: dict[int, tf.Tensor] = {}
         self.losses: list[tf.Tensor] = []
         self.predictions_by_micro_batch: dict[int, list] = {}
+
+    @contextlib.contextmanager
+    def _on_stage(self, stage_index: int):
+        """On the stage's (first) device, its group in scope, after the stage's previous work."""
+        group = self.groups[stage_index]
+        with tf.device(group.devices[0]), group.scope(), tf.control_dependencies(self.last_done[stage_index]):
+            yield
 
     def _is_last(self, stage_index: int) -> bool:
         return stage_index == len(self.partition.stages) - 1
@@ -236,7 +269,7 @@ class _PipelinedStep:
             self.out_grads[m] = {}
         self.records[(stage_index, m)] = record = {"x": x, "y": y, "sample_weight": sample_weight, "share": share}
         inputs = [self.live[m][id(t)] for t in stage.consumes]
-        with tf.device(self.devices[stage_index]), tf.control_dependencies(self.last_done[stage_index]):
+        with self._on_stage(stage_index):
             if self.recompute:
                 outputs, loss = self._run_stage(stage_index, m, inputs)
             else:
@@ -263,7 +296,7 @@ class _PipelinedStep:
         record = self.records[(stage_index, m)]
         sources = [self.live[m][id(t)] for t in self._sources(stage_index)]
         variables = stage.trainable_variables
-        with tf.device(self.devices[stage_index]), tf.control_dependencies(self.last_done[stage_index]):
+        with self._on_stage(stage_index):
             if self.recompute:
                 with tf.GradientTape() as tape:
                     tape.watch(sources)
@@ -309,9 +342,6 @@ class _PipelinedStep:
         return merged[0] if len(merged) == 1 else merged
 
 
-def _default_devices() -> list[str]:
-    gpus = tf.config.list_logical_devices("GPU")
-    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
 
 def _static_batch(data) -> Optional[int]:
