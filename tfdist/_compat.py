@@ -16,6 +16,7 @@ __all__ = [
     "keras_step_function",
     "loss_tracker",
     "needs_gradient",
+    "nvml",
 ]
 
 
@@ -214,3 +215,12 @@ def horovod():
             "`tools/install_horovod.sh .venv/bin` (make setup does this)."
         ) from None
     return hvd
+
+
+def nvml():
+    """`pynvml` from nvidia-ml-py (NVIDIA's NVML bindings), or an ImportError that says how to get it."""
+    try:
+        import pynvml
+    except ImportError as error:
+        raise ImportError(f"nvidia-ml-py is not installed ({error}); pip install 'tfdist[monitor]'.") from None
+    return pynvml

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import data, models, precision
-from tfdist.callbacks import RestoreOnlyBackup, Throughput
+from tfdist.callbacks import DeviceMetrics, RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 from tfdist.layers import shard_placement
@@ -134,6 +134,9 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
     )
     callbacks: list[keras.callbacks.Callback] = [throughput]
     chief = is_chief(job.strategy)
+    if cfg.device_metrics:  # before TensorBoard, which then also logs the epoch's samples
+        log_dir = cfg.tensorboard_dir if chief else None
+        callbacks.append(DeviceMetrics(interval_seconds=cfg.device_metrics_interval_seconds, log_dir=log_dir))
     if cfg.tensorboard_dir and chief:
         callbacks.append(keras.callbacks.TensorBoard(cfg.tensorboard_dir))
     if cfg.backup_dir:  # every process resumes from the backup; only the chief writes it

@@ -410,11 +410,17 @@ class CallbacksConfig:
       backup_dir: back up the training state here at every epoch end and resume
         from it when the job is run again after a failure (Keras's
         BackupAndRestore; deleted when training completes); null for none.
+      device_metrics: sample GPU utilization, memory, power and temperature
+        (NVML), TensorFlow's GPU memory and the process's CPU and memory into
+        the Keras logs (and TensorBoard with tensorboard_dir).
+      device_metrics_interval_seconds: time between device samples.
     """
 
     throughput_warmup_steps: int = bounded(5, low=0)
     tensorboard_dir: Optional[str] = None
     backup_dir: Optional[str] = None
+    device_metrics: bool = False
+    device_metrics_interval_seconds: float = bounded(10.0, low=0, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
