@@ -95,9 +95,9 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         strategy=strategy,
         model=model,
         train_data=data.training_dataset(
-            split.x_train, split.y_train, train.global_batch_size, seed=train.seed
+            split.x_train, split.y_train, train.global_batch_size, seed=train.seed, config=config.data
         ),
-        val_data=data.validation_dataset(split.x_val, split.y_val, train.global_batch_size),
+        val_data=data.validation_dataset(split.x_val, split.y_val, train.global_batch_size, config=config.data),
         steps_per_epoch=steps,
     )
 

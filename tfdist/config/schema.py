@@ -333,6 +333,14 @@ class DataConfig:
       synthetic_examples: number of examples of the synthetic dataset.
       image_size: side of the synthetic dataset's square images.
       num_classes: classes of the synthetic dataset.
+      map_parallelism: examples the preprocessing map works on at once; -1
+        lets tf.data tune it (AUTOTUNE), 0 runs it inline, one at a time.
+      cache: keep the preprocessed examples in memory after the first pass,
+        so the map runs once (turn off for random augmentation).
+      prefetch: batches prepared ahead of the step; -1 lets tf.data tune it
+        (AUTOTUNE), 0 prepares none ahead.
+      shuffle_buffer: examples the training shuffle draws from; 0 is the
+        whole training set.
     """
 
     dataset: Dataset = Dataset.DIGITS
@@ -340,6 +348,10 @@ class DataConfig:
     synthetic_examples: int = bounded(2048, low=1)
     image_size: int = bounded(8, low=4, high=512)
     num_classes: int = bounded(10, low=2)
+    map_parallelism: int = bounded(-1, low=-1)
+    cache: bool = True
+    prefetch: int = bounded(-1, low=-1)
+    shuffle_buffer: int = bounded(0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)

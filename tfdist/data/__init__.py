@@ -1,6 +1,14 @@
 """Datasets and input pipelines."""
 
-from tfdist.data.pipeline import steps_per_epoch, training_dataset, validation_dataset
+from tfdist.data.pipeline import dataset_fn, input_pipeline, steps_per_epoch, training_dataset, validation_dataset
 from tfdist.data.sources import Split, load
 
-__all__ = ["Split", "load", "steps_per_epoch", "training_dataset", "validation_dataset"]
+__all__ = [
+    "Split",
+    "dataset_fn",
+    "input_pipeline",
+    "load",
+    "steps_per_epoch",
+    "training_dataset",
+    "validation_dataset",
+]
