@@ -23,6 +23,7 @@ _CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in de
 _SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (repeatable).")
 _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "train: write the results as JSON here.")
 _JSON = flags.DEFINE_string("json", None, "bench: write the benchmark's JSON here.")
+_PLOT = flags.DEFINE_string("plot", None, "bench scaling: write the speed-up plot (PNG) here.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (median taken).", lower_bound=1)
 
 USAGE = """usage: tfdist COMMAND [flags]
@@ -30,7 +31,8 @@ USAGE = """usage: tfdist COMMAND [flags]
 commands:
   train          train the configured model (--config, --set, --metrics_out)
   config         print the resolved config as YAML (--config, --set)
-  bench NAME     run a benchmark (--json, --config, --set, --repeats); NAME is one of: {benches}
+  bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling); NAME is one of:
+                 {benches}
 """
 
 EXIT_USAGE = 2
@@ -76,7 +78,7 @@ def _bench_command(args) -> None:
             f"Received: {' '.join(args) or 'nothing'}"
         )
     config = _load() if (_CONFIG.value or _SET.value) else None
-    result = bench.run(args[0], config=config, repeats=_REPEATS.value)
+    result = bench.run(args[0], config=config, repeats=_REPEATS.value, plot_path=_PLOT.value)
     if _JSON.value:
         from tfdist.reporting import write_json
 

@@ -43,6 +43,14 @@ def test_cache_runs_the_map_once(cache):
     assert sorted(int(v) for b in batches[:4] for v in b[1]) == list(range(20))  # one pass: every example once
 
 
+def test_without_cache_the_shuffle_buffer_fills_before_the_map():
+    map_fn, calls = _counting_map()
+    config = DataConfig(cache=False, map_parallelism=0, prefetch=0)
+    first = next(iter(input_pipeline(_examples(), config, batch_size=5, training=True, map_fn=map_fn)))
+    assert len(calls) < 20  # about a batch's worth (tf.data may inject a prefetch), not the buffer of 20
+    assert len(set(int(v) for v in first[1])) == 5
+
+
 def test_training_drops_the_remainder_and_evaluation_keeps_it():
     train = training_dataset(X, Y, 8, seed=0)
     assert all(b[0].shape[0] == 8 for b in train.take(10))
@@ -106,3 +114,10 @@ def test_prefetch_zero_adds_no_prefetch():
     ds = input_pipeline(_examples(), DataConfig(prefetch=0), batch_size=4, training=False)
     assert "Prefetch" not in type(ds).__name__
     assert "Prefetch" in type(input_pipeline(_examples(), DataConfig(), batch_size=4, training=False)).__name__
+
+
+def test_threads_give_the_pipeline_its_own_pool():
+    shared = input_pipeline(_examples(), DataConfig(), batch_size=4, training=False)
+    own = input_pipeline(_examples(), DataConfig(threads=3), batch_size=4, training=False)
+    assert shared.options().threading.private_threadpool_size is None
+    assert own.options().threading.private_threadpool_size == 3

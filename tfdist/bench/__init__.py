@@ -10,21 +10,28 @@ import importlib
 from typing import Any, Optional
 
 from tfdist.config.schema import Config
+from tfdist.errors import ConfigError
 
 __all__ = ["BENCHMARKS", "one_line", "run"]
 
 BENCHMARKS = {
     "horovod": "tfdist.bench.horovod",
+    "input_pipeline": "tfdist.bench.input_pipeline",
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",
+    "scaling": "tfdist.bench.scaling",
     "tensor_parallel": "tfdist.bench.tensor_parallel",
 }
 
 
-def run(name: str, *, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
-    """Runs benchmark `name`; `config` replaces its default setting."""
+def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_path: Optional[str] = None) -> dict[str, Any]:
+    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (scaling only) gets its plot."""
     module = importlib.import_module(BENCHMARKS[name])
+    if name == "scaling":
+        return module.run(config=config, repeats=repeats, plot_path=plot_path)
+    if plot_path:
+        raise ConfigError("plot", f"only applies to `bench scaling`; {name} draws no plot.", plot_path)
     return module.run(config=config, repeats=repeats)
 
 

@@ -27,7 +27,7 @@ from tfdist.bench.timing import alternate, medians
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
 
-__all__ = ["count_gradient_allreduces", "measure", "run"]
+__all__ = ["available", "count_gradient_allreduces", "launcher", "measure", "run"]
 
 TARGET_EFFICIENCY = 0.92
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -57,7 +57,7 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
         for n in (1, 2)
     }
     samples = alternate(
-        {name: train_job(overrides, launcher=_horovodrun(int(name[2:]))) for name, overrides in jobs.items()},
+        {name: train_job(overrides, launcher=launcher(int(name[2:]))) for name, overrides in jobs.items()},
         repeats=repeats, warmup=0,
     )
     rate = medians(samples)
@@ -91,7 +91,13 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
     }
 
 
-def _horovodrun(np: int) -> list[str]:
+def available() -> bool:
+    """True where Horovod (and its horovodrun) is installed in this environment."""
+    return os.path.exists(HOROVODRUN)
+
+
+def launcher(np: int) -> list[str]:
+    """`horovodrun -np NP` on localhost over Gloo, each rank pinned to its own core."""
     return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-c", _PIN_TO_CORE]
 
 

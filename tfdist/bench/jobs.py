@@ -15,13 +15,14 @@ JOB_TIMEOUT_SECONDS = 600
 
 
 def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = (),
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs `tfdist train --metrics_out METRICS --set ...` (under `launcher`, e.g. horovodrun).
+              env: dict | None = None, config: str | None = None) -> subprocess.CompletedProcess:
+    """Runs `tfdist train [--config CONFIG] --metrics_out METRICS --set ...` (under `launcher`, e.g. horovodrun).
 
     Raises:
       RuntimeError: the job failed (with the end of its output).
     """
     command = [*launcher, sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
+    command += ["--config", config] if config else []
     for override in overrides:
         command += ["--set", override]
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
@@ -31,13 +32,13 @@ def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = 
     return done
 
 
-def train_job(overrides: Sequence[str], launcher: Sequence[str] = ()) -> Callable[[], float]:
+def train_job(overrides: Sequence[str], launcher: Sequence[str] = (), config: str | None = None) -> Callable[[], float]:
     """A benchmark round: one `tfdist train` job; returns its samples/sec."""
 
     def one_round() -> float:
         with tempfile.TemporaryDirectory() as scratch:
             metrics = os.path.join(scratch, "metrics.json")
-            run_train(overrides, metrics, launcher)
+            run_train(overrides, metrics, launcher, config=config)
             with open(metrics) as f:
                 return json.load(f)["samples_per_sec"]
 

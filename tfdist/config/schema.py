@@ -341,6 +341,9 @@ class DataConfig:
         (AUTOTUNE), 0 prepares none ahead.
       shuffle_buffer: examples the training shuffle draws from; 0 is the
         whole training set.
+      threads: threads of the input pipeline's own pool, so making batches
+        never waits behind the training step's ops; 0 shares TensorFlow's
+        inter-op threads with the step.
     """
 
     dataset: Dataset = Dataset.DIGITS
@@ -352,6 +355,7 @@ class DataConfig:
     cache: bool = True
     prefetch: int = bounded(-1, low=-1)
     shuffle_buffer: int = bounded(0, low=0)
+    threads: int = bounded(0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)

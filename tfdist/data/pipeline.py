@@ -2,7 +2,8 @@
 
 `input_pipeline` orders tf.data's own stages the way the tf.data performance
 guide does: shard -> map (parallel) -> cache -> shuffle -> repeat -> batch ->
-prefetch, each switched and sized from `DataConfig`:
+prefetch with the cache on, shard -> shuffle -> repeat -> map -> batch ->
+prefetch with it off; each stage switched and sized from `DataConfig`:
 
 - shard: with an `input_context` (from `strategy.distribute_datasets_from_function`),
   each worker's pipeline reads every n-th example, and batches are per replica
@@ -12,7 +13,8 @@ prefetch, each switched and sized from `DataConfig`:
 - map: the preprocessing function, `map_parallelism` examples at once
   (AUTOTUNE by default), order kept;
 - cache: after the map, so preprocessing runs once;
-- shuffle and repeat for training;
+- shuffle and repeat for training: after the cache, or before the map when
+  nothing is cached, so the shuffle buffer holds cheap raw examples;
 - batch: training drops the remainder, so every step gives every replica the
   same batch size and replicas stay in step; evaluation keeps every example
   (tf.distribute spreads a last partial batch over the replicas);
@@ -69,16 +71,35 @@ def input_pipeline(
     if input_context is not None:
         examples = examples.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         batch_size = input_context.get_per_replica_batch_size(batch_size)
-    if map_fn is not None:
-        parallel = None if config.map_parallelism == 0 else _tuned(config.map_parallelism)
-        examples = examples.map(map_fn, num_parallel_calls=parallel, deterministic=True)
     if config.cache:
-        examples = examples.cache()
-    if training:
-        buffer = config.shuffle_buffer or _cardinality(examples)
-        examples = examples.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
+        # Preprocess once, then shuffle the cached examples afresh every epoch.
+        examples = _map(examples, map_fn, config).cache()
+        examples = _shuffled(examples, config, seed) if training else examples
+    else:
+        # Shuffle the raw examples before the map: filling the buffer then costs
+        # no preprocessing, so an epoch starts without mapping a buffer's worth first.
+        examples = _map(_shuffled(examples, config, seed) if training else examples, map_fn, config)
     batches = examples.batch(batch_size, drop_remainder=training)
-    return batches.prefetch(_tuned(config.prefetch)) if config.prefetch else batches
+    if config.prefetch:
+        batches = batches.prefetch(_tuned(config.prefetch))
+    if config.threads:
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = config.threads
+        batches = batches.with_options(options)
+    return batches
+
+
+def _map(examples: tf.data.Dataset, map_fn: Optional[Callable], config: DataConfig) -> tf.data.Dataset:
+    if map_fn is None:
+        return examples
+    if config.map_parallelism == 0:
+        return examples.map(map_fn)
+    return examples.map(map_fn, num_parallel_calls=_tuned(config.map_parallelism), deterministic=True)
+
+
+def _shuffled(examples: tf.data.Dataset, config: DataConfig, seed: int) -> tf.data.Dataset:
+    buffer = config.shuffle_buffer or _cardinality(examples)
+    return examples.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
 
 
 def dataset_fn(examples_fn: Callable[[], tf.data.Dataset], config: DataConfig, **kwargs) -> Callable:

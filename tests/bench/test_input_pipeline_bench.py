@@ -1,0 +1,28 @@
+"""`tfdist bench input_pipeline`: the figures, on a run small enough for a test."""
+
+import pytest
+
+from helpers import measure_in_fresh_process, run_tfdist
+
+SMALL = "dict(repeats=1, map_ms=1.0, batch=32, examples=512, width=64, steps_per_round=4)"
+
+
+@pytest.mark.slow
+def test_measure_reports_every_figure_and_prefetch_overlaps():
+    result = measure_in_fresh_process("tfdist.bench.input_pipeline", SMALL)
+    figures, step_ms = result["figures"], result["step_time_ms"]
+    assert set(step_ms) == {"plain", "tfdist", "producer", "consumer"}
+    assert figures["step_vs_max_stage"] == pytest.approx(
+        step_ms["tfdist"] / max(step_ms["producer"], step_ms["consumer"])
+    )
+    assert figures["speedup"] == pytest.approx(step_ms["plain"] / step_ms["tfdist"])
+    assert figures["meets_target"] == (figures["step_vs_max_stage"] <= 1.1)
+    # 32 examples x 1 ms of waiting: the plain pipeline makes the step wait for all of it.
+    assert step_ms["plain"] > 32 and figures["speedup"] > 1.1
+    assert result["settings"]["plain"] == {"map_parallelism": 0, "cache": False, "prefetch": 0, "threads": 0}
+
+
+def test_cli_refuses_a_config():
+    proc = run_tfdist("bench", "input_pipeline", "--set", "train.epochs=2")
+    assert proc.returncode == 2
+    assert "`config` is not used by the input_pipeline benchmark" in proc.stderr
