@@ -17,6 +17,7 @@ __all__ = [
     "loss_tracker",
     "needs_gradient",
     "nvml",
+    "xspace",
 ]
 
 
@@ -224,3 +225,17 @@ def nvml():
     except ImportError as error:
         raise ImportError(f"nvidia-ml-py is not installed ({error}); pip install 'tfdist[monitor]'.") from None
     return pynvml
+
+
+def xspace(path: str):
+    """A profile written by `tf.profiler` (an `.xplane.pb` file), parsed.
+
+    The profiler has no public reader: TensorBoard's profile plugin reads the
+    same protobuf, whose Python module ships with TensorFlow under `tsl`.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return space

@@ -71,6 +71,9 @@ def format_summary(result: Mapping[str, Any]) -> str:
             else "not measured (no steps after callbacks.throughput_warmup_steps)"
         ),
     ]
+    if "input_stalls" in result:
+        first, *rest = result["input_stalls"].removeprefix("input stalls: ").splitlines()
+        lines += [f"  input stalls    {first}", *(f"{'':18}{line.strip()}" for line in rest)]
     for name, value in sorted(result["final"].items()):
         if name.startswith("val_"):
             lines.append(f"  {name:<15} {value:.4f}")

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import data, models, precision
-from tfdist.callbacks import DeviceMetrics, RestoreOnlyBackup, Throughput
+from tfdist.callbacks import DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 from tfdist.layers import shard_placement
@@ -127,7 +127,7 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
     return resolver.task_type == "worker" and resolver.task_id == 0
 
 
-def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
+def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], list[keras.callbacks.Callback]]:
     cfg = job.config.callbacks
     throughput = Throughput(
         job.config.train.global_batch_size, warmup_steps=cfg.throughput_warmup_steps
@@ -137,12 +137,17 @@ def _callbacks(job: Job) -> tuple[Throughput, list[keras.callbacks.Callback]]:
     if cfg.device_metrics:  # before TensorBoard, which then also logs the epoch's samples
         log_dir = cfg.tensorboard_dir if chief else None
         callbacks.append(DeviceMetrics(interval_seconds=cfg.device_metrics_interval_seconds, log_dir=log_dir))
+    stalls = None
+    if cfg.input_stalls and chief:  # the profile goes beside TensorBoard's logs, for its Profile tab
+        stalls = InputStalls(start_step=cfg.throughput_warmup_steps, steps=cfg.input_stalls_steps,
+                             log_dir=cfg.tensorboard_dir, verbose=False)  # reported in the summary
+        callbacks.append(stalls)
     if cfg.tensorboard_dir and chief:
         callbacks.append(keras.callbacks.TensorBoard(cfg.tensorboard_dir))
     if cfg.backup_dir:  # every process resumes from the backup; only the chief writes it
         backup = keras.callbacks.BackupAndRestore if chief else RestoreOnlyBackup
         callbacks.append(backup(cfg.backup_dir))
-    return throughput, callbacks
+    return throughput, stalls, callbacks
 
 
 def _devices(strategy: tf.distribute.Strategy) -> list[str]:
@@ -198,7 +203,7 @@ def run(
     if config.strategy.kind == StrategyKind.PARAMETER_SERVER and parameter_server.serve_if_not_chief(config):
         return {}  # a worker or parameter server: served until the chief's job ended
     job = prepare(config)
-    throughput, callbacks = _callbacks(job)
+    throughput, stalls, callbacks = _callbacks(job)
     chief = is_chief(job.strategy)
     try:
         history = job.model.fit(
@@ -230,6 +235,9 @@ def run(
         "steps_per_epoch": job.steps_per_epoch,
         "final": final,
     }
+    if stalls is not None and stalls.report:
+        result["input_wait_share"] = stalls.input_wait_share
+        result["input_stalls"] = stalls.report
     if isinstance(job.strategy, PipelineStrategy):
         result["pipeline"] = _pipeline_report(job.strategy, job.model)
     if isinstance(job.strategy, ParameterServerStrategy):

@@ -2,6 +2,7 @@
 
 from tfdist.callbacks.backup import RestoreOnlyBackup
 from tfdist.callbacks.device_metrics import DeviceMetrics
+from tfdist.callbacks.input_stalls import InputStalls
 from tfdist.callbacks.throughput import Throughput
 
-__all__ = ["DeviceMetrics", "RestoreOnlyBackup", "Throughput"]
+__all__ = ["DeviceMetrics", "InputStalls", "RestoreOnlyBackup", "Throughput"]

@@ -430,6 +430,10 @@ class CallbacksConfig:
         (NVML), TensorFlow's GPU memory and the process's CPU and memory into
         the Keras logs (and TensorBoard with tensorboard_dir).
       device_metrics_interval_seconds: time between device samples.
+      input_stalls: measure the share of step time spent waiting for input
+        with TensorFlow's profiler, over `input_stalls_steps` steps after
+        `throughput_warmup_steps`, and report it with a hint when it is high.
+      input_stalls_steps: steps in the measured window.
     """
 
     throughput_warmup_steps: int = bounded(5, low=0)
@@ -437,6 +441,8 @@ class CallbacksConfig:
     backup_dir: Optional[str] = None
     device_metrics: bool = False
     device_metrics_interval_seconds: float = bounded(10.0, low=0, low_open=True)
+    input_stalls: bool = False
+    input_stalls_steps: int = bounded(20, low=1)
 
 
 @dataclasses.dataclass(frozen=True)

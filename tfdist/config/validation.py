@@ -68,6 +68,7 @@ def check(config: Config) -> None:
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
+    _check_callbacks(config)
 
 
 def _check_strategy(config: Config) -> None:
@@ -175,6 +176,16 @@ def _check_train(config: Config) -> None:
     if t.warmup_epochs > t.epochs:
         raise ConfigError(
             "train.warmup_epochs", f"must not exceed train.epochs ({t.epochs}).", t.warmup_epochs
+        )
+
+
+def _check_callbacks(config: Config) -> None:
+    if config.callbacks.input_stalls and config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+        raise ConfigError(
+            "callbacks.input_stalls",
+            "is not available with parameter_server: the steps and their input run on the "
+            "workers, which the coordinator's profiler does not see.",
+            True,
         )
 
 
