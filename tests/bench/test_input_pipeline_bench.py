@@ -19,6 +19,9 @@ def test_measure_reports_every_figure_and_prefetch_overlaps():
     assert figures["meets_target"] == (figures["step_vs_max_stage"] <= 1.1)
     # 32 examples x 1 ms of waiting: the plain pipeline makes the step wait for all of it.
     assert step_ms["plain"] > 32 and figures["speedup"] > 1.1
+    # The stall report sees the plain pipeline's step mostly waiting, as the timings say it does.
+    stalls = result["input_stalls"]["plain"]
+    assert stalls["input_wait_share"] > 0.5 and stalls["expected_wait_share"] > 0.5
     assert result["settings"]["plain"] == {"map_parallelism": 0, "cache": False, "prefetch": 0, "threads": 0}
 
 

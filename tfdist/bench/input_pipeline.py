@@ -18,7 +18,10 @@ of the rounds compared:
 Figures: `step_vs_max_stage` = tfdist step time / the slower of producer and
 consumer (1.0 when input and training fully overlap; target <= 1.1, the
 tf.data guide's prefetch rule); `speedup` = plain step time / tfdist step
-time.
+time. After the timed rounds, one more untimed fit per pipeline runs the
+`InputStalls` report: `input_wait_share` (the share of step time the step
+waited for input, measured from the profiler's trace) beside
+`expected_wait_share` = 1 - consumer / step time from the timed rounds.
 
 The training step runs on one core (one intra- and one inter-op thread), as a
 GPU would take it off the host. More input threads than cores make batches
@@ -67,6 +70,7 @@ def measure(
 
     import keras
 
+    from tfdist.callbacks import InputStalls
     from tfdist.config.schema import DataConfig
     from tfdist.data import input_pipeline
 
@@ -116,6 +120,11 @@ def measure(
     rounds["producer"] = producer_round
     samples = alternate(rounds, repeats=repeats)
     step_ms = medians(samples)
+    wait_share = {}
+    for name, ds in datasets.items():
+        stalls = InputStalls(start_step=2, steps=max(1, steps_per_round - 2), verbose=False)
+        model.fit(ds, epochs=1, steps_per_epoch=steps_per_round, verbose=0, shuffle=False, callbacks=[stalls])
+        wait_share[name] = stalls.input_wait_share
     slower_stage = max(step_ms["producer"], step_ms["consumer"])
     step_vs_max_stage = step_ms["tfdist"] / slower_stage
     figures = {
@@ -123,6 +132,10 @@ def measure(
         "speedup": step_ms["plain"] / step_ms["tfdist"],
         "producer_vs_consumer": step_ms["producer"] / step_ms["consumer"],
         "meets_target": step_vs_max_stage <= TARGET_STEP_VS_MAX_STAGE,
+    }
+    stall_check = {
+        name: {"input_wait_share": wait_share[name], "expected_wait_share": 1 - step_ms["consumer"] / step_ms[name]}
+        for name in datasets
     }
     return {
         "benchmark": "input_pipeline",
@@ -134,6 +147,7 @@ def measure(
         "steps_per_round": steps_per_round,
         "repeats": repeats,
         "step_time_ms": step_ms,
+        "input_stalls": stall_check,
         "samples": samples,
         "figures": figures,
     }
