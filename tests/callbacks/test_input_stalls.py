@@ -112,6 +112,16 @@ def test_no_window_or_a_busy_profiler_is_one_warning(tmp_path):
     assert stalls.input_wait_share is None
 
 
+def test_a_profile_without_a_trace_is_one_warning(monkeypatch):
+    from tfdist.callbacks import input_stalls
+
+    monkeypatch.setattr(input_stalls.glob, "glob", lambda pattern: [])
+    stalls = InputStalls(start_step=1, steps=3)
+    with pytest.warns(UserWarning, match="the profiler wrote no trace"):
+        _fit(_examples().batch(32).repeat(), stalls, steps=10)
+    assert stalls.input_wait_share is None and stalls.report == ""
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match=r"`steps` must be >= 1. Received: 0"):
         InputStalls(steps=0)

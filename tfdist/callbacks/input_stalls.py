@@ -146,6 +146,10 @@ class InputStalls(keras.callbacks.Callback):
         self._done, self._logged = True, False
         try:
             traces = glob.glob(os.path.join(profile_dir, "plugins", "profile", "*", "*.xplane.pb"))
+            if not traces:
+                warnings.warn(f"InputStalls: the profiler wrote no trace in {profile_dir}; no input-stall report.",
+                              stacklevel=2)
+                return
             wait_ns = input_wait_ns(_compat.xspace(max(traces, key=os.path.getmtime)), self._start_ns, self._end_ns)
         finally:
             if not self.log_dir:
