@@ -27,8 +27,9 @@ The training step runs on one core (one intra- and one inter-op thread), as a
 GPU would take it off the host. More input threads than cores make batches
 faster still (4 on 2 cores: speedup about 3.3) but overlap worse there
 (step_vs_max_stage 1.17-1.25): producer and step are then about equally fast
-and contend for the same two cores and the GIL, which a GPU server's spare
-cores would not.
+and contend for the same two cores, which a GPU server's spare cores would
+not. (A process burning one core slows the producer alone as much as the step
+does, so the contention is for cores, not the GIL.)
 """
 
 from __future__ import annotations
