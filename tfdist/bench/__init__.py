@@ -26,12 +26,21 @@ BENCHMARKS = {
 
 
 def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_path: Optional[str] = None) -> dict[str, Any]:
-    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (scaling only) gets its plot."""
+    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (scaling only) gets its plot.
+
+    A benchmark that fixes its own setting says why in `CONFIG_UNUSED` and is
+    run through its `measure`; the others take the config in `run`.
+    """
     module = importlib.import_module(BENCHMARKS[name])
+    if plot_path and name != "scaling":
+        raise ConfigError("plot", f"only applies to `bench scaling`; {name} draws no plot.", plot_path)
+    unused = getattr(module, "CONFIG_UNUSED", None)
+    if unused:
+        if config is not None:
+            raise ConfigError("config", f"is not used by the {name} benchmark: {unused}", "given")
+        return module.measure(repeats=repeats)
     if name == "scaling":
         return module.run(config=config, repeats=repeats, plot_path=plot_path)
-    if plot_path:
-        raise ConfigError("plot", f"only applies to `bench scaling`; {name} draws no plot.", plot_path)
     return module.run(config=config, repeats=repeats)
 
 

@@ -20,14 +20,15 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 from tfdist.bench.jobs import described, run_train, train_job
 from tfdist.bench.timing import alternate, medians
-from tfdist.config.schema import Config
-from tfdist.errors import ConfigError
 
-__all__ = ["available", "count_gradient_allreduces", "launcher", "measure", "run"]
+__all__ = ["available", "count_gradient_allreduces", "launcher", "measure"]
+
+# `tfdist bench` refuses a config for this benchmark, saying why.
+CONFIG_UNUSED = "it sets its jobs itself."
 
 TARGET_EFFICIENCY = 0.92
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -36,12 +37,6 @@ HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 _PIN_TO_CORE = ("import os, sys; os.sched_setaffinity(0, {int(os.environ['HOROVOD_LOCAL_RANK']) % os.cpu_count()}); "
                 "os.execv(sys.argv[1], sys.argv[1:])")
 _RESPONSES = re.compile(r"Sending ready responses as (.*)$")
-
-
-def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
-    if config is not None:
-        raise ConfigError("config", "is not used by the horovod benchmark: it sets its jobs itself.", "given")
-    return measure(repeats=repeats)
 
 
 def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16, width: int = 32,

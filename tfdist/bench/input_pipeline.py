@@ -36,25 +36,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from tfdist.bench.timing import alternate, fit_round, medians
-from tfdist.config.schema import Config
-from tfdist.errors import ConfigError
 
-__all__ = ["run", "measure"]
+__all__ = ["measure"]
+
+# `tfdist bench` refuses a config for this benchmark, saying why.
+CONFIG_UNUSED = "it sets its own map, model and data."
 
 TARGET_STEP_VS_MAX_STAGE = 1.1
-
-
-def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
-    if config is not None:
-        raise ConfigError(
-            "config", "is not used by the input_pipeline benchmark: it sets its own map, model and data.", "given"
-        )
-    return measure(repeats=repeats)
 
 
 def measure(

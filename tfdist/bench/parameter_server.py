@@ -17,24 +17,17 @@ all-reduce job's (target >= 0.8).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from tfdist.bench.jobs import described, train_job
 from tfdist.bench.timing import alternate, medians
-from tfdist.config.schema import Config
-from tfdist.errors import ConfigError
 
-__all__ = ["run", "measure"]
+__all__ = ["measure"]
+
+# `tfdist bench` refuses a config for this benchmark, saying why.
+CONFIG_UNUSED = "it sets both jobs itself."
 
 TARGET = 0.8
-
-
-def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
-    if config is not None:
-        raise ConfigError(
-            "config", "is not used by the parameter_server benchmark: it sets both jobs itself.", "given"
-        )
-    return measure(repeats=repeats)
 
 
 def measure(*, repeats: int = 5, per_device_batch: int = 64, epochs: int = 3, steps_per_epoch: int = 40,

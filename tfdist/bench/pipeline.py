@@ -34,10 +34,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tfdist.bench.timing import alternate, fit_round, medians
-from tfdist.config.schema import Config
-from tfdist.errors import ConfigError
 
-__all__ = ["run", "measure", "bound"]
+__all__ = ["measure", "bound"]
+
+# `tfdist bench` refuses a config for this benchmark, saying why.
+CONFIG_UNUSED = "it sets its own devices, threads and model."
 
 NUM_STAGES = 2
 MICRO_BATCHES = (2, 4, 8)
@@ -49,16 +50,6 @@ SERIAL_TIMEOUT_SECONDS = 1800
 def bound(num_stages: int, micro_batches: int) -> float:
     """GPipe's ideal speed-up over naive model parallelism: K*M/(M+K-1)."""
     return num_stages * micro_batches / (micro_batches + num_stages - 1)
-
-
-def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
-    if config is not None:
-        raise ConfigError(
-            "config",
-            "is not used by the pipeline benchmark: it sets its own devices, threads and model.",
-            "given",
-        )
-    return measure(repeats=repeats)
 
 
 def measure(

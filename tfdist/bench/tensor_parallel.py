@@ -22,28 +22,19 @@ largest fraction of the sharded MLP's variable bytes that one device holds
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from tfdist.bench.timing import alternate, fit_round, medians
-from tfdist.config.schema import Config
-from tfdist.errors import ConfigError
 
-__all__ = ["run", "measure"]
+__all__ = ["measure"]
+
+# `tfdist bench` refuses a config for this benchmark, saying why.
+CONFIG_UNUSED = "it sets its own devices, threads and model."
 
 DEVICES = ("/cpu:0", "/cpu:1")
 TARGET_SPEEDUP = 1.8
-
-
-def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
-    if config is not None:
-        raise ConfigError(
-            "config",
-            "is not used by the tensor_parallel benchmark: it sets its own devices, threads and model.",
-            "given",
-        )
-    return measure(repeats=repeats)
 
 
 def measure(
