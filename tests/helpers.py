@@ -28,6 +28,17 @@ def run_tfdist(*args, timeout=120, env=None):
     )
 
 
+def train_with_metrics(tmp_path, config, *overrides, timeout=400):
+    """`tfdist train --config CONFIG --set OVERRIDE ... --metrics_out`, asserted to succeed; (process, metrics)."""
+    metrics = tmp_path / "metrics.json"
+    args = ["train", "--config", config, "--metrics_out", str(metrics)]
+    for override in overrides:
+        args += ["--set", override]
+    proc = run_tfdist(*args, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(metrics.read_text())
+
+
 def measure_in_fresh_process(module, kwargs, timeout=600):
     """`module.measure(**kwargs)`'s result, run in a fresh interpreter (benchmarks fix
     TensorFlow's thread pools before it starts). `kwargs` is Python source, e.g. "dict(repeats=1)"."""

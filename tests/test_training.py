@@ -1,24 +1,18 @@
 """`tfdist train` and the example script, end to end."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, run_tfdist
+from helpers import ROOT, train_with_metrics
 
 pytestmark = pytest.mark.slow
 
 
 def test_default_config_reaches_095_and_writes_the_metrics(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist(
-        "train", "--config", "configs/default.yaml", "--metrics_out", str(metrics), timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(metrics.read_text())
+    proc, result = train_with_metrics(tmp_path, "configs/default.yaml", timeout=300)
     assert result["strategy"] == "mirrored"
     assert result["num_replicas"] == 4
     assert result["global_batch_size"] == 64
@@ -32,12 +26,7 @@ def test_default_config_reaches_095_and_writes_the_metrics(tmp_path):
 
 
 def test_pipeline_config_reaches_095_and_reports_its_partition(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist(
-        "train", "--config", "configs/pipeline.yaml", "--metrics_out", str(metrics), timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(metrics.read_text())
+    proc, result = train_with_metrics(tmp_path, "configs/pipeline.yaml", timeout=600)
     assert result["strategy"] == "pipeline"
     assert result["final"]["val_accuracy"] >= 0.95
     report = result["pipeline"]

@@ -1,7 +1,6 @@
 """DeviceMetrics: NVML against a fake module, the CPU path for real, TensorBoard read back."""
 
 import glob
-import json
 import types
 import warnings
 
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import run_tfdist
+from helpers import train_with_metrics
 from tfdist.callbacks import DeviceMetrics
 
 GIB = 1024**3
@@ -134,13 +133,11 @@ def test_a_bad_interval_is_a_clear_error():
 
 @pytest.mark.slow
 def test_config_switch_reports_device_metrics(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist(
-        "train", "--config", "configs/default.yaml", "--set", "train.epochs=1", "--set", "callbacks.device_metrics=true",
-        "--set", f"callbacks.tensorboard_dir={tmp_path / 'tb'}", "--metrics_out", str(metrics), timeout=300,
+    proc, result = train_with_metrics(
+        tmp_path, "configs/default.yaml", "train.epochs=1", "callbacks.device_metrics=true",
+        f"callbacks.tensorboard_dir={tmp_path / 'tb'}", timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = json.loads(metrics.read_text())["final"]
+    final = result["final"]
     assert final["process_memory_mib"] > 50
     scalars = _scalars(tmp_path / "tb")
     assert "device/process_cpu_percent" in scalars  # DeviceMetrics's own writer

@@ -1,6 +1,5 @@
 """InputStalls: the wait arithmetic on a hand-made trace, then real profiles of a slow and a fast input."""
 
-import json
 import time
 import warnings
 
@@ -10,7 +9,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from helpers import run_tfdist
+from helpers import run_tfdist, train_with_metrics
 from tfdist.callbacks import InputStalls
 from tfdist.callbacks.input_stalls import HINT, input_wait_ns
 
@@ -131,14 +130,10 @@ def test_bad_arguments_are_clear_errors():
 
 @pytest.mark.slow
 def test_config_switch_reports_input_stalls_in_the_summary(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist(
-        "train", "--config", "configs/default.yaml", "--set", "train.epochs=1", "--set", "callbacks.input_stalls=true",
-        "--set", "callbacks.input_stalls_steps=8", "--set", f"callbacks.tensorboard_dir={tmp_path / 'tb'}",
-        "--metrics_out", str(metrics), timeout=300,
+    proc, result = train_with_metrics(
+        tmp_path, "configs/default.yaml", "train.epochs=1", "callbacks.input_stalls=true",
+        "callbacks.input_stalls_steps=8", f"callbacks.tensorboard_dir={tmp_path / 'tb'}", timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(metrics.read_text())
     assert 0 <= result["input_wait_share"] < 1
     assert "  input stalls    " in proc.stdout and "(steps 5-12:" in proc.stdout
     assert list((tmp_path / "tb" / "plugins" / "profile").glob("*/*.xplane.pb"))  # for TensorBoard's Profile tab

@@ -1,13 +1,12 @@
 """PipelineStrategy: same weights as one device, schedules, errors, save/load, config."""
 
-import json
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import ops_per_device, run_tfdist
+from helpers import ops_per_device, train_with_metrics
 from tfdist import ConfigError, PipelineStrategy, load_config, make_strategy
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
 from tfdist.parallel import DeviceGroup
@@ -283,11 +282,7 @@ def test_config_errors_that_need_the_devices(overrides, key, rule):
 
 @pytest.mark.slow
 def test_pipeline_of_tensor_parallel_stages_trains_from_its_config(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist("train", "--config", "configs/pipeline_tensor_parallel.yaml", "--set", "train.epochs=8",
-                      "--metrics_out", str(metrics), timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(metrics.read_text())
+    proc, result = train_with_metrics(tmp_path, "configs/pipeline_tensor_parallel.yaml", "train.epochs=8")
     assert result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
     assert result["devices"] == FOUR
     assert result["final"]["val_accuracy"] >= 0.9

@@ -1,13 +1,12 @@
 """TensorParallelStrategy: placement, optimizer state, numerics and the config path."""
 
-import json
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import ops_per_device, run_tfdist
+from helpers import ops_per_device, train_with_metrics
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
 from tfdist.parallel import DeviceGroup
 from tfdist import ConfigError, load_config, make_strategy
@@ -63,11 +62,7 @@ def test_a_missing_device_is_a_clear_error():
 
 @pytest.mark.slow
 def test_transformer_config_trains_with_tensor_parallelism(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist("train", "--config", "configs/tensor_parallel.yaml", "--set", "train.epochs=8",
-                      "--metrics_out", str(metrics), timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(metrics.read_text())
+    proc, result = train_with_metrics(tmp_path, "configs/tensor_parallel.yaml", "train.epochs=8")
     assert result["strategy"] == "tensor_parallel"
     assert result["devices"] == ["/cpu:0", "/cpu:1"]
     assert result["final"]["val_accuracy"] >= 0.9
@@ -91,8 +86,8 @@ def test_balance_by_memory_cuts_the_layers_into_contiguous_even_runs():
         balance_by_memory(_layers_model(), ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
 
 
-def test_placed_layers_keep_variables_state_and_computation_on_their_device():
-    strategy = TensorParallelStrategy(["/cpu:0", "/cpu:1"], placement={"b": "/cpu:1", "c": "/cpu:1"})
+def _trained_beside_one_device(strategy, *, atol):
+    """`_layers_model` trained under `strategy`, its weights asserted equal to the same training on one device."""
     with strategy.scope():
         model = _layers_model()
         model.compile(optimizer="adam", loss="mse")
@@ -102,7 +97,13 @@ def test_placed_layers_keep_variables_state_and_computation_on_their_device():
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(a, b, atol=atol)
+    return model
+
+
+def test_placed_layers_keep_variables_state_and_computation_on_their_device():
+    strategy = TensorParallelStrategy(["/cpu:0", "/cpu:1"], placement={"b": "/cpu:1", "c": "/cpu:1"})
+    model = _trained_beside_one_device(strategy, atol=1e-6)
     assert {v.path.split("/")[1]: _device_index(v) for v in model.weights} == {"a": 0, "b": 1, "c": 1}
     slots = [v for v in model.optimizer.variables if "_b_" in v.path or "_c_" in v.path]
     assert slots and all(_device_index(v) == 1 for v in slots)
@@ -134,11 +135,9 @@ def test_a_placement_off_the_group_is_a_clear_error():
 
 
 def test_config_places_the_transformer_by_memory(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist("train", "--config", "configs/tensor_parallel.yaml", "--set", "train.epochs=1",
-                      "--set", "placement.balance_by_memory=true", "--metrics_out", str(metrics), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    placement = json.loads(metrics.read_text())["placement"]
+    proc, result = train_with_metrics(tmp_path, "configs/tensor_parallel.yaml", "train.epochs=1",
+                                      "placement.balance_by_memory=true", timeout=300)
+    placement = result["placement"]
     assert "layer(s) on /cpu:0" in placement and "layer(s) on /cpu:1" in placement
     assert f"placement       {placement}" in proc.stdout
 
@@ -193,16 +192,7 @@ def test_each_group_computes_its_replica_on_its_own_devices():
 
 def test_placement_repeats_in_every_group():
     strategy = TensorParallelStrategy(FOUR, group_size=2, placement={"b": "/cpu:1", "c": "/cpu:1"})
-    with strategy.scope():
-        model = _layers_model()
-        model.compile(optimizer="adam", loss="mse")
-    reference = _layers_model()
-    reference.compile(optimizer="adam", loss="mse")
-    x, y = np.random.default_rng(0).random((64, 8), "float32"), np.random.default_rng(1).random((64, 3), "float32")
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    model = _trained_beside_one_device(strategy, atol=1e-5)
     assert {v.path.split("/")[1]: _component_devices(v) for v in model.weights} == {"a": [0, 2], "b": [1, 3], "c": [1, 3]}
 
 
@@ -250,12 +240,8 @@ def test_config_errors_found_at_load(path, overrides, key, rule):
 
 @pytest.mark.slow
 def test_config_trains_mirrored_tensor_parallel_groups(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    proc = run_tfdist("train", "--config", "configs/tensor_parallel.yaml", "--set", "strategy.logical_devices=4",
-                      "--set", "strategy.tensor_parallel_size=2", "--set", "train.epochs=8",
-                      "--metrics_out", str(metrics), timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(metrics.read_text())
+    proc, result = train_with_metrics(tmp_path, "configs/tensor_parallel.yaml", "strategy.logical_devices=4",
+                                      "strategy.tensor_parallel_size=2", "train.epochs=8")
     assert result["num_replicas"] == 2 and result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
     assert result["final"]["val_accuracy"] >= 0.9
     assert "tensor groups   2 of 2 devices: [/cpu:0, /cpu:1], [/cpu:2, /cpu:3]" in proc.stdout
