@@ -151,22 +151,16 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], list[keras.
 
 
 def _devices(strategy: tf.distribute.Strategy) -> list[str]:
-    if isinstance(strategy, PipelineStrategy):
-        return [d for replica in strategy.stage_groups for group in replica for d in group.devices]
-    if isinstance(strategy, TensorParallelStrategy):
-        return strategy.devices
+    if isinstance(strategy, (PipelineStrategy, TensorParallelStrategy)):
+        return strategy.devices  # every device of every group, not only the replicas' first
     return list(strategy.extended.worker_devices)
 
 
 def _tensor_parallel_groups(strategy: tf.distribute.Strategy) -> list[list[str]]:
     """The device groups tensor-parallel layers split over; none when nothing is split."""
-    if isinstance(strategy, TensorParallelStrategy):
-        groups = strategy.groups
-    elif isinstance(strategy, PipelineStrategy):
-        groups = [group for replica in strategy.stage_groups for group in replica]
-    else:
+    if not isinstance(strategy, (PipelineStrategy, TensorParallelStrategy)) or strategy.groups[0].size == 1:
         return []
-    return [list(group.devices) for group in groups] if groups[0].size > 1 else []
+    return [list(group.devices) for group in strategy.groups]
 
 
 def _pipeline_report(strategy: PipelineStrategy, model: keras.Model) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import tensorflow as tf
 
-__all__ = ["DeviceGroup", "current_group", "current_replica"]
+__all__ = ["DeviceGroup", "current_group", "current_replica", "split_into_groups"]
 
 _SCOPES = threading.local()
 
@@ -90,6 +90,11 @@ def current_group() -> Optional[DeviceGroup]:
     if stack:
         return stack[-1]
     return getattr(tf.distribute.get_strategy(), "tensor_parallel_group", None)
+
+
+def split_into_groups(devices: Sequence[str], size: int) -> list[DeviceGroup]:
+    """Consecutive groups of `size` devices (the caller checks that `size` divides them)."""
+    return [DeviceGroup(devices[i : i + size]) for i in range(0, len(devices), size)]
 
 
 def current_replica() -> int:

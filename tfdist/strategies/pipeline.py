@@ -47,7 +47,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
-from tfdist.parallel.device_group import DeviceGroup, current_replica
+from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import default_devices
 
@@ -115,8 +115,8 @@ class PipelineStrategy(MirroredStrategy):
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         self.recompute = recompute
-        groups = [DeviceGroup(devices[i : i + tensor_parallel_size]) for i in range(0, len(devices), tensor_parallel_size)]
-        self.stage_groups = [groups[i : i + num_stages] for i in range(0, len(groups), num_stages)]
+        self.groups = split_into_groups(devices, tensor_parallel_size)  # every stage of every replica
+        self.stage_groups = [self.groups[i : i + num_stages] for i in range(0, len(self.groups), num_stages)]
         self.stage_devices = [[group.devices[0] for group in replica] for replica in self.stage_groups]
         self.tensor_parallel_size = tensor_parallel_size
         self._boundaries = boundaries
@@ -130,6 +130,11 @@ class PipelineStrategy(MirroredStrategy):
     def peak_stashed_micro_batches(self) -> list[int]:
         """Per stage, the most micro-batch activations alive at once under the schedule."""
         return [schedules.peak_stash(order) for order in self._orders]
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device, replica by replica, stage by stage."""
+        return [device for group in self.groups for device in group.devices]
 
     @property
     def tensor_parallel_group(self) -> DeviceGroup:
@@ -340,8 +345,6 @@ class _PipelinedStep:
         per_output = zip(*(self.predictions_by_micro_batch[m] for m in sorted(self.predictions_by_micro_batch)))
         merged = [tf.concat(list(parts), axis=0) for parts in per_output]
         return merged[0] if len(merged) == 1 else merged
-
-
 
 
 def _static_batch(data) -> Optional[int]:

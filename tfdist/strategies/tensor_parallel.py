@@ -37,7 +37,7 @@ from tensorflow.python.distribute import device_util, mirrored_strategy
 from tensorflow.python.framework import ops
 
 from tfdist import _compat
-from tfdist.parallel.device_group import DeviceGroup, current_replica
+from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.placement import device_for_scope, place_computation
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import default_devices
@@ -99,7 +99,7 @@ class TensorParallelStrategy(MirroredStrategy):
                 f"`group_size` must divide the {len(devices)} devices into whole groups. Received: {group_size}"
             )
         DeviceGroup(devices)  # one check for missing and repeated devices
-        self.groups = [DeviceGroup(devices[i : i + size]) for i in range(0, len(devices), size)]
+        self.groups = split_into_groups(devices, size)
         super().__init__(devices=[group.devices[0] for group in self.groups])
         self.placement: dict[str, str] = {}
         self.place(placement or {})
