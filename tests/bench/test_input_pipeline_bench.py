@@ -11,11 +11,15 @@ SMALL = "dict(repeats=1, map_ms=1.0, batch=32, examples=512, width=64, steps_per
 def test_measure_reports_every_figure_and_prefetch_overlaps():
     result = measure_in_fresh_process("tfdist.bench.input_pipeline", SMALL)
     figures, step_ms = result["figures"], result["step_time_ms"]
-    assert set(step_ms) == {"plain", "tfdist", "producer", "consumer"}
+    assert set(step_ms) == {"plain", "tfdist", "producer", "consumer", "producer_loaded"}
     assert figures["step_vs_max_stage"] == pytest.approx(
         step_ms["tfdist"] / max(step_ms["producer"], step_ms["consumer"])
     )
     assert figures["speedup"] == pytest.approx(step_ms["plain"] / step_ms["tfdist"])
+    assert figures["host_interference"] == pytest.approx(step_ms["producer_loaded"] / step_ms["producer"])
+    assert figures["step_vs_loaded_producer"] == pytest.approx(step_ms["tfdist"] / step_ms["producer_loaded"])
+    # The producer made batches while the step ran beside it: 32 examples x 1 ms on 2 threads at least.
+    assert step_ms["producer_loaded"] > 16
     assert figures["meets_target"] == (figures["step_vs_max_stage"] <= 1.1)
     # 32 examples x 1 ms of waiting: the plain pipeline makes the step wait for all of it.
     assert step_ms["plain"] > 32 and figures["speedup"] > 1.1

@@ -13,7 +13,9 @@ of the rounds compared:
   (`threads`), so making batches does not queue behind the step's ops; the
   cache off, since a streamed or augmented input is made again every epoch;
 - `producer`: the `tfdist` pipeline iterated alone (time per batch);
-- `consumer`: the same training step on one batch held in memory.
+- `consumer`: the same training step on one batch held in memory;
+- `producer_loaded`: the producer again, while the consumer's step runs beside
+  it in this process (a second thread), as it does during training.
 
 Figures: `step_vs_max_stage` = tfdist step time / the slower of producer and
 consumer (1.0 when input and training fully overlap; target <= 1.1, the
@@ -24,17 +26,28 @@ waited for input, measured from the profiler's trace) beside
 `expected_wait_share` = 1 - consumer / step time from the timed rounds.
 
 The training step runs on one core (one intra- and one inter-op thread), as a
-GPU would take it off the host. More input threads than cores make batches
-faster still (4 on 2 cores: speedup about 3.3) but overlap worse there
-(step_vs_max_stage 1.17-1.25): producer and step are then about equally fast
-and contend for the same two cores, which a GPU server's spare cores would
-not. (A process burning one core slows the producer alone as much as the step
-does, so the contention is for cores, not the GIL.)
+GPU would take it off the host. It does not take it out of the host's
+process, though, and a step computing in this process slows the producer by
+itself, as a GPU's step would not: `host_interference` = producer_loaded /
+producer measures that (1.11-1.14 here), and `step_vs_loaded_producer` =
+tfdist step time / producer_loaded is the overlap once it is counted (1.0:
+the step waits only for the producer running as fast as it can beside the
+step). Part of the interference is in every `py_function` call: on a tf.data
+thread each call builds a fresh Python thread state, mapping and unmapping a
+16 KB frame stack, and each unmap must interrupt the CPU that runs the step
+(with a bare TF compute loop beside it, 2300 TLB shootdowns per producer
+round instead of 13). That loop slows the producer 3-7% from a thread of
+this process and not at all from another process.
+
+More input threads than cores make batches faster still (4 on 2 cores:
+speedup about 3.3) but overlap worse (step_vs_max_stage 1.17-1.25): producer
+and step are then about equally fast and contend more.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -107,11 +120,32 @@ def measure(
             next(iterator)
         return 1000 * (time.perf_counter() - start) / steps_per_round
 
+    def loaded_producer_round() -> float:
+        """The producer while the consumer's step trains in a second thread, stopped after the round."""
+        started, done = threading.Event(), threading.Event()
+
+        def after_batch(batch, logs):
+            started.set()
+            model.stop_training = done.is_set()
+
+        step = threading.Thread(target=model.fit, args=(in_memory,), kwargs=dict(
+            epochs=1, steps_per_epoch=10**9, verbose=0, shuffle=False,
+            callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=after_batch)]))
+        step.start()
+        try:
+            if not started.wait(timeout=120):
+                raise RuntimeError("The consumer's training step did not start within 120 s.")
+            return producer_round()
+        finally:
+            done.set()
+            step.join()
+
     # Mean step times, like the producer's time per batch: a stall is a slow step, not an outlier.
     rounds = {name: fit_round(model, ds, batch=batch, steps=steps_per_round, mean=True)
               for name, ds in datasets.items()}
     rounds["consumer"] = fit_round(model, in_memory, batch=batch, steps=steps_per_round, mean=True)
     rounds["producer"] = producer_round
+    rounds["producer_loaded"] = loaded_producer_round
     samples = alternate(rounds, repeats=repeats)
     step_ms = medians(samples)
     wait_share = {}
@@ -125,6 +159,8 @@ def measure(
         "step_vs_max_stage": step_vs_max_stage,
         "speedup": step_ms["plain"] / step_ms["tfdist"],
         "producer_vs_consumer": step_ms["producer"] / step_ms["consumer"],
+        "host_interference": step_ms["producer_loaded"] / step_ms["producer"],
+        "step_vs_loaded_producer": step_ms["tfdist"] / step_ms["producer_loaded"],
         "meets_target": step_vs_max_stage <= TARGET_STEP_VS_MAX_STAGE,
     }
     stall_check = {
