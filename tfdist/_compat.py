@@ -17,6 +17,8 @@ __all__ = [
     "loss_tracker",
     "needs_gradient",
     "nvml",
+    "partition_graphs",
+    "remake_variables",
     "xspace",
 ]
 
@@ -166,6 +168,64 @@ def needs_gradient(tensor) -> bool:
     from tensorflow.python.eager import record
 
     return bool(record.should_record_backprop([tensor]))
+
+
+def remake_variables(variables_in_contexts, optimizer=None) -> None:
+    """Makes each Keras variable's TensorFlow storage again, inside its context, keeping its value.
+
+    Keras 3 cannot move a variable once it is made, and a pipeline knows its
+    stages only after the model, and often the optimizer, are built. The Keras
+    object stays (so `model.weights`, names, checkpoints and optimizer slot
+    lists do not change); its storage (`_value`) is made again the way Keras
+    makes it, by the variable creators and device of the context, and every
+    copy takes the value of the old copy at its position. Keras optimizers key
+    the variables they train by their storage's id (`_var_key`), so
+    `optimizer` (and the optimizer it wraps, for loss scaling) is re-keyed.
+
+    Args:
+      variables_in_contexts: (Keras variable, context manager) pairs.
+      optimizer: the Keras optimizer training these variables, if any.
+    """
+    optimizers = []
+    while optimizer is not None:
+        optimizers.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    remade = [variable for variable, _ in variables_in_contexts]
+    old_keys = [{o._var_key(v): v for v in remade} for o in optimizers]
+    for variable, context in variables_in_contexts:
+        old = variable._value
+        with context:
+            variable._initialize(old.read_value())
+        for new_copy, old_copy in zip(getattr(variable._value, "values", ()), getattr(old, "values", ())):
+            new_copy.assign(old_copy.read_value())  # copies of sync-on-read state may differ
+    for o, keys in zip(optimizers, old_keys):
+        if o.built:
+            o._trainable_variables_indices = {o._var_key(v): i for i, v in enumerate(o._trainable_variables)}
+        excluded = getattr(o, "_exclude_from_weight_decay", None)
+        if excluded:
+            o._exclude_from_weight_decay = {o._var_key(keys[k]) if k in keys else k for k in excluded}
+        o._exclude_from_weight_decay_cache = {}
+
+
+def partition_graphs(run) -> list:
+    """The graphs TensorFlow's runtime executed for the functions `run()` instantiated, per device.
+
+    A step's cross-device copies exist only after placement: TensorFlow splits
+    each function's graph per device and joins the parts with `_Send`/`_Recv`
+    pairs. Eager TensorFlow records those partition graphs in its run metadata
+    (`tf.compat.v1.RunMetadata.function_graphs`), which has no public switch in
+    TF2. Functions instantiated before `run()` are not recorded.
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        run()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
 
 
 def install_atomic_parameter_server_updates() -> None:

@@ -12,6 +12,10 @@ device. `balance_by_memory` proposes a placement: the model's layers in order,
 cut into one contiguous run per device with the parameter bytes as even as
 possible (the partition the pipeline strategy also uses).
 
+`call_in_context` runs a layer's whole `call` inside a context: a pipeline
+stage's device and group, so evaluation and prediction run each layer where
+its stage's weights are.
+
 Example:
 
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="a"),
@@ -23,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, ContextManager, Mapping, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -31,7 +35,9 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.parallel.partition import balance
 
-__all__ = ["balance_by_memory", "device_for_scope", "on_device", "place_computation", "unknown_layers"]
+__all__ = [
+    "balance_by_memory", "call_in_context", "device_for_scope", "on_device", "place_computation", "unknown_layers"
+]
 
 
 def on_device(device: Optional[str], fn: Callable, *inputs):
@@ -126,6 +132,22 @@ def place_computation(
 
         layer._tfdist_original_call, layer._tfdist_device = original, device
         layer.call = call
+
+
+def call_in_context(operation, context: Callable[[], ContextManager]) -> None:
+    """From now on `operation` (a Keras layer or op) runs its `call` inside a fresh `context()`.
+
+    Calling again replaces the context (and any placement `place_computation` gave it).
+    """
+    original = getattr(operation, "_tfdist_original_call", operation.call)
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        with context():
+            return original(*args, **kwargs)
+
+    operation._tfdist_original_call, operation._tfdist_device = original, None
+    operation.call = call
 
 
 def _layers_by_name(model: keras.Model) -> dict:

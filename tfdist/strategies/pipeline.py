@@ -5,25 +5,32 @@ stages: replicas [d0, d1] and [d2, d3]); with `tensor_parallel_size` T each
 stage is a group of T devices that the tensor-parallel layers of
 `tfdist.layers` split over (8 devices, 2 stages, T=2: replicas
 [[d0, d1], [d2, d3]] and [[d4, d5], [d6, d7]]). The strategy is a
-`MirroredStrategy` over the first device of every replica, so data parallelism
-across replicas, variable mirroring and gradient all-reduce are TensorFlow's
-own. What it adds is the training step inside each replica:
+`ReplicaGroupsStrategy`: a `MirroredStrategy` over the first device of every
+replica, so data parallelism across replicas, variable mirroring and gradient
+all-reduce are TensorFlow's own. What it adds:
 
 1. the model is cut into stages (`tfdist.parallel.partition`), stage k on the
-   replica's device (group) k;
-2. the replica's batch is split into `num_micro_batches` micro-batches;
-3. every stage runs the forward (F) and backward (B) of each micro-batch in
+   replica's device (group) k, the first time a step function is built;
+2. each stage's variables then move to the stage's device (a tensor-parallel
+   shard to its device in the stage's group), in every replica, with the
+   optimizer slots made from them; updates run there too, and a variable's
+   gradient is all-reduced among its copies only. What no stage owns (the
+   optimizer's step counter and learning rate, the loss scale, metrics) stays
+   on each replica's first device. So each device holds only its stages'
+   weights and optimizer state, and no weight crosses devices during a step;
+3. the replica's batch is split into `num_micro_batches` micro-batches;
+4. every stage runs the forward (F) and backward (B) of each micro-batch in
    the order the schedule gives it (`tfdist.parallel.schedules`), enforced by
    control dependencies, so stage k+1 works on micro-batch m while stage k
    works on m+1, and 1F1B keeps at most K micro-batches of activations alive;
-4. gradients are summed over micro-batches, each micro-batch's loss weighted
+5. gradients are summed over micro-batches, each micro-batch's loss weighted
    by its share of the batch, so the update equals one full-batch step.
 
 Keras calls `strategy.run(model.train_step, ...)` for every training step;
 `run` recognises that call and runs the pipelined step instead, so user code is
-plain Keras. Evaluation and prediction run each replica's whole model on its
-first device. A model with its own `train_step` cannot be pipelined and fails
-at the first step with a clear error.
+plain Keras. Evaluation and prediction run the whole batch stage by stage,
+each layer on its stage's device. A model with its own `train_step` cannot be
+pipelined and fails at the first step with a clear error.
 
 Example:
 
@@ -48,13 +55,14 @@ from tfdist import _compat
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
-from tfdist.strategies.data_parallel import MirroredStrategy
+from tfdist.parallel.placement import call_in_context
 from tfdist.strategies.devices import default_devices
+from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device
 
 __all__ = ["PipelineStrategy"]
 
 
-class PipelineStrategy(MirroredStrategy):
+class PipelineStrategy(ReplicaGroupsStrategy):
     """Pipeline-parallel training (GPipe or 1F1B) inside data-parallel replicas.
 
     Args:
@@ -73,8 +81,12 @@ class PipelineStrategy(MirroredStrategy):
         their recomputed masks would differ.
       verbose: print the chosen partition when the first step is built.
       tensor_parallel_size: devices per stage (T); the tensor-parallel layers
-        made in this strategy's scope split over the stage's devices.
-        Variables live on each replica's first device, as for every stage.
+        made in this strategy's scope split over the stage's devices, each
+        shard held by its own device.
+      place_variables: move each stage's variables and optimizer slots to its
+        devices (the default). False leaves every variable on each replica's
+        first device, which then must hold the whole model and sends each
+        stage its weights every micro-batch; it is there to compare with.
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
@@ -93,6 +105,7 @@ class PipelineStrategy(MirroredStrategy):
         recompute: bool = False,
         verbose: bool = True,
         tensor_parallel_size: int = 1,
+        place_variables: bool = True,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
         devices = list(devices or default_devices())
@@ -115,6 +128,7 @@ class PipelineStrategy(MirroredStrategy):
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         self.recompute = recompute
+        self.place_variables = place_variables
         self.groups = split_into_groups(devices, tensor_parallel_size)  # every stage of every replica
         self.stage_groups = [self.groups[i : i + num_stages] for i in range(0, len(self.groups), num_stages)]
         self.stage_devices = [[group.devices[0] for group in replica] for replica in self.stage_groups]
@@ -124,17 +138,13 @@ class PipelineStrategy(MirroredStrategy):
         self._verbose = verbose
         self._sequence = schedules.global_order(self._orders)
         self._partitions: dict[int, partition_lib.Partition] = {}
-        super().__init__(devices=[group[0] for group in self.stage_devices])
+        super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)])
+        _compat.install_trainer_hooks()  # predictions find their model through `keras_hooks`
 
     @property
     def peak_stashed_micro_batches(self) -> list[int]:
         """Per stage, the most micro-batch activations alive at once under the schedule."""
         return [schedules.peak_stash(order) for order in self._orders]
-
-    @property
-    def devices(self) -> list[str]:
-        """Every device, replica by replica, stage by stage."""
-        return [device for group in self.groups for device in group.devices]
 
     @property
     def tensor_parallel_group(self) -> DeviceGroup:
@@ -148,22 +158,46 @@ class PipelineStrategy(MirroredStrategy):
 
     def run(self, fn, args=(), kwargs=None, options=None):
         model = getattr(fn, "__self__", None)
-        if isinstance(model, keras.Model) and getattr(fn, "__name__", "") == "train_step":
-            if getattr(fn, "__func__", None) is not keras.Model.train_step:
+        step = getattr(fn, "__name__", "")
+        if isinstance(model, keras.Model) and step in ("train_step", "test_step"):
+            if step == "train_step" and getattr(fn, "__func__", None) is not keras.Model.train_step:
                 raise ValueError(
                     f"PipelineStrategy runs Keras's own training step in stages; model "
                     f"{model.name!r} overrides `train_step`, which cannot be split. Use a "
                     "model without a custom train_step, or another strategy."
                 )
-            partition = self._partition(model, args)
-            fn = functools.partial(self._train_step, model, partition)
+            partition = self._prepare(model, _static_batch(args[0]) if args else None)
+            if step == "train_step":
+                fn = functools.partial(self._train_step, model, partition)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
-    def _partition(self, model: keras.Model, args) -> partition_lib.Partition:
+    def keras_hooks(self, model: keras.Model) -> dict:
+        """Keras's predict function, preceded by cutting and placing the model if no step did yet
+        (Keras hands `run` a closure for predictions, not the model's bound `predict_step`)."""
+        predict = _compat.keras_step_function(model, "predict_function")
+
+        def predict_function(data):
+            self._prepare(model, _static_batch(data[0]) if data else None)
+            return predict(data)
+
+        return {"predict_function": predict_function}
+
+    @contextlib.contextmanager
+    def stage_scope(self, stage_index: int):
+        """Under this strategy, the stage's (first) device and its group in scope, in the replica
+        whose step is being built (the first replica outside a step); elsewhere nothing."""
+        if tf.distribute.get_strategy() is not self:
+            yield
+            return
+        group = self.stage_groups[current_replica()][stage_index]
+        with tf.device(group.devices[0]), group.scope():
+            yield
+
+    def _prepare(self, model: keras.Model, batch: Optional[int]) -> partition_lib.Partition:
+        """Cuts `model` into stages, once, and puts each stage's variables and layers on its devices."""
         key = id(model)
         if key not in self._partitions:
             with tf.init_scope():  # plan eagerly, once, outside the traced step
-                batch = _static_batch(args[0]) if args else None
                 micro = max(1, (batch or 32 * self.num_micro_batches) // self.num_micro_batches)
                 partition = partition_lib.split(
                     model,
@@ -174,17 +208,46 @@ class PipelineStrategy(MirroredStrategy):
                 )
             if self.recompute:
                 _refuse_random_layers(partition)
+            if self.place_variables:
+                self._place_variables(model, partition)
+            for stage in partition.stages:
+                for operation in stage.operations:
+                    call_in_context(operation, functools.partial(self.stage_scope, stage.index))
             self._partitions[key] = partition
             if self._verbose:
-                print(self._describe(partition), file=sys.stdout, flush=True)
+                print(self._describe(model, partition), file=sys.stdout, flush=True)
         return self._partitions[key]
 
-    def _describe(self, partition: partition_lib.Partition) -> str:
+    def _place_variables(self, model: keras.Model, partition: partition_lib.Partition) -> None:
+        """Moves every stage's variables (weights, statistics, seeds) and their optimizer slots to its devices."""
+        destinations, owner = [], {}
+        for stage in partition.stages:
+            for variable in stage.model.variables:
+                if owner.setdefault(id(variable), stage.index) != stage.index:
+                    raise ValueError(
+                        f"variable {variable.path!r} is used by layers of stages {owner[id(variable)]} and "
+                        f"{stage.index}: a weight shared between layers must stay in one stage. Move the boundary."
+                    )
+                destinations.append((variable, self._stage_device(variable, stage.index)))
+        self.move_variables(destinations, getattr(model, "optimizer", None))
+        for variable, device in destinations:
+            if variable.regularizer is not None:
+                variable.regularizer = _RegularizerOnDevice(variable.regularizer, self, device)
+
+    def _stage_device(self, variable: keras.Variable, stage_index: int) -> str:
+        """The device of the first replica's stage that holds `variable`: a tensor-parallel shard
+        keeps its position in the group, anything else goes to the stage's first device."""
+        copies = getattr(variable.value, "values", (variable.value,))
+        position = self.stage_groups[0][0].index(copies[0].device)
+        return self.stage_groups[0][stage_index].devices[position or 0]
+
+    def _describe(self, model: keras.Model, partition: partition_lib.Partition) -> str:
         lines = [
             f"tfdist pipeline: {len(self.stage_devices)} replica(s) x {self.num_stages} stages, "
             f"{self.num_micro_batches} micro-batches, {self.schedule}"
             f"{', recompute' if self.recompute else ''}; partition by {partition.basis}"
         ]
+        memory = self.stage_memory(model)
         for stage in partition.stages:
             times = ", ".join(
                 f"{label} {value:.2f} ms"
@@ -193,16 +256,30 @@ class PipelineStrategy(MirroredStrategy):
             )
             group = self.stage_groups[0][stage.index]
             where = group.devices[0] if group.size == 1 else f"{', '.join(group.devices)} (tensor parallel)"
+            held = memory[stage.index]
             lines.append(
-                f"  stage {stage.index} on {where}: "
-                f"{', '.join(stage.layer_names)} ({stage.num_params:,} params{'; ' + times if times else ''})"
+                f"  stage {stage.index} on {where}: {', '.join(stage.layer_names)} ({stage.num_params:,} params, "
+                f"holds {_megabytes(held['params'])} of weights and {_megabytes(held['optimizer'])} of "
+                f"optimizer state{'; ' + times if times else ''})"
             )
         return "\n".join(lines)
+
+    def stage_memory(self, model: keras.Model) -> list[dict[str, int]]:
+        """Per stage, the bytes its devices hold in the first replica: `params` (the model's
+        variables) and `optimizer` (the optimizer's), read from where each copy lives."""
+        held = [{"params": 0, "optimizer": 0} for _ in range(self.num_stages)]
+        optimizer = getattr(model, "optimizer", None)
+        for kind, variables in (("params", model.variables), ("optimizer", optimizer.variables if optimizer else [])):
+            for device, size in bytes_by_device(variables).items():
+                for stage_index, group in enumerate(self.stage_groups[0]):
+                    if group.index(device) is not None:
+                        held[stage_index][kind] += size
+        return held
 
     def _train_step(self, model: keras.Model, partition: partition_lib.Partition, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         micro, shares = _split_micro_batches((x, y, sample_weight), self.num_micro_batches)
-        step = _PipelinedStep(model, partition, self.stage_groups[current_replica()], self.recompute)
+        step = _PipelinedStep(model, partition, self)
         for stage_index, (kind, m) in self._sequence:
             if kind == "F":
                 step.forward(stage_index, m, micro[m], shares[m])
@@ -221,11 +298,11 @@ class PipelineStrategy(MirroredStrategy):
 class _PipelinedStep:
     """The tensors of one replica's pipelined step while its graph is built."""
 
-    def __init__(self, model, partition, groups, recompute):
+    def __init__(self, model, partition, strategy):
         self.model = model
         self.partition = partition
-        self.groups = groups
-        self.recompute = recompute
+        self.strategy = strategy
+        self.recompute = strategy.recompute
         self.live: dict[int, dict[int, tf.Tensor]] = {}  # micro-batch -> KerasTensor id -> value
         self.out_grads: dict[int, dict[int, tf.Tensor]] = {}  # gradients w.r.t. those values
         self.records: dict[tuple[int, int], dict] = {}
@@ -237,8 +314,7 @@ class _PipelinedStep:
     @contextlib.contextmanager
     def _on_stage(self, stage_index: int):
         """On the stage's (first) device, its group in scope, after the stage's previous work."""
-        group = self.groups[stage_index]
-        with tf.device(group.devices[0]), group.scope(), tf.control_dependencies(self.last_done[stage_index]):
+        with self.strategy.stage_scope(stage_index), tf.control_dependencies(self.last_done[stage_index]):
             yield
 
     def _is_last(self, stage_index: int) -> bool:
@@ -333,9 +409,8 @@ class _PipelinedStep:
         self.last_done[stage_index] = [tf.group(grads)]
 
     def variable_gradients(self) -> list:
-        return [
-            self.var_grads.get(id(v), tf.zeros_like(v)) for v in self.model.trainable_variables
-        ]
+        # A variable no stage computes with gets zeros made from its shape (not its value, which may be elsewhere).
+        return [self.var_grads.get(id(v), tf.zeros(v.shape, v.dtype)) for v in self.model.trainable_variables]
 
     @property
     def total_loss(self) -> tf.Tensor:
@@ -345,6 +420,24 @@ class _PipelinedStep:
         per_output = zip(*(self.predictions_by_micro_batch[m] for m in sorted(self.predictions_by_micro_batch)))
         merged = [tf.concat(list(parts), axis=0) for parts in per_output]
         return merged[0] if len(merged) == 1 else merged
+
+
+class _RegularizerOnDevice:
+    """A variable's regularizer, computed where the variable lives: Keras computes weight
+    penalties wherever the loss is computed (the last stage), which would copy the weight there."""
+
+    def __init__(self, regularizer, strategy: PipelineStrategy, device: str):
+        self.regularizer = regularizer.regularizer if isinstance(regularizer, _RegularizerOnDevice) else regularizer
+        self.strategy = strategy
+        self.device = device
+
+    def __call__(self, variable):
+        with tf.device(self.strategy.local_device(self.device)):
+            return self.regularizer(variable)
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.2f} MB" if size >= 10_000 else f"{size:,} bytes"
 
 
 def _static_batch(data) -> Optional[int]:

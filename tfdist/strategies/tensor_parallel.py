@@ -12,14 +12,14 @@ all-reduce are TensorFlow's own). Inside a group, two ways to use its devices:
   group; a placed layer's variables are created there (matched by the Keras
   name scope they are built in) and its forward and backward run there.
 
-What this adds to `MirroredStrategy`: a variable made on a group device is
-mirrored onto the same position of every group (shard 1 of a kernel on the
-second device of each group), where MirroredStrategy would put every copy on
-the groups' first devices; and each replica's layers compute on its own group.
-Optimizer slots live beside their variables and updates run there. Everything
-else stays on each group's first device. `model.fit` is plain Keras; with one
-group the numerics are single-device training's, with several they are data
-parallel training's.
+Where variables live comes from `ReplicaGroupsStrategy`: a variable made on a
+group device is mirrored onto the same position of every group (shard 1 of a
+kernel on the second device of each group), optimizer slots live beside their
+variables and updates run there. What this adds is which device a variable
+belongs on (its shard's, or its placed layer's) and each replica's layers
+computing on its own group. Everything else stays on each group's first
+device. `model.fit` is plain Keras; with one group the numerics are
+single-device training's, with several they are data parallel training's.
 
 Example:
 
@@ -33,38 +33,18 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 import keras
-from tensorflow.python.distribute import device_util, mirrored_strategy
 from tensorflow.python.framework import ops
 
 from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.placement import device_for_scope, place_computation
-from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import default_devices
+from tfdist.strategies.replica_groups import ReplicaGroupsStrategy
 
 __all__ = ["TensorParallelStrategy"]
 
 
-class _OnDevices:
-    """What MirroredExtended reads from `colocate_with`: the devices of the copies."""
-
-    def __init__(self, devices: Sequence[str]):
-        self._devices = tuple(devices)
-
-
-class _TensorParallelExtended(mirrored_strategy.MirroredExtended):
-    def _create_variable(self, next_creator, **kwargs):
-        if kwargs.get("colocate_with") is None:  # optimizer slots come colocated with their variable
-            strategy = self._container_strategy()
-            # A shard placed by its layer (or the user's own tf.device), else a placed layer's variable.
-            device = device_util.current() or device_for_scope(strategy.placement, ops.get_name_scope())
-            devices = strategy.mirrored_devices(device) if device else None
-            if devices:
-                kwargs["colocate_with"] = _OnDevices(devices)
-        return super()._create_variable(next_creator, **kwargs)
-
-
-class TensorParallelStrategy(MirroredStrategy):
+class TensorParallelStrategy(ReplicaGroupsStrategy):
     """Replicas of `group_size` devices each; tensor-parallel layers split over a group, placed layers go to theirs.
 
     Args:
@@ -83,8 +63,6 @@ class TensorParallelStrategy(MirroredStrategy):
         the first group.
     """
 
-    _extended_type = _TensorParallelExtended
-
     def __init__(
         self,
         devices: Optional[Sequence[str]] = None,
@@ -98,31 +76,19 @@ class TensorParallelStrategy(MirroredStrategy):
             raise ValueError(
                 f"`group_size` must divide the {len(devices)} devices into whole groups. Received: {group_size}"
             )
-        DeviceGroup(devices)  # one check for missing and repeated devices
         self.groups = split_into_groups(devices, size)
-        super().__init__(devices=[group.devices[0] for group in self.groups])
+        super().__init__([group.devices for group in self.groups])
         self.placement: dict[str, str] = {}
         self.place(placement or {})
-
-    @property
-    def devices(self) -> list[str]:
-        """Every device, group by group."""
-        return [device for group in self.groups for device in group.devices]
 
     @property
     def tensor_parallel_group(self) -> DeviceGroup:
         """The group of the replica whose step is being built (the first outside a step)."""
         return self.groups[current_replica()]
 
-    def local_device(self, device: str) -> str:
-        """A device of the first group, as the device at its position in the current replica's group."""
-        index = self.groups[0].index(device)
-        return device if index is None else self.tensor_parallel_group.devices[index]
-
-    def mirrored_devices(self, device: str) -> Optional[list[str]]:
-        """A device of the first group and its counterparts in the other groups; None for other devices."""
-        index = self.groups[0].index(device)
-        return None if index is None else [group.devices[index] for group in self.groups]
+    def variable_device(self) -> Optional[str]:
+        """A shard's device (its layer's `tf.device`, or the user's), else a placed layer's."""
+        return super().variable_device() or device_for_scope(self.placement, ops.get_name_scope())
 
     def place(self, placement: Mapping[str, str]) -> None:
         """Sets layer name -> device for the layers built in this scope from now on.
