@@ -5,8 +5,8 @@ when tfdist builds it: the runtime splits the graph by device and joins the
 parts with `_Send`/`_Recv` pairs. This module records those partition graphs
 while a step function is first instantiated (`tfdist._compat.partition_graphs`)
 and finds every `_Send` whose tensor is a variable's value: a `ReadVariableOp`
-(through `Identity` and `Cast`, so a weight cast to float16 counts too), sized
-from the variable's handle shape. That is the copy model parallelism must not
+(through `Identity` and `Cast`, so a weight cast to float16 counts too, and
+through lowered control flow), sized from the variable's handle shape. That is the copy model parallelism must not
 make: a weight read on one device and used on another.
 
 Scalar variables are reported apart (`VariableCopy.is_scalar`): they are the
@@ -32,7 +32,7 @@ from tfdist import _compat
 
 __all__ = ["VariableCopy", "variable_copies", "weight_bytes"]
 
-_PASS_THROUGH = ("Identity", "Cast")
+_PASS_THROUGH = ("Identity", "Cast", "Switch", "Enter")  # input 0 flows on (lowered cond and while)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ def weight_bytes(copies: list[VariableCopy]) -> int:
 
 
 def _through(nodes: dict, input_name: str):
-    """The node producing `input_name`, looking through Identity and Cast; None for unknown nodes."""
+    """The node producing `input_name`, looking through `_PASS_THROUGH` ops; None for unknown nodes."""
     node = nodes.get(input_name.lstrip("^").split(":")[0])
     while node is not None and node.op in _PASS_THROUGH:
         node = nodes.get(node.input[0].split(":")[0])

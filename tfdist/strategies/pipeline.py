@@ -285,6 +285,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 step.forward(stage_index, m, micro[m], shares[m])
             else:
                 step.backward(stage_index, m)
+        step.add_regularization_gradients()
         grads = step.variable_gradients()
         model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
         y_pred = step.predictions()
@@ -324,6 +325,7 @@ class _PipelinedStep:
         """Stage forward (and, on the last stage, the weighted scaled loss)."""
         stage = self.partition.stages[stage_index]
         outputs = tf.nest.flatten(stage.model(inputs, training=True))
+        _refuse_added_losses(stage)
         if not self._is_last(stage_index):
             return outputs, None
         values = {**self.live[m], **{id(t): v for t, v in zip(stage.produces, outputs)}}
@@ -408,6 +410,26 @@ class _PipelinedStep:
             self.var_grads[id(v)] = g if previous is None else previous + g
         self.last_done[stage_index] = [tf.group(grads)]
 
+    def add_regularization_gradients(self) -> None:
+        """Adds the weight penalties' gradients of every stage but the last.
+
+        The last stage's `compute_loss` includes every penalty (Keras's
+        `model.losses`), so the logged loss is Keras's; but its gradient tape
+        reaches only the last stage's variables. Each other stage
+        differentiates its own penalties once per step, on its device, scaled
+        as Keras scales additional losses.
+        """
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        for stage in self.partition.stages[:-1]:
+            variables = [v for v in stage.trainable_variables if v.regularizer is not None]
+            if not variables:
+                continue
+            with self._on_stage(stage.index), tf.GradientTape() as tape:
+                penalty = tf.add_n([v.regularizer(v) for v in variables]) / replicas
+                scaled = self.model.optimizer.scale_loss(penalty)
+            for v, g in zip(variables, tape.gradient(scaled, variables)):
+                self.var_grads[id(v)] = self.var_grads[id(v)] + g if id(v) in self.var_grads else g
+
     def variable_gradients(self) -> list:
         # A variable no stage computes with gets zeros made from its shape (not its value, which may be elsewhere).
         return [self.var_grads.get(id(v), tf.zeros(v.shape, v.dtype)) for v in self.model.trainable_variables]
@@ -445,6 +467,18 @@ def _static_batch(data) -> Optional[int]:
     if isinstance(first, tf.distribute.DistributedValues):
         first = first.values[0]
     return getattr(first, "shape", [None])[0] if getattr(first, "shape", None) else None
+
+
+def _refuse_added_losses(stage: partition_lib.Stage) -> None:
+    """Losses a layer adds in its call (activity regularizers, `add_loss`) cannot be split into
+    micro-batches without knowing whether they sum or average over the batch."""
+    penalties = sum(v.regularizer is not None for v in stage.trainable_variables)
+    if len(stage.model.losses) > penalties:
+        raise ValueError(
+            f"PipelineStrategy cannot train stage {stage.index} ({', '.join(stage.layer_names)}): a layer "
+            "adds a loss in its call (an activity regularizer or `add_loss`), and a pipeline cannot tell how "
+            "that loss combines over micro-batches. Use weight regularizers, or another strategy."
+        )
 
 
 def _refuse_random_layers(partition: partition_lib.Partition) -> None:
