@@ -27,3 +27,14 @@ def test_medians():
 def test_repeats_must_be_positive():
     with pytest.raises(ValueError, match="`repeats` must be >= 1"):
         alternate({"a": lambda: 1.0}, repeats=0)
+
+
+def test_machine_reads_the_cpu_model_count_and_flags(tmp_path):
+    from tfdist.bench import machine
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx2 fma avx512f amx_bf16\n")
+    described = machine.describe(str(cpuinfo))
+    assert described["cpu_model"] == "Test CPU 9000"
+    assert described["cpu_flags"] == ["avx2", "fma", "avx512f", "amx_bf16"]
+    assert described["cpu_count"] >= 1

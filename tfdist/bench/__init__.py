@@ -1,7 +1,8 @@
 """Benchmarks behind `tfdist bench NAME`; each returns a JSON-ready dict.
 
-Every result has `benchmark`, the setting it ran in, and a `figures` object with
-the numbers the README table quotes.
+Every result has `benchmark`, the setting it ran in, the `machine` (CPU model,
+cores and the CPU flags that matter, `tfdist.bench.machine`), and a `figures`
+object with the numbers the README table quotes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional
 
+from tfdist.bench import machine
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
 
@@ -38,10 +40,12 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
     if unused:
         if config is not None:
             raise ConfigError("config", f"is not used by the {name} benchmark: {unused}", "given")
-        return module.measure(repeats=repeats)
-    if name == "scaling":
-        return module.run(config=config, repeats=repeats, plot_path=plot_path)
-    return module.run(config=config, repeats=repeats)
+        result = module.measure(repeats=repeats)
+    elif name == "scaling":
+        result = module.run(config=config, repeats=repeats, plot_path=plot_path)
+    else:
+        result = module.run(config=config, repeats=repeats)
+    return {**result, "machine": machine.describe()}
 
 
 def one_line(result: dict[str, Any]) -> str:
