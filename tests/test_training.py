@@ -34,6 +34,10 @@ def test_pipeline_config_reaches_095_and_reports_its_partition(tmp_path):
     assert report["schedule"] == "1f1b"
     stages = report["partition"]["stages"]
     assert len(stages) == 2 and all(stage["layers"] and stage["params"] > 0 for stage in stages)
+    # Each stage holds its own weights (4 bytes a parameter) and Adam's two slots for them.
+    memory = report["stage_memory_bytes"]
+    assert [m["params"] for m in memory] == [4 * stage["params"] for stage in stages]
+    assert all(m["optimizer"] >= 2 * m["params"] for m in memory)
     assert "tfdist pipeline: 2 replica(s) x 2 stages, 4 micro-batches, 1f1b" in proc.stdout
     assert "Epoch 1/" in proc.stdout
 

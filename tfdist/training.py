@@ -173,6 +173,7 @@ def _pipeline_report(strategy: PipelineStrategy, model: keras.Model) -> dict[str
         "stage_devices": strategy.stage_devices,
         "peak_stashed_micro_batches": strategy.peak_stashed_micro_batches,
         "partition": partition.report() if partition else None,
+        "stage_memory_bytes": strategy.stage_memory(model),
     }
 
 

@@ -55,6 +55,7 @@ from tfdist import _compat
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
+from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
 from tfdist.strategies.devices import default_devices
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device
@@ -266,10 +267,10 @@ class PipelineStrategy(ReplicaGroupsStrategy):
 
     def stage_memory(self, model: keras.Model) -> list[dict[str, int]]:
         """Per stage, the bytes its devices hold in the first replica: `params` (the model's
-        variables) and `optimizer` (the optimizer's), read from where each copy lives."""
+        weights) and `optimizer` (the optimizer's variables), read from where each copy lives."""
         held = [{"params": 0, "optimizer": 0} for _ in range(self.num_stages)]
         optimizer = getattr(model, "optimizer", None)
-        for kind, variables in (("params", model.variables), ("optimizer", optimizer.variables if optimizer else [])):
+        for kind, variables in (("params", model.weights), ("optimizer", optimizer.variables if optimizer else [])):
             for device, size in bytes_by_device(variables).items():
                 for stage_index, group in enumerate(self.stage_groups[0]):
                     if group.index(device) is not None:
@@ -278,8 +279,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
 
     def _train_step(self, model: keras.Model, partition: partition_lib.Partition, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        micro, shares = _split_micro_batches((x, y, sample_weight), self.num_micro_batches)
-        step = _PipelinedStep(model, partition, self)
+        micro, shares = split_micro_batches((x, y, sample_weight), self.num_micro_batches)
+        step = PipelinedStep(model, partition, self)
         for stage_index, (kind, m) in self._sequence:
             if kind == "F":
                 step.forward(stage_index, m, micro[m], shares[m])
@@ -294,154 +295,6 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             sample_weight=tf.shape(tf.nest.flatten(x)[0])[0],
         )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-class _PipelinedStep:
-    """The tensors of one replica's pipelined step while its graph is built."""
-
-    def __init__(self, model, partition, strategy):
-        self.model = model
-        self.partition = partition
-        self.strategy = strategy
-        self.recompute = strategy.recompute
-        self.live: dict[int, dict[int, tf.Tensor]] = {}  # micro-batch -> KerasTensor id -> value
-        self.out_grads: dict[int, dict[int, tf.Tensor]] = {}  # gradients w.r.t. those values
-        self.records: dict[tuple[int, int], dict] = {}
-        self.last_done: list[list] = [[] for _ in partition.stages]
-        self.var_grads: dict[int, tf.Tensor] = {}
-        self.losses: list[tf.Tensor] = []
-        self.predictions_by_micro_batch: dict[int, list] = {}
-
-    @contextlib.contextmanager
-    def _on_stage(self, stage_index: int):
-        """On the stage's (first) device, its group in scope, after the stage's previous work."""
-        with self.strategy.stage_scope(stage_index), tf.control_dependencies(self.last_done[stage_index]):
-            yield
-
-    def _is_last(self, stage_index: int) -> bool:
-        return stage_index == len(self.partition.stages) - 1
-
-    def _run_stage(self, stage_index: int, m: int, inputs: list):
-        """Stage forward (and, on the last stage, the weighted scaled loss)."""
-        stage = self.partition.stages[stage_index]
-        outputs = tf.nest.flatten(stage.model(inputs, training=True))
-        _refuse_added_losses(stage)
-        if not self._is_last(stage_index):
-            return outputs, None
-        values = {**self.live[m], **{id(t): v for t, v in zip(stage.produces, outputs)}}
-        preds = [values[id(t)] for t in self.partition.outputs]
-        record = self.records[(stage_index, m)]
-        y_pred = preds[0] if len(preds) == 1 else preds
-        loss = self.model.compute_loss(
-            x=record["x"], y=record["y"], y_pred=y_pred, sample_weight=record["sample_weight"], training=True
-        )
-        weighted = tf.math.multiply_no_nan(loss, tf.cast(record["share"], loss.dtype))
-        return outputs, (weighted, preds)
-
-    def _sources(self, stage_index: int) -> list:
-        stage = self.partition.stages[stage_index]
-        tensors = stage.consumes + (stage.passes if self._is_last(stage_index) else [])
-        model_inputs = {id(t) for t in self.partition.inputs}  # nobody needs their gradient
-        return [t for t in tensors if tf.as_dtype(t.dtype).is_floating and id(t) not in model_inputs]
-
-    def forward(self, stage_index: int, m: int, batch, share) -> None:
-        stage = self.partition.stages[stage_index]
-        x, y, sample_weight = batch
-        if stage_index == 0:
-            self.live[m] = {id(t): v for t, v in zip(self.partition.inputs, tf.nest.flatten(x))}
-            self.out_grads[m] = {}
-        self.records[(stage_index, m)] = record = {"x": x, "y": y, "sample_weight": sample_weight, "share": share}
-        inputs = [self.live[m][id(t)] for t in stage.consumes]
-        with self._on_stage(stage_index):
-            if self.recompute:
-                outputs, loss = self._run_stage(stage_index, m, inputs)
-            else:
-                tape = tf.GradientTape(persistent=False)
-                with tape:
-                    tape.watch([self.live[m][id(t)] for t in self._sources(stage_index)])
-                    outputs, loss = self._run_stage(stage_index, m, inputs)
-                    if loss is not None:
-                        scaled = self.model.optimizer.scale_loss(loss[0])
-                record["tape"] = tape
-                record["outputs"] = outputs
-                if loss is not None:
-                    record["scaled_loss"] = scaled
-        record["inputs"] = inputs
-        for t, v in zip(stage.produces, outputs):
-            self.live[m][id(t)] = v
-        if loss is not None:
-            self.losses.append(loss[0])
-            self.predictions_by_micro_batch[m] = loss[1]
-        self.last_done[stage_index] = [tf.group(outputs)]
-
-    def backward(self, stage_index: int, m: int) -> None:
-        stage = self.partition.stages[stage_index]
-        record = self.records[(stage_index, m)]
-        sources = [self.live[m][id(t)] for t in self._sources(stage_index)]
-        variables = stage.trainable_variables
-        with self._on_stage(stage_index):
-            if self.recompute:
-                with tf.GradientTape() as tape:
-                    tape.watch(sources)
-                    outputs, loss = self._run_stage(stage_index, m, record["inputs"])
-                    scaled = self.model.optimizer.scale_loss(loss[0]) if loss is not None else None
-            else:
-                tape, outputs, scaled = record["tape"], record["outputs"], record.get("scaled_loss")
-            if self._is_last(stage_index):
-                targets, seeds = scaled, None
-            else:
-                targets = outputs
-                seeds = [
-                    self.out_grads[m].get(id(t), tf.zeros_like(v)) for t, v in zip(stage.produces, outputs)
-                ]
-            grads = tape.gradient(
-                targets,
-                sources + variables,
-                output_gradients=seeds,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-        del self.records[(stage_index, m)]  # its activations may now be freed
-        source_tensors = self._sources(stage_index)
-        for t, g in zip(source_tensors, grads[: len(sources)]):
-            previous = self.out_grads[m].get(id(t))
-            self.out_grads[m][id(t)] = g if previous is None else previous + g
-        for v, g in zip(variables, grads[len(sources) :]):
-            previous = self.var_grads.get(id(v))
-            self.var_grads[id(v)] = g if previous is None else previous + g
-        self.last_done[stage_index] = [tf.group(grads)]
-
-    def add_regularization_gradients(self) -> None:
-        """Adds the weight penalties' gradients of every stage but the last.
-
-        The last stage's `compute_loss` includes every penalty (Keras's
-        `model.losses`), so the logged loss is Keras's; but its gradient tape
-        reaches only the last stage's variables. Each other stage
-        differentiates its own penalties once per step, on its device, scaled
-        as Keras scales additional losses.
-        """
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        for stage in self.partition.stages[:-1]:
-            variables = [v for v in stage.trainable_variables if v.regularizer is not None]
-            if not variables:
-                continue
-            with self._on_stage(stage.index), tf.GradientTape() as tape:
-                penalty = tf.add_n([v.regularizer(v) for v in variables]) / replicas
-                scaled = self.model.optimizer.scale_loss(penalty)
-            for v, g in zip(variables, tape.gradient(scaled, variables)):
-                self.var_grads[id(v)] = self.var_grads[id(v)] + g if id(v) in self.var_grads else g
-
-    def variable_gradients(self) -> list:
-        # A variable no stage computes with gets zeros made from its shape (not its value, which may be elsewhere).
-        return [self.var_grads.get(id(v), tf.zeros(v.shape, v.dtype)) for v in self.model.trainable_variables]
-
-    @property
-    def total_loss(self) -> tf.Tensor:
-        return tf.add_n(self.losses)
-
-    def predictions(self):
-        per_output = zip(*(self.predictions_by_micro_batch[m] for m in sorted(self.predictions_by_micro_batch)))
-        merged = [tf.concat(list(parts), axis=0) for parts in per_output]
-        return merged[0] if len(merged) == 1 else merged
 
 
 class _RegularizerOnDevice:
@@ -469,18 +322,6 @@ def _static_batch(data) -> Optional[int]:
     return getattr(first, "shape", [None])[0] if getattr(first, "shape", None) else None
 
 
-def _refuse_added_losses(stage: partition_lib.Stage) -> None:
-    """Losses a layer adds in its call (activity regularizers, `add_loss`) cannot be split into
-    micro-batches without knowing whether they sum or average over the batch."""
-    penalties = sum(v.regularizer is not None for v in stage.trainable_variables)
-    if len(stage.model.losses) > penalties:
-        raise ValueError(
-            f"PipelineStrategy cannot train stage {stage.index} ({', '.join(stage.layer_names)}): a layer "
-            "adds a loss in its call (an activity regularizer or `add_loss`), and a pipeline cannot tell how "
-            "that loss combines over micro-batches. Use weight regularizers, or another strategy."
-        )
-
-
 def _refuse_random_layers(partition: partition_lib.Partition) -> None:
     for stage in partition.stages:
         for op in stage.operations:
@@ -490,36 +331,3 @@ def _refuse_random_layers(partition: partition_lib.Partition) -> None:
                     "random numbers, and the recomputed pass would draw different ones than the "
                     "forward pass. Turn recompute off or remove the layer."
                 )
-
-
-def _split_micro_batches(batch, num_micro_batches: int):
-    """Splits every tensor of `batch` into M micro-batches; returns them and each one's share.
-
-    A batch whose size is known and does not divide by M is an error. A batch of
-    unknown size (Keras's last partial batch) is split as evenly as possible,
-    and each micro-batch's loss is weighted by its share of the batch, so the
-    step still equals one full-batch step.
-    """
-    tensors = [t for t in tf.nest.flatten(batch) if t is not None]
-    size = tensors[0].shape[0]
-    m = num_micro_batches
-    if size is not None:
-        if size % m:
-            raise ValueError(
-                f"a batch of {size} examples per replica does not split into {m} micro-batches; "
-                f"use a batch size divisible by {m} x the number of replicas."
-            )
-        sizes = [size // m] * m
-        shares = [tf.constant(1.0 / m)] * m
-    else:
-        total = tf.shape(tensors[0])[0]
-        sizes = total // m + tf.cast(tf.range(m) < total % m, tf.int32)
-        shares = tf.unstack(tf.cast(sizes, tf.float32) / tf.cast(total, tf.float32), num=m)
-
-    leaves = tf.nest.flatten(batch)
-    pieces = [None if t is None else tf.split(t, sizes, num=m, axis=0) for t in leaves]
-    micro = [
-        tf.nest.pack_sequence_as(batch, [None if p is None else p[i] for p in pieces])
-        for i in range(m)
-    ]
-    return micro, shares
