@@ -1,7 +1,8 @@
 """tfdist: multi-device training for Keras 3 from one config file.
 
 Config loading needs no TensorFlow, so `tfdist config` stays fast; the parts
-that do need it are imported on first use (PEP 562).
+that do need it, and the subpackages (`tfdist.layers`, `tfdist.callbacks`,
+`tfdist.data`, `tfdist.strategies`, ...), are imported on first use (PEP 562).
 
 Example:
 
@@ -24,6 +25,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "HorovodStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
     "TensorParallelStrategy",
@@ -39,6 +42,8 @@ __all__ = [
 _LAZY = {
     "make_strategy": "tfdist.strategies",
     "HorovodStrategy": "tfdist.strategies",
+    "MirroredStrategy": "tfdist.strategies",
+    "MultiWorkerMirroredStrategy": "tfdist.strategies",
     "ParameterServerStrategy": "tfdist.strategies",
     "PipelineStrategy": "tfdist.strategies",
     "TensorParallelStrategy": "tfdist.strategies",
@@ -49,7 +54,15 @@ _LAZY = {
 }
 
 
+_SUBPACKAGES = (
+    "bench", "callbacks", "data", "horovod_keras", "layers", "models", "optimizers", "parallel",
+    "precision", "strategies", "training",
+)
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tfdist.{name}")
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

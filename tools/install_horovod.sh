@@ -3,7 +3,10 @@
 # and Python version, cached outside the repo) and installs it into the venv.
 # Gloo and MPI controllers: horovodrun --gloo needs nothing else; Adasum needs MPI.
 # Usage: tools/install_horovod.sh VENV_BIN [CACHE_DIR]
-# Why each step is needed: ../shared/DESIGN.md ("horovod 0.28.1 ... builds only with").
+# Horovod 0.28.1 has no wheel for current TensorFlow, and builds against it only
+# with Debian's libhighwayhash-dev and libfarmhash-dev (headers TensorFlow's XLA
+# headers include; the Makefile installs them), the forwarding header below,
+# and --no-build-isolation so the build sees the venv's TensorFlow.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1

@@ -266,3 +266,17 @@ def test_bad_pipeline_config(overrides, key, rule):
     with pytest.raises(ConfigError, match=rule) as info:
         load_config(None, overrides)
     assert str(info.value).startswith(f"`{key}`")
+
+
+@pytest.mark.parametrize(
+    "text,key,lines",
+    [
+        ("train:\n  epochs: 3\n  epochs: 5\n", "train.epochs", "lines 2 and 3"),
+        ("train:\n  epochs: 3\nmodel:\n  width: 8\ntrain:\n  epochs: 5\n", "train", "lines 1 and 5"),
+    ],
+)
+def test_a_key_set_twice_is_refused_naming_it(tmp_path, text, key, lines):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^`{key}` is set twice in .*twice.yaml \\({lines}\\); keep one."):
+        load_config(str(path))

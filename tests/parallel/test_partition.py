@@ -112,3 +112,18 @@ def test_a_subclassed_model_is_refused():
     model(keras.ops.zeros((1, 3)))
     with pytest.raises(ValueError, match="subclassed model has no layer graph"):
         split(model, 2)
+
+
+def test_timing_the_stages_leaves_every_variable_as_it_was():
+    """The probe runs layers in training mode on random data; BatchNorm statistics and Dropout seeds must not move."""
+    import numpy as np
+
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.5), keras.layers.Dense(3),
+    ])
+    before = [v.numpy().copy() for v in model.variables]
+    partition = split(model, 2, balance_by="time", micro_batch_size=16)
+    assert partition.basis == "time" and all(s.measured_ms for s in partition.stages)
+    for v, value in zip(model.variables, before):
+        np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)

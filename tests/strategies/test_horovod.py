@@ -234,3 +234,17 @@ def test_learning_rate_schedule_callback_sets_the_rate_per_epoch_and_corrects_mo
     _scale_momentum(adam, 0.5)  # no velocity in rate units: left alone, as Horovod does
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(moments, adam.variables))
 
+
+
+def test_a_distributed_optimizer_reloads_with_its_op_and_compression():
+    hvd = pytest.importorskip("horovod.tensorflow", reason="needs Horovod (make setup builds it)")
+    import keras
+
+    from tfdist.horovod_keras import DistributedOptimizer
+
+    optimizer = DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum, compression=hvd.Compression.fp16)
+    config = optimizer.get_config()
+    assert (config["op"], config["compression"]) == ("sum", "fp16")
+    reloaded = DistributedOptimizer.from_config(config)
+    assert reloaded.op == hvd.Sum and reloaded.compression is hvd.Compression.fp16
+    assert DistributedOptimizer.from_config(DistributedOptimizer(keras.optimizers.SGD()).get_config()).op == hvd.Average

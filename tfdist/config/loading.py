@@ -64,6 +64,7 @@ def read_yaml(path: str) -> dict:
     if not text.strip():
         raise ConfigError("config", "is empty; it must be a YAML mapping of sections.", path)
     try:
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
         raw = yaml.safe_load(text)
     except yaml.constructor.ConstructorError as e:
         raise ConfigError(
@@ -85,6 +86,26 @@ def read_yaml(path: str) -> dict:
             "config", f"must be a YAML mapping of sections, not a {type(raw).__name__}.", path
         )
     return raw
+
+
+def _refuse_duplicate_keys(node, path: str, prefix: str = "") -> None:
+    """YAML lets a mapping repeat a key and keeps the last value; a config must not."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key, value in node.value:
+            dotted = f"{prefix}{key.value}"
+            if key.value in seen:
+                raise ConfigError(
+                    dotted,
+                    f"is set twice in {path} (lines {seen[key.value] + 1} and {key.start_mark.line + 1}); "
+                    "keep one.",
+                    value.value if isinstance(value, yaml.ScalarNode) else "a section",
+                )
+            seen[key.value] = key.start_mark.line
+            _refuse_duplicate_keys(value, path, f"{dotted}.")
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, path, prefix)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -153,6 +153,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "op": "sum" if self.op == self._hvd.Sum else "average",
+            "compression": "fp16" if self.compression is self._hvd.Compression.fp16 else "none",
             "sparse_as_dense": self.sparse_as_dense,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "backward_passes_per_step": self.backward_passes_per_step,
@@ -162,8 +164,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        hvd = _compat.horovod()
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        config["op"] = {"sum": hvd.Sum, "average": hvd.Average}[config.get("op", "average")]
+        config["compression"] = {"fp16": hvd.Compression.fp16, "none": hvd.Compression.none}[
+            config.get("compression", "none")
+        ]
         return cls(inner, **config)
 
 

@@ -163,22 +163,29 @@ def split(
             f"`num_stages` must not exceed the model's {len(nodes)} layers "
             f"({', '.join(op.name for op in ops)}). Received: {num_stages}"
         )
-    costs = None
-    if boundaries is not None:
-        starts, basis = _explicit_starts(ops, num_stages, boundaries), "explicit"
-    else:
-        if balance_by not in BALANCE_BASES:
-            raise ValueError(f"`balance_by` must be one of {BALANCE_BASES}. Received: {balance_by!r}")
-        costs = _node_costs_ms(nodes, micro_batch_size) if balance_by == "time" else None
-        basis = "time" if costs is not None else "params"
-        weights = costs if costs is not None else [_param_cost(op) for op in ops]
-        starts = balance(weights, num_stages)
-    stages = _build_stages(model, nodes, inputs, outputs, starts)
-    if costs is not None:
-        for stage, (lo, hi) in zip(stages, _ranges(starts, len(nodes))):
-            stage.predicted_ms = sum(costs[lo:hi])
-    for stage in stages:
-        stage.measured_ms = _time_ms(stage.model, stage.consumes, micro_batch_size)
+    if boundaries is None and balance_by not in BALANCE_BASES:
+        raise ValueError(f"`balance_by` must be one of {BALANCE_BASES}. Received: {balance_by!r}")
+    # Timing runs layers in training mode on random data, which moves BatchNorm
+    # statistics and Dropout seeds: every variable gets its value back after.
+    state = [(v, v.numpy()) for v in model.variables]
+    try:
+        costs = None
+        if boundaries is not None:
+            starts, basis = _explicit_starts(ops, num_stages, boundaries), "explicit"
+        else:
+            costs = _node_costs_ms(nodes, micro_batch_size) if balance_by == "time" else None
+            basis = "time" if costs is not None else "params"
+            weights = costs if costs is not None else [_param_cost(op) for op in ops]
+            starts = balance(weights, num_stages)
+        stages = _build_stages(model, nodes, inputs, outputs, starts)
+        if costs is not None:
+            for stage, (lo, hi) in zip(stages, _ranges(starts, len(nodes))):
+                stage.predicted_ms = sum(costs[lo:hi])
+        for stage in stages:
+            stage.measured_ms = _time_ms(stage.model, stage.consumes, micro_batch_size)
+    finally:
+        for variable, value in state:
+            variable.assign(value)
     return Partition(stages=stages, inputs=inputs, outputs=outputs, basis=basis)
 
 
