@@ -100,7 +100,26 @@ def local_devices(config: Config, gpus: int) -> list[str]:
     return [f"/cpu:{i}" for i in range(config.strategy.logical_devices)]
 
 
-def default_devices() -> list[str]:
-    """Every logical GPU, else every logical CPU: the devices of a strategy given none."""
+def default_devices(needed: int = 1) -> list[str]:
+    """Every logical GPU, else every logical CPU: the devices of a strategy given none.
+
+    On a machine without GPUs whose CPU is not yet split into `needed`
+    logical devices, splits it first, while TensorFlow has not started.
+
+    Raises:
+      ValueError: no GPUs, and TensorFlow already started with fewer than
+        `needed` CPU devices (the message says how to get them).
+    """
+    if not physical_gpus():
+        try:
+            ensure_logical_cpus(needed)
+        except ConfigError:
+            have = len(tf.config.list_logical_devices("CPU"))
+            raise ValueError(
+                f"this strategy needs {needed} devices and TensorFlow already started with {have} CPU "
+                f"device(s) and no GPU. Split the CPU first, before any TensorFlow op runs: "
+                f"`tfdist.strategies.devices.ensure_logical_cpus({needed})` (in a config: "
+                f"strategy.logical_devices), or pass `devices`."
+            ) from None
     gpus = tf.config.list_logical_devices("GPU")
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

@@ -72,7 +72,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
       schedule: `gpipe` or `1f1b`.
       devices: all devices, a multiple of `num_stages` x `tensor_parallel_size`;
         replica r uses devices[r*K*T:(r+1)*K*T], stage by stage. Default:
-        every GPU, else every logical CPU.
+        every GPU, else every logical CPU (on a CPU-only host not yet split,
+        the CPU is split into K x T logical devices first).
       boundaries: the layer (name or index) starting each stage after the
         first; None balances the stages (see `balance_by`).
       balance_by: `time` (measured per-layer cost) or `params`.
@@ -91,7 +92,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
-        that is not a multiple of `num_stages` x `tensor_parallel_size`.
+        that is not a multiple of `num_stages` x `tensor_parallel_size`
+        (including a CPU-only host whose TensorFlow started with fewer).
     """
 
     def __init__(
@@ -109,7 +111,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         place_variables: bool = True,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
-        devices = list(devices or default_devices())
+        devices = list(devices or default_devices(num_stages * max(tensor_parallel_size, 1)))
         if tensor_parallel_size < 1:
             raise ValueError(f"`tensor_parallel_size` must be >= 1. Received: {tensor_parallel_size}")
         per_replica = num_stages * tensor_parallel_size

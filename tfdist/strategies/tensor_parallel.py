@@ -51,7 +51,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
       devices: every device; group g is devices[g*S:(g+1)*S] for group size
         S, in shard order. A group's first device also holds everything that
         is neither sharded nor placed. Default: every GPU, else every logical
-        CPU.
+        CPU (on a CPU-only host not yet split, at least `group_size` of them).
       group_size: devices per group (S); None puts all devices in one group.
       placement: layer name -> device of the first group, for layers built in
         this strategy's scope (see `tfdist.parallel.placement`); the other
@@ -70,7 +70,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         group_size: Optional[int] = None,
         placement: Optional[Mapping[str, str]] = None,
     ):
-        devices = list(devices or default_devices())
+        devices = list(devices or default_devices(group_size or 1))
         size = group_size or len(devices)
         if size < 1 or len(devices) % size:
             raise ValueError(
