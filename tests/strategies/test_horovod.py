@@ -248,3 +248,37 @@ def test_a_distributed_optimizer_reloads_with_its_op_and_compression():
     reloaded = DistributedOptimizer.from_config(config)
     assert reloaded.op == hvd.Sum and reloaded.compression is hvd.Compression.fp16
     assert DistributedOptimizer.from_config(DistributedOptimizer(keras.optimizers.SGD()).get_config()).op == hvd.Average
+
+
+_STEP_FUNCTIONS = """
+import json, keras, sys
+from tfdist import HorovodStrategy
+strategy = HorovodStrategy(stall_shutdown_seconds=float(sys.argv[1])) if sys.argv[1] else HorovodStrategy()
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+print(json.dumps(sorted({f.__qualname__ for f in strategy.keras_hooks(model).values()})))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_shutdown_of_0_turns_the_step_watchdog_off():
+    pytest.importorskip("horovod.tensorflow", reason="needs Horovod (make setup builds it)")
+    from tfdist import HorovodStrategy, load_config
+
+    assert load_config("configs/horovod.yaml", ["horovod.stall_shutdown_seconds=0"]).horovod.stall_shutdown_seconds == 0
+    assert load_config("configs/horovod.yaml").horovod.stall_shutdown_seconds == 600
+    with pytest.raises(ValueError, match="`stall_shutdown_seconds` must be >= 0"):
+        HorovodStrategy(stall_shutdown_seconds=-1)
+
+    def step_functions(seconds):  # in a fresh process: Horovod of size 1, initialised once
+        proc = subprocess.run([sys.executable, "-c", _STEP_FUNCTIONS, seconds], capture_output=True, text=True,
+                              timeout=100, cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # Off: Keras's own step functions; by default, the watchdog's wrappers.
+    assert step_functions("0") == [
+        "HorovodStrategy.keras_hooks.<locals>.predict_function", "TensorFlowTrainer._make_function.<locals>.function"
+    ]
+    assert step_functions("") == ["StepWatchdog.wrap.<locals>.watched"]

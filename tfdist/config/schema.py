@@ -260,7 +260,8 @@ class HorovodConfig:
         not joined a collective within this time.
       stall_shutdown_seconds: a step running longer than this ends the job
         with an error (tfdist's step watchdog; Horovod's stall inspector
-        shuts down after it too). A dead rank fails the others at once.
+        shuts down after it too); 0 turns both off. A dead rank fails the
+        others at once.
     """
 
     op: HorovodOp = HorovodOp.AVERAGE
@@ -270,7 +271,7 @@ class HorovodConfig:
     backward_passes_per_step: int = bounded(1, low=1, high=1024)
     timeline: Optional[str] = None
     stall_check_seconds: float = bounded(30.0, low=1)
-    stall_shutdown_seconds: float = bounded(60.0, low=1)
+    stall_shutdown_seconds: float = bounded(600.0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from tfdist.strategies.step_watchdog import StepWatchdog
 __all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "lost_rank_error"]
 
 _OPS = tuple(op.value for op in HorovodOp)
-DEFAULT_STEP_TIMEOUT_SECONDS = 60.0
+DEFAULT_STEP_TIMEOUT_SECONDS = 600.0  # long enough for a large model's step or a slow evaluation
 
 
 class HorovodAllReduce(tf.distribute.CrossDeviceOps):
@@ -224,8 +224,8 @@ class HorovodStrategy(distribute_lib.Strategy):
       stall_check_seconds: Horovod's stall inspector: report a rank missing
         from a collective after this long.
       stall_shutdown_seconds: a step running longer than this ends the process
-        with a one-line error (tfdist's step watchdog; default 60 s), and
-        Horovod's stall inspector shuts down after it too.
+        with a one-line error (tfdist's step watchdog; default 600 s), and
+        Horovod's stall inspector shuts down after it too; 0 turns both off.
       device: this process's device; default: its GPU by local rank, else its CPU.
 
     Raises:
@@ -250,6 +250,9 @@ class HorovodStrategy(distribute_lib.Strategy):
     ):
         if op not in _OPS:
             raise ValueError(f"`op` must be one of {', '.join(_OPS)}. Received: {op!r}")
+        timeout = DEFAULT_STEP_TIMEOUT_SECONDS if stall_shutdown_seconds is None else stall_shutdown_seconds
+        if timeout < 0:
+            raise ValueError(f"`stall_shutdown_seconds` must be >= 0 (0: off). Received: {stall_shutdown_seconds!r}")
         hvd = _compat.horovod()
         runtime = {
             "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
@@ -265,7 +268,7 @@ class HorovodStrategy(distribute_lib.Strategy):
                 "(this job runs on Gloo, where Horovod has no Adasum). Received: 'adasum'"
             )
         self.hvd = hvd
-        self._watchdog = StepWatchdog(stall_shutdown_seconds or DEFAULT_STEP_TIMEOUT_SECONDS, f"rank {hvd.rank()}")
+        self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None
         _compat.install_trainer_hooks()  # for `keras_hooks`
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
         super().__init__(_HorovodExtended(self, device or _local_device(hvd), cross_device_ops, hvd))
@@ -279,18 +282,21 @@ class HorovodStrategy(distribute_lib.Strategy):
         return self.hvd.size()
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """Keras's own step functions under the step watchdog, predictions gathered from every rank."""
+        """Keras's own step functions under the step watchdog (unless off), predictions gathered from every rank."""
         predict_on_this_rank = _compat.keras_step_function(model, "predict_function")
 
         def predict_function(data):
             outputs = predict_on_this_rank(data)
             return tf.nest.map_structure(self.hvd.allgather, outputs)
 
-        return {
-            "train_function": self._watchdog.wrap(_compat.keras_step_function(model, "train_function")),
-            "test_function": self._watchdog.wrap(_compat.keras_step_function(model, "test_function")),
-            "predict_function": self._watchdog.wrap(predict_function),
+        functions = {
+            "train_function": _compat.keras_step_function(model, "train_function"),
+            "test_function": _compat.keras_step_function(model, "test_function"),
+            "predict_function": predict_function,
         }
+        if self._watchdog is None:
+            return functions
+        return {name: self._watchdog.wrap(function) for name, function in functions.items()}
 
 
 def _init_horovod(hvd, runtime: dict) -> None:
