@@ -22,7 +22,7 @@ from typing import Any, Optional, TextIO
 import keras
 import tensorflow as tf
 
-from tfdist import data, models, precision
+from tfdist import _compat, data, models, precision
 from tfdist.callbacks import DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
@@ -82,6 +82,8 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         if unknown:
             names = ", ".join(sorted(layer.name for layer in model.layers))
             raise ConfigError("placement.layers", f"must name layers of the {model.name} model ({names}).", unknown)
+        if isinstance(strategy, PipelineStrategy):
+            _check_pipeline_model(config, model)
         optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=_accumulation_steps(config))
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),
@@ -100,6 +102,23 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         val_data=data.validation_dataset(split.x_val, split.y_val, train.global_batch_size, config=config.data),
         steps_per_epoch=steps,
     )
+
+
+def _check_pipeline_model(config: Config, model: keras.Model) -> None:
+    """What the pipeline would refuse at its first step, as config errors before any."""
+    layers = [op for op, _, _ in _compat.graph_nodes(model)[0]]
+    names = [op.name for op in layers]
+    unknown = [name for name in config.pipeline.boundaries if name not in names]
+    if unknown:
+        raise ConfigError("pipeline.boundaries", f"must name layers of the {model.name} model ({', '.join(names)}).", unknown)
+    random = [op.name for op in layers if hasattr(op, "seed_generator")]
+    if config.pipeline.recompute and random:
+        raise ConfigError(
+            "pipeline.recompute",
+            f"cannot be used with the {model.name} model: its layers {', '.join(random)} draw random numbers, and "
+            "a recomputed pass would draw different ones (for the digits models, set model.dropout: 0).",
+            True,
+        )
 
 
 def _accumulation_steps(config: Config) -> int:

@@ -282,3 +282,14 @@ def test_a_stall_shutdown_of_0_turns_the_step_watchdog_off():
         "HorovodStrategy.keras_hooks.<locals>.predict_function", "TensorFlowTrainer._make_function.<locals>.function"
     ]
     assert step_functions("") == ["StepWatchdog.wrap.<locals>.watched"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_adasum_on_gloo_from_the_cli_is_one_config_error_line():
+    proc = horovodrun([sys.executable, "-m", "tfdist.cli", "train", "--config", "configs/horovod.yaml",
+                       "--set", "horovod.op=adasum"], np=2, timeout=150)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "tfdist: error:" in line]
+    assert errors and all("`horovod.op` adasum needs Horovod's MPI controller" in line for line in errors), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr.split("tfdist: error:")[0]

@@ -45,7 +45,7 @@ from tensorflow.python.distribute import distribute_lib, distribute_utils, input
 
 from tfdist import _compat
 from tfdist.config.schema import Config, HorovodOp
-from tfdist.errors import ClusterError
+from tfdist.errors import ClusterError, ConfigError
 from tfdist.strategies.step_watchdog import StepWatchdog
 
 __all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "lost_rank_error"]
@@ -263,7 +263,7 @@ class HorovodStrategy(distribute_lib.Strategy):
         }
         _init_horovod(hvd, {k: v for k, v in runtime.items() if v is not None})
         if op == "adasum" and not hvd.mpi_enabled():
-            raise ValueError(
+            raise AdasumWithoutMpiError(
                 "`op` adasum needs Horovod's MPI controller: launch with `horovodrun --mpi` "
                 "(this job runs on Gloo, where Horovod has no Adasum). Received: 'adasum'"
             )
@@ -326,18 +326,34 @@ def _local_device(hvd) -> str:
         return f"/gpu:{hvd.local_rank() % len(gpus)}"
 
 
+class AdasumWithoutMpiError(ValueError):
+    """`op` adasum in a job launched without Horovod's MPI controller."""
+
+
 def from_config(config: Config) -> HorovodStrategy:
-    """The strategy from the config's `horovod` section."""
+    """The strategy from the config's `horovod` section.
+
+    Raises:
+      ConfigError: `horovod.op` adasum in a job launched on Gloo.
+    """
     h = config.horovod
-    return HorovodStrategy(
-        op=h.op.value,
-        fp16_compression=h.fp16_compression,
-        fusion_threshold_bytes=h.fusion_threshold_bytes,
-        cycle_time_ms=h.cycle_time_ms,
-        timeline=h.timeline,
-        stall_check_seconds=h.stall_check_seconds,
-        stall_shutdown_seconds=h.stall_shutdown_seconds,
-    )
+    try:
+        return HorovodStrategy(
+            op=h.op.value,
+            fp16_compression=h.fp16_compression,
+            fusion_threshold_bytes=h.fusion_threshold_bytes,
+            cycle_time_ms=h.cycle_time_ms,
+            timeline=h.timeline,
+            stall_check_seconds=h.stall_check_seconds,
+            stall_shutdown_seconds=h.stall_shutdown_seconds,
+        )
+    except AdasumWithoutMpiError:
+        raise ConfigError(
+            "horovod.op",
+            "adasum needs Horovod's MPI controller: launch with `horovodrun --mpi` (this job runs on Gloo, "
+            "where Horovod has no Adasum).",
+            "adasum",
+        ) from None
 
 
 def lost_rank_error(error: tf.errors.OpError) -> Optional[ClusterError]:
