@@ -287,3 +287,29 @@ def test_pipeline_of_tensor_parallel_stages_trains_from_its_config(tmp_path):
     assert result["devices"] == FOUR
     assert result["final"]["val_accuracy"] >= 0.9
     assert "stage 1 on /cpu:2, /cpu:3 (tensor parallel)" in proc.stdout
+
+
+def _batch_norm_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([
+        keras.Input((12,)), keras.layers.Dense(24, activation="tanh", name="dense_in"),
+        keras.layers.Dense(24, name="dense_mid"), keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Activation("tanh"), keras.layers.Dense(5, name="logits"),
+    ])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_batch_norm_statistics_move_once_per_step_by_the_whole_batch(recompute):
+    """One step from the same weights: each micro-batch normalises by its own moments (as in GPipe), but the
+    moving statistics move once, by the whole batch's mean and variance, exactly as on one device. (A
+    BatchNormalization behind another sees inputs normalised per micro-batch, so only the first matches exactly.)"""
+    x, y = X[:BATCH], Y[:BATCH]
+    _, reference, _ = _train(_batch_norm_model, x=x, y=y)
+    strategy = PipelineStrategy(2, 4, devices=FOUR[:2], boundaries=["dense_mid"], recompute=recompute, verbose=False)
+    _, model, _ = _train(_batch_norm_model, strategy, x=x, y=y)
+    assert strategy.partition_of(model).stages[1].layer_names[:2] == ["dense_mid", "bn"]
+    for stat in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(
+            getattr(model.get_layer("bn"), stat).numpy(), getattr(reference.get_layer("bn"), stat).numpy(),
+            atol=1e-6, rtol=1e-5, err_msg=stat,
+        )

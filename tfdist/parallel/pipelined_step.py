@@ -12,17 +12,22 @@ again in the backward). A stage's backward seeds its tape with the gradients
 later stages computed for the tensors it produced; control dependencies keep
 each stage's work in schedule order, so 1F1B really holds at most K
 micro-batches of activations.
+
+A stage's forward holds back its variable updates: BatchNormalization's
+moving statistics move once per step by the whole batch's moments, as on one
+device, instead of once per micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from tfdist.parallel import partition as partition_lib
 
-__all__ = ["PipelinedStep", "refuse_added_losses", "split_micro_batches"]
+__all__ = ["PipelinedStep", "split_micro_batches"]
 
 
 class PipelinedStep:
@@ -47,6 +52,8 @@ class PipelinedStep:
         self.var_grads: dict[int, tf.Tensor] = {}
         self.losses: list[tf.Tensor] = []
         self.predictions_by_micro_batch: dict[int, list] = {}
+        # BatchNormalization layer -> per micro-batch (share, new moving mean, new moving variance).
+        self.statistics: dict[int, tuple] = {}
 
     @contextlib.contextmanager
     def _on_stage(self, stage_index: int):
@@ -57,11 +64,26 @@ class PipelinedStep:
     def _is_last(self, stage_index: int) -> bool:
         return stage_index == len(self.partition.stages) - 1
 
-    def _run_stage(self, stage_index: int, m: int, inputs: list):
-        """Stage forward (and, on the last stage, the weighted scaled loss)."""
+    def _run_stage(self, stage_index: int, m: int, inputs: list, keep_state: bool = True):
+        """Stage forward (and, on the last stage, the weighted scaled loss).
+
+        The stage's variable updates are held back (a Keras `StatelessScope`):
+        BatchNormalization's moving statistics are combined over the
+        micro-batches once per step (`update_statistics`); other state, such
+        as Dropout's seeds, is written at once. A forward run again for
+        recompute keeps nothing: the first forward already did.
+        """
         stage = self.partition.stages[stage_index]
-        outputs = tf.nest.flatten(stage.model(inputs, training=True))
-        refuse_added_losses(stage)
+        with keras.StatelessScope(collect_losses=True, initialize_variables=False) as scope:
+            outputs = tf.nest.flatten(stage.model(inputs, training=True))
+        if scope.losses:
+            raise ValueError(
+                f"PipelineStrategy cannot train stage {stage.index} ({', '.join(stage.layer_names)}): a layer "
+                "adds a loss in its call (an activity regularizer or `add_loss`), and a pipeline cannot tell how "
+                "that loss combines over micro-batches. Use weight regularizers, or another strategy."
+            )
+        if keep_state:
+            self._keep_state(stage, scope, self.records[(stage_index, m)]["share"])
         if not self._is_last(stage_index):
             return outputs, None
         values = {**self.live[m], **{id(t): v for t, v in zip(stage.produces, outputs)}}
@@ -73,6 +95,41 @@ class PipelinedStep:
         )
         weighted = tf.math.multiply_no_nan(loss, tf.cast(record["share"], loss.dtype))
         return outputs, (weighted, preds)
+
+    def _keep_state(self, stage: partition_lib.Stage, scope, share) -> None:
+        statistics = {}
+        for layer in stage.model._flatten_layers(include_self=False):
+            if isinstance(layer, keras.layers.BatchNormalization) and not layer.renorm and layer.trainable:
+                statistics[id(layer.moving_mean)] = statistics[id(layer.moving_variance)] = layer
+        for variable in stage.model.variables:
+            value = scope.get_current_value(variable)
+            if value is None or id(variable) in statistics:
+                continue
+            variable.assign(value)
+        for layer in {id(layer): layer for layer in statistics.values()}.values():
+            mean, variance = scope.get_current_value(layer.moving_mean), scope.get_current_value(layer.moving_variance)
+            if mean is not None:
+                self.statistics.setdefault(id(layer), (layer, []))[1].append((share, mean, variance))
+
+    def update_statistics(self) -> None:
+        """Moves each BatchNormalization layer's statistics once, by the whole batch's moments.
+
+        Each micro-batch's held-back update is old * momentum + its moments *
+        (1 - momentum). Weighted by the micro-batches' shares, the means give
+        the whole batch's mean; the variances miss the spread of the
+        micro-batch means, added back (law of total variance).
+        """
+        for stage in self.partition.stages:
+            layers = {id(layer) for layer in stage.model._flatten_layers(include_self=False)}
+            for key in [key for key in self.statistics if key in layers]:
+                layer, parts = self.statistics.pop(key)
+                with self._on_stage(stage.index):
+                    weights = [tf.cast(share, mean.dtype) for share, mean, _ in parts]
+                    mean = tf.add_n([tf.math.multiply_no_nan(m, w) for w, (_, m, _) in zip(weights, parts)])
+                    spread = tf.add_n([tf.math.multiply_no_nan(tf.square(m - mean), w) for w, (_, m, _) in zip(weights, parts)])
+                    variance = tf.add_n([tf.math.multiply_no_nan(v, w) for w, (_, _, v) in zip(weights, parts)])
+                    layer.moving_mean.assign(mean)
+                    layer.moving_variance.assign(variance + spread / (1.0 - layer.momentum))
 
     def _sources(self, stage_index: int) -> list:
         stage = self.partition.stages[stage_index]
@@ -119,7 +176,7 @@ class PipelinedStep:
             if self.recompute:
                 with tf.GradientTape() as tape:
                     tape.watch(sources)
-                    outputs, loss = self._run_stage(stage_index, m, record["inputs"])
+                    outputs, loss = self._run_stage(stage_index, m, record["inputs"], keep_state=False)
                     scaled = self.model.optimizer.scale_loss(loss[0]) if loss is not None else None
             else:
                 tape, outputs, scaled = record["tape"], record["outputs"], record.get("scaled_loss")
@@ -178,18 +235,6 @@ class PipelinedStep:
         per_output = zip(*(self.predictions_by_micro_batch[m] for m in sorted(self.predictions_by_micro_batch)))
         merged = [tf.concat(list(parts), axis=0) for parts in per_output]
         return merged[0] if len(merged) == 1 else merged
-
-
-def refuse_added_losses(stage: partition_lib.Stage) -> None:
-    """Losses a layer adds in its call (activity regularizers, `add_loss`) cannot be split into
-    micro-batches without knowing whether they sum or average over the batch."""
-    penalties = sum(v.regularizer is not None for v in stage.trainable_variables)
-    if len(stage.model.losses) > penalties:
-        raise ValueError(
-            f"PipelineStrategy cannot train stage {stage.index} ({', '.join(stage.layer_names)}): a layer "
-            "adds a loss in its call (an activity regularizer or `add_loss`), and a pipeline cannot tell how "
-            "that loss combines over micro-batches. Use weight regularizers, or another strategy."
-        )
 
 
 def split_micro_batches(batch, num_micro_batches: int):

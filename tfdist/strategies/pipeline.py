@@ -289,6 +289,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             else:
                 step.backward(stage_index, m)
         step.add_regularization_gradients()
+        step.update_statistics()
         grads = step.variable_gradients()
         model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
         y_pred = step.predictions()
