@@ -86,6 +86,18 @@ def one_worker_matches_single_device():
                 "predict_diff": float(np.abs(model.predict(x[:64], verbose=0) - reference.predict(x[:64], verbose=0)).max())}
 
 
+def short_epochs_all_report_their_metrics():
+    """Epochs of 2 steps end well within the 0.25 s between log reads."""
+    x, y = _data(64)
+    with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:
+        model = _model_on(cluster)
+        history = model.fit(x, y, batch_size=32, epochs=6, verbose=0).history
+        # One batch for two workers: one worker's shard is empty.
+        one_batch = model.fit(x[:32], y[:32], batch_size=32, epochs=8, verbose=0).history
+        return {"loss": history.get("loss", []), "accuracy": history.get("accuracy", []),
+                "one_batch_loss": one_batch.get("loss", []), "iterations": int(model.optimizer.iterations.numpy())}
+
+
 def killed_worker_is_restarted():
     x, y = _data(2048)
     with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:

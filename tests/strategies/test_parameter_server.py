@@ -47,6 +47,15 @@ def test_one_worker_matches_single_device_training():
     assert result["predict_diff"] <= 1e-5
 
 
+def test_every_epoch_reports_its_training_metrics_and_fewer_batches_than_workers_train():
+    result = _scenario("short_epochs_all_report_their_metrics")
+    assert len(result["loss"]) == len(result["accuracy"]) == 6
+    assert all(loss > 0 for loss in result["loss"]) and all(0 <= a <= 1 for a in result["accuracy"])
+    # A worker with an empty shard trains on the whole dataset: 8 one-step epochs, none failing.
+    assert len(result["one_batch_loss"]) == 8
+    assert result["iterations"] == 6 * 2 + 8
+
+
 def test_a_killed_worker_is_restarted_and_training_completes():
     result = _scenario("killed_worker_is_restarted")
     assert result["epochs"] == 3

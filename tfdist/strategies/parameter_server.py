@@ -134,7 +134,12 @@ class CoordinatedDataset:
             def shard(_context):
                 dataset = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
                 index = tf.distribute.coordinator.experimental_get_current_worker_index()
-                return dataset.shard(num_workers, index).repeat()
+                shard = dataset.shard(num_workers, index)
+                # With fewer batches than workers a shard is empty, and repeating it gives nothing:
+                # such a worker trains on the whole dataset instead.
+                empty = shard.take(1).reduce(True, lambda empty, _: False)
+                choice = tf.data.Dataset.from_tensors(tf.cast(empty, tf.int64)).repeat()
+                return tf.data.Dataset.choose_from_datasets([shard.repeat(), dataset.repeat()], choice)
 
             @tf.function
             def per_worker_dataset_fn():
@@ -210,7 +215,10 @@ def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
         in_flight.append(strategy.coordinator.schedule(worker_steps, args=(iterator.source.per_worker_iterator(),)))
         while len(in_flight) > window:
             in_flight.popleft().fetch()
-        if time.monotonic() - last_read[0] >= LOG_INTERVAL_SECONDS:  # reads cost the parameter servers
+        # Reads cost the parameter servers, so at most one per interval; but an epoch's first
+        # step always reads: Keras keeps an epoch's final logs only when the last step's logs
+        # name the same metrics, and a short epoch may end before the interval does.
+        if not last_read[1] or time.monotonic() - last_read[0] >= LOG_INTERVAL_SECONDS:
             read_logs()  # as the parameter servers hold them now
         return last_read[1]
 
@@ -264,7 +272,7 @@ def _with_cluster_errors(function, ps_addresses: list[str]):
             cause = getattr(error, "original_exception", error)  # unwrap ClosureInput/AbortedError
             message = getattr(cause, "message", None) or str(cause)
             lost = [f"ps {i} at {a}" for i, a in enumerate(ps_addresses) if not accepts_connections(a)]
-            if lost or isinstance(cause, tf.errors.UnavailableError) or "/job:ps" in message:
+            if lost or isinstance(cause, tf.errors.UnavailableError):
                 where = ", ".join(lost) or "unreachable"
                 raise ClusterError(
                     f"lost a parameter server, {where} ({_first_line(message)}). The variables it "
