@@ -235,7 +235,6 @@ def test_learning_rate_schedule_callback_sets_the_rate_per_epoch_and_corrects_mo
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(moments, adam.variables))
 
 
-
 def test_a_distributed_optimizer_reloads_with_its_op_and_compression():
     hvd = pytest.importorskip("horovod.tensorflow", reason="needs Horovod (make setup builds it)")
     import keras
