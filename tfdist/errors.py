@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ClusterError", "ConfigError"]
+__all__ = ["ClusterError", "ConfigError", "error_reason"]
 
 _MISSING = object()
 
@@ -31,3 +31,22 @@ class ClusterError(RuntimeError):
 
     The message names the tasks and the timeout that ran out.
     """
+
+
+# Lines of a TensorFlow graph error that say where, not why.
+_ERROR_FRAMING = (
+    "Graph execution error", "Detected at node", "<stack traces unavailable>", "File ", "[[", "Traceback",
+    "Additional GRPC error information",
+)
+
+
+def error_reason(message) -> str:
+    """The reason in a TensorFlow error message, for a one-line error.
+
+    Its first root error (`(0) ...`), else its first line that is not framing
+    (the graph-error header, the node and stack-trace lines), else its first line.
+    """
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    root_errors = [line[len("(0) "):] for line in lines if line.startswith("(0) ")]
+    reasons = [line for line in lines if not line.startswith(_ERROR_FRAMING)]
+    return (root_errors or reasons or lines or ["no reason given"])[0]

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfdist._compat import configure_coordination_service
 from tfdist.config.schema import AllReduce, Config
-from tfdist.errors import ClusterError
+from tfdist.errors import ClusterError, error_reason
 from tfdist.strategies.cluster import cluster_resolver
 
 __all__ = ["MultiWorkerMirroredStrategy", "from_config", "lost_task_error"]
@@ -97,5 +97,5 @@ def _task_names(text: str) -> list[str]:
 def lost_task_error(error: tf.errors.OpError) -> ClusterError:
     """A ClusterError naming the task(s) a failed collective step mentions."""
     tasks = _task_names(error.message) or ["a peer task"]
-    reason = error.message.strip().splitlines()[0]
+    reason = error_reason(error.message)
     return ClusterError(f"lost contact with {', '.join(tasks)} during training ({reason}).")

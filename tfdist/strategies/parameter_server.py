@@ -47,7 +47,7 @@ from tensorflow.python.distribute.coordinator import cluster_coordinator
 
 from tfdist import _compat
 from tfdist.config.schema import Config
-from tfdist.errors import ClusterError, ConfigError
+from tfdist.errors import ClusterError, ConfigError, error_reason
 from tfdist.strategies.cluster import accepts_connections, cluster_resolver
 from tfdist.strategies.ps_cluster import LocalCluster, serve
 
@@ -275,25 +275,13 @@ def _with_cluster_errors(function, ps_addresses: list[str]):
             if lost or isinstance(cause, tf.errors.UnavailableError):
                 where = ", ".join(lost) or "unreachable"
                 raise ClusterError(
-                    f"lost a parameter server, {where} ({_first_line(message)}). The variables it "
+                    f"lost a parameter server, {where} ({error_reason(message)}). The variables it "
                     "held are gone: restart the cluster and rerun the job; with "
                     "callbacks.backup_dir set it resumes from the last epoch's backup."
                 ) from error
             raise
 
     return wrapped
-
-
-# Lines of a TF graph error that say where, not why.
-_ERROR_FRAMING = ("Graph execution error", "Detected at node", "<stack traces unavailable>")
-
-
-def _first_line(message: Optional[str]) -> str:
-    """The reason in a TF error message: its first root error, else its first line that says why."""
-    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
-    root_errors = [line[len("(0) "):] for line in lines if line.startswith("(0) ")]
-    reasons = [line for line in lines if not line.startswith(_ERROR_FRAMING)]
-    return (root_errors or reasons or lines or ["unavailable"])[0]
 
 
 def from_config(config: Config) -> ParameterServerStrategy:

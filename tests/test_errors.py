@@ -1,0 +1,29 @@
+"""The one line a failed job ends with says why."""
+
+from tfdist.errors import error_reason
+
+GRAPH_ERROR = """Graph execution error:
+
+Detected at node cond/IteratorGetNext defined at (most recent call last):
+  File "/work/tests/strategies/ps_scenarios.py", line 179, in <module>
+  File "/work/tfdist/strategies/parameter_server.py", line 176, in worker_steps
+Connection reset by peer
+\t [[{{node cond/IteratorGetNext}}]]
+Additional GRPC error information from remote target /job:worker/replica:0/task:1:
+"""
+
+
+def test_the_reason_is_the_line_that_says_why_not_where():
+    assert error_reason(GRAPH_ERROR) == "Connection reset by peer"
+    assert error_reason("Graph execution error:\n\n(0) UNAVAILABLE: socket closed\n(1) CANCELLED") == "UNAVAILABLE: socket closed"
+    assert error_reason("") == "no reason given"
+
+
+def test_a_lost_multi_worker_peer_is_named_with_its_reason():
+    import tensorflow as tf
+
+    from tfdist.strategies.multi_worker import lost_task_error
+
+    error = tf.errors.UnavailableError(None, None, GRAPH_ERROR)
+    message = str(lost_task_error(error))
+    assert message == "lost contact with /job:worker/replica:0/task:1 during training (Connection reset by peer)."
