@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import sys
 from typing import Any, Optional, TextIO
@@ -26,21 +25,17 @@ from tfdist import _compat, data, models, precision
 from tfdist.callbacks import DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
-from tfdist.layers import shard_placement
 from tfdist.parallel import DeviceGroup
 from tfdist.parallel.placement import balance_by_memory, unknown_layers
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies import (
     HorovodStrategy,
-    MultiWorkerMirroredStrategy,
-    ParameterServerStrategy,
     PipelineStrategy,
     TensorParallelStrategy,
     make_strategy,
 )
-from tfdist.strategies import horovod, parameter_server
-from tfdist.strategies.multi_worker import lost_task_error
+from tfdist.strategies import parameter_server
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
 
@@ -170,30 +165,8 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], list[keras.
 
 
 def _devices(strategy: tf.distribute.Strategy) -> list[str]:
-    if isinstance(strategy, (PipelineStrategy, TensorParallelStrategy)):
-        return strategy.devices  # every device of every group, not only the replicas' first
-    return list(strategy.extended.worker_devices)
-
-
-def _tensor_parallel_groups(strategy: tf.distribute.Strategy) -> list[list[str]]:
-    """The device groups tensor-parallel layers split over; none when nothing is split."""
-    if not isinstance(strategy, (PipelineStrategy, TensorParallelStrategy)) or strategy.groups[0].size == 1:
-        return []
-    return [list(group.devices) for group in strategy.groups]
-
-
-def _pipeline_report(strategy: PipelineStrategy, model: keras.Model) -> dict[str, Any]:
-    partition = strategy.partition_of(model)
-    return {
-        "num_stages": strategy.num_stages,
-        "num_micro_batches": strategy.num_micro_batches,
-        "schedule": strategy.schedule,
-        "recompute": strategy.recompute,
-        "stage_devices": strategy.stage_devices,
-        "peak_stashed_micro_batches": strategy.peak_stashed_micro_batches,
-        "partition": partition.report() if partition else None,
-        "stage_memory_bytes": strategy.stage_memory(model),
-    }
+    # Strategies whose replicas span several devices list them all, not only the replicas' first.
+    return list(getattr(strategy, "devices", None) or strategy.extended.worker_devices)
 
 
 def run(
@@ -230,11 +203,10 @@ def run(
             verbose=config.train.verbose if chief else 0,
         )
     except tf.errors.OpError as e:
-        if isinstance(job.strategy, MultiWorkerMirroredStrategy) and "/job:" in e.message:
-            raise lost_task_error(e) from e
-        lost_rank = isinstance(job.strategy, HorovodStrategy) and horovod.lost_rank_error(e)
-        if lost_rank:
-            raise lost_rank from e
+        # A strategy that can tell a lost peer from other failures says so in one line.
+        lost = getattr(job.strategy, "job_error", lambda error: None)(e)
+        if lost is not None:
+            raise lost from e
         raise
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
@@ -252,33 +224,13 @@ def run(
     if stalls is not None and stalls.report:
         result["input_wait_share"] = stalls.input_wait_share
         result["input_stalls"] = stalls.report
-    if isinstance(job.strategy, PipelineStrategy):
-        result["pipeline"] = _pipeline_report(job.strategy, job.model)
-    if isinstance(job.strategy, ParameterServerStrategy):
-        jobs = job.strategy.cluster_jobs
-        local = " (local processes)" if job.strategy.local_cluster else ""
-        result["cluster"] = f"{len(jobs['worker'])} worker(s), {len(jobs['ps'])} parameter server(s){local}"
-        tables = shard_placement(job.model)
-        if tables:
-            result["sharded_tables"] = "; ".join(_shards_line(name, devices) for name, devices in tables.items())
-    groups = _tensor_parallel_groups(job.strategy)
-    if groups:
-        result["tensor_parallel_groups"] = groups
-    if isinstance(job.strategy, TensorParallelStrategy) and job.strategy.placement:
-        per_device = collections.Counter(job.strategy.placement.values())
-        result["placement"] = ", ".join(f"{n} layer(s) on {d}" for d, n in sorted(per_device.items()))
-    if isinstance(job.strategy, HorovodStrategy):
-        result["cluster"] = f"{job.strategy.size} Horovod rank(s), one process per device"
+    # What the strategy adds: its cluster, partition, device groups, placement.
+    result.update(getattr(job.strategy, "job_report", lambda model: {})(job.model))
     if chief:
         print(format_summary(result), file=out)
         if metrics_out:
             write_json(metrics_out, result)
     return result
-
-
-def _shards_line(table: str, devices: list[str]) -> str:
-    tasks = ", ".join(str(tf.DeviceSpec.from_string(device).task) for device in devices)
-    return f"{table} in {len(devices)} shard(s) on ps {tasks}"
 
 
 def _placement_by_memory(config: Config, split, devices: list[str]) -> dict[str, str]:

@@ -281,6 +281,13 @@ class HorovodStrategy(distribute_lib.Strategy):
     def size(self) -> int:
         return self.hvd.size()
 
+    def job_report(self, model: keras.Model) -> dict[str, Any]:
+        return {"cluster": f"{self.size} Horovod rank(s), one process per device"}
+
+    def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
+        """A lost rank as one line (see `lost_rank_error`); None for other errors."""
+        return lost_rank_error(error)
+
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """Keras's own step functions under the step watchdog (unless off), predictions gathered from every rank."""
         predict_on_this_rank = _compat.keras_step_function(model, "predict_function")

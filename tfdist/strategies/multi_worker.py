@@ -21,6 +21,7 @@ unless the config opts out (the gRPC servers have no authentication).
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import tensorflow as tf
 
@@ -52,6 +53,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return parent.reduce(reduce_op, v, None if rank == 0 else axis)
 
         return tf.nest.map_structure(reduce_one, value)
+
+    def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
+        """A failed step that names another task is a lost task (one line); None for other errors."""
+        return lost_task_error(error) if _task_names(error.message or "") else None
 
 
 def from_config(config: Config) -> MultiWorkerMirroredStrategy:

@@ -48,6 +48,7 @@ from tensorflow.python.distribute.coordinator import cluster_coordinator
 from tfdist import _compat
 from tfdist.config.schema import Config
 from tfdist.errors import ClusterError, ConfigError, error_reason
+from tfdist.layers.sharded_embedding import shard_placement
 from tfdist.strategies.cluster import accepts_connections, cluster_resolver
 from tfdist.strategies.ps_cluster import LocalCluster, serve
 
@@ -86,6 +87,22 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
     @property
     def coordinator(self) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
         return self._coordinator
+
+    def job_report(self, model: keras.Model) -> dict[str, Any]:
+        """The cluster, and where sharded embedding tables went, for the summary and `--metrics_out`."""
+        local = " (local processes)" if self.local_cluster else ""
+        report = {
+            "cluster": f"{len(self.cluster_jobs['worker'])} worker(s), {len(self.cluster_jobs['ps'])} "
+            f"parameter server(s){local}"
+        }
+        tables = shard_placement(model)
+        if tables:
+            report["sharded_tables"] = "; ".join(
+                f"{name} in {len(devices)} shard(s) on ps "
+                f"{', '.join(str(tf.DeviceSpec.from_string(d).task) for d in devices)}"
+                for name, devices in tables.items()
+            )
+        return report
 
     def experimental_distribute_dataset(self, dataset, options=None):
         return CoordinatedDataset(self, dataset)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -266,6 +266,25 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 f"optimizer state{'; ' + times if times else ''})"
             )
         return "\n".join(lines)
+
+    def job_report(self, model: keras.Model) -> dict[str, Any]:
+        """The pipeline's layout, partition and per-stage bytes, for the summary and `--metrics_out`."""
+        partition = self.partition_of(model)
+        report: dict[str, Any] = {
+            "pipeline": {
+                "num_stages": self.num_stages,
+                "num_micro_batches": self.num_micro_batches,
+                "schedule": self.schedule,
+                "recompute": self.recompute,
+                "stage_devices": self.stage_devices,
+                "peak_stashed_micro_batches": self.peak_stashed_micro_batches,
+                "partition": partition.report() if partition else None,
+                "stage_memory_bytes": self.stage_memory(model),
+            }
+        }
+        if self.tensor_parallel_size > 1:
+            report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
+        return report
 
     def stage_memory(self, model: keras.Model) -> list[dict[str, int]]:
         """Per stage, the bytes its devices hold in the first replica: `params` (the model's

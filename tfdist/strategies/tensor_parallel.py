@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Mapping, Optional, Sequence
 
 import keras
@@ -103,6 +104,16 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         self.placement = dict(placement)
         if self.placement:
             _compat.install_trainer_hooks()
+
+    def job_report(self, model: keras.Model) -> dict[str, Any]:
+        """The groups layers split over (when they hold more than one device) and where placed layers went."""
+        report: dict[str, Any] = {}
+        if self.groups[0].size > 1:
+            report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
+        if self.placement:
+            per_device = collections.Counter(self.placement.values())
+            report["placement"] = ", ".join(f"{n} layer(s) on {d}" for d, n in sorted(per_device.items()))
+        return report
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """Places the named layers' computation before Keras makes its step functions; no hooks."""
