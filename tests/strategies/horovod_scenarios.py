@@ -35,22 +35,25 @@ def _model():
     ])
 
 
-def _compile(model, learning_rate, accumulation=1):
+def _compile(model, learning_rate, accumulation=1, clipnorm=None):
     options = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
+    if clipnorm:
+        options["clipnorm"] = clipnorm
     model.compile(optimizer=keras.optimizers.SGD(learning_rate, **options),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 
-def matches_single_process(op="average", fp16_compression="0", accumulation="1", examples=str(BATCH * STEPS)):
+def matches_single_process(op="average", fp16_compression="0", accumulation="1", examples=str(BATCH * STEPS),
+                           clipnorm="0"):
     """One epoch of global batch BATCH; every rank also trains the same model
     in one plain process (equivalent settings) and compares."""
-    accumulation = int(accumulation)
+    accumulation, clipnorm = int(accumulation), float(clipnorm)
     x, y = _data(int(examples))
     strategy = HorovodStrategy(op=op, fp16_compression=fp16_compression == "1")
     keras.utils.set_random_seed(strategy.rank)  # different per rank: the broadcast must even them out
     with strategy.scope():
         model = _model()
-        _compile(model, 0.1, accumulation)
+        _compile(model, 0.1, accumulation, clipnorm)
     initial = [w.copy() for w in model.get_weights()]
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     result = {"rank": strategy.rank, "size": strategy.size, "iterations": int(model.optimizer.iterations.numpy()),
@@ -61,7 +64,7 @@ def matches_single_process(op="average", fp16_compression="0", accumulation="1",
     reference = _model()
     reference.set_weights(initial)
     # `sum` adds the ranks' mean gradients: the single-process update with size x the rate.
-    _compile(reference, 0.1 * (strategy.size if op == "sum" else 1), accumulation)
+    _compile(reference, 0.1 * (strategy.size if op == "sum" else 1), accumulation, clipnorm)
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     result.update(
         initial_differs_from_seeded=bool(strategy.rank and any(

@@ -42,6 +42,7 @@ def _scenario(tmp_path, name, *options, np=2, expect_ok=True, controller="--gloo
     ((), 1e-5),
     (("op=sum",), 1e-5),
     (("accumulation=2",), 1e-5),
+    (("clipnorm=0.01",), 1e-5),  # clipped after the all-reduce, as in one process
     (("fp16_compression=1",), 1e-3),  # float16 gradients on the wire
 ])
 def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, tolerance):

@@ -38,3 +38,33 @@ def test_mirrored_matches_one_device(replicas):
     assert moved > 1e-3  # the comparison below is about trained weights
     for a, b in zip(single, mirrored):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("clipping", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_gradient_clipping_sees_the_all_reduced_gradient_as_on_one_device(clipping):
+    """Keras clips each replica's gradient before the all-reduce; tfdist's strategies clip their sum."""
+    import keras
+    import tensorflow as tf
+
+    from tfdist import MirroredStrategy
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 8)).astype("float32")
+    y = rng.standard_normal((64, 2)).astype("float32")
+
+    def step(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            # A threshold well below the gradient's size, so clipping decides the step.
+            model.compile(optimizer=keras.optimizers.SGD(1.0, **{clipping: 0.01}), loss="mse")
+        start = model.get_weights()
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        return [b - a for a, b in zip(start, model.get_weights())]
+
+    one_device = step(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    mirrored = step(MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    if clipping == "global_clipnorm":
+        assert np.sqrt(sum(np.sum(d**2) for d in one_device)) == pytest.approx(0.01, rel=1e-4)
+    for a, b in zip(one_device, mirrored):
+        np.testing.assert_allclose(b, a, atol=1e-7, rtol=1e-5)

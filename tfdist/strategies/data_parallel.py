@@ -4,7 +4,8 @@ What tfdist adds over calling tf.distribute directly: the all-reduce
 implementation chosen by name in config, and a clear ConfigError instead of a
 runtime failure for choices the machine cannot honour (nccl without GPUs, tpu
 without a TPU), and a `MirroredStrategy` that can share a process with other
-instances. Multi-worker all-reduce is in `multi_worker.py`.
+instances, whose gradient clipping sees the all-reduced gradient as on one
+device. Multi-worker all-reduce is in `multi_worker.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 
+from tfdist import _compat
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ConfigError
 
@@ -37,12 +39,15 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         2
     """
 
+    # Gradient clipping sees the all-reduced gradient, as on one device (`_compat`).
+    clips_after_all_reduce = True
     _key_bases = itertools.count(1)
     _KEYS_PER_INSTANCE = 100_000
     # A subclass that places variables its own way gives its MirroredExtended subclass here.
     _extended_type = mirrored_strategy.MirroredExtended
 
     def __init__(self, devices=None, cross_device_ops=None):
+        _compat.install_clipping_after_all_reduce()
         self._collective_key_base = next(self._key_bases) * self._KEYS_PER_INSTANCE
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
         distribute_lib.Strategy.__init__(

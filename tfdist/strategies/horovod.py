@@ -268,6 +268,9 @@ class HorovodStrategy(distribute_lib.Strategy):
                 "(this job runs on Gloo, where Horovod has no Adasum). Received: 'adasum'"
             )
         self.hvd = hvd
+        # With op average, gradient clipping sees the all-reduced gradient, as on one process (`_compat`).
+        self.clips_after_all_reduce = op == "average"
+        _compat.install_clipping_after_all_reduce()
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None
         _compat.install_trainer_hooks()  # for `keras_hooks`
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)

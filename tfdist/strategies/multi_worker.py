@@ -25,7 +25,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfdist._compat import configure_coordination_service
+from tfdist._compat import configure_coordination_service, install_clipping_after_all_reduce
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ClusterError, error_reason
 from tfdist.strategies.cluster import cluster_resolver
@@ -43,6 +43,12 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         ...     model = build_model(); model.compile(...)
         >>> model.fit(dataset, epochs=2, steps_per_epoch=50)  # doctest: +SKIP
     """
+
+    clips_after_all_reduce = True  # gradient clipping sees the all-reduced gradient, as on one device
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        install_clipping_after_all_reduce()
 
     def reduce(self, reduce_op, value, axis):
         parent = super()
