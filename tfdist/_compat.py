@@ -27,6 +27,7 @@ __all__ = [
     "install_clipping_after_all_reduce",
     "install_atomic_parameter_server_updates",
     "install_trainer_hooks",
+    "keras_reduce_per_replica",
     "keras_step_function",
     "loss_tracker",
     "needs_gradient",
@@ -175,6 +176,18 @@ def keras_step_function(model, attribute: str):
     maker = "make_" + attribute
     _ORIGINAL_TRAINER_METHODS.get(maker, getattr(TensorFlowTrainer, maker))(model, force=True)
     return getattr(model, attribute)
+
+
+def keras_reduce_per_replica(outputs, strategy):
+    """Keras's reduction of a training step's per-replica outputs to the logs it shows.
+
+    A strategy that builds its own training function (a multi-step loop Keras's
+    cannot run) must hand Keras the logs its own function would; Keras keeps
+    the reduction private.
+    """
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    return reduce_per_replica(outputs, strategy, reduction="auto")
 
 
 def needs_gradient(tensor) -> bool:

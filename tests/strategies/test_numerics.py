@@ -68,3 +68,30 @@ def test_gradient_clipping_sees_the_all_reduced_gradient_as_on_one_device(clippi
         assert np.sqrt(sum(np.sum(d**2) for d in one_device)) == pytest.approx(0.01, rel=1e-4)
     for a, b in zip(one_device, mirrored):
         np.testing.assert_allclose(b, a, atol=1e-7, rtol=1e-5)
+
+
+def test_steps_per_execution_over_several_replicas_matches_one_device():
+    """Keras's own multi-step loop fails under a MirroredStrategy of 2 replicas (a step inside a tf.cond)."""
+    import keras
+    import tensorflow as tf
+
+    from tfdist import MirroredStrategy
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 8)).astype("float32")
+    y = rng.standard_normal((64, 2)).astype("float32")
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+        return model, history
+
+    reference, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    model, history = train(MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    assert int(model.optimizer.iterations.numpy()) == 2 * 8  # 3 + 3 + 2 steps an epoch
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)

@@ -313,3 +313,16 @@ def test_batch_norm_statistics_move_once_per_step_by_the_whole_batch(recompute):
             getattr(model.get_layer("bn"), stat).numpy(), getattr(reference.get_layer("bn"), stat).numpy(),
             atol=1e-6, rtol=1e-5, err_msg=stat,
         )
+
+
+def test_steps_per_execution_over_two_pipeline_replicas_matches_one_device():
+    start, reference, _ = _train(_sequential)
+    strategy = PipelineStrategy(2, 4, devices=FOUR, verbose=False)
+    with strategy.scope():
+        model = _compile(_sequential())
+        model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=2)
+    model.set_weights(start)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    _assert_same(reference, model)

@@ -5,7 +5,8 @@ implementation chosen by name in config, and a clear ConfigError instead of a
 runtime failure for choices the machine cannot honour (nccl without GPUs, tpu
 without a TPU), and a `MirroredStrategy` that can share a process with other
 instances, whose gradient clipping sees the all-reduced gradient as on one
-device. Multi-worker all-reduce is in `multi_worker.py`.
+device, and that trains with `steps_per_execution` > 1 (`multi_step_train_function`).
+Multi-worker all-reduce is in `multi_worker.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import itertools
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, mirrored_strategy
+
+from typing import Any
+
+import keras
 
 from tfdist import _compat
 from tfdist.config.schema import AllReduce, Config
@@ -48,11 +53,59 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         _compat.install_clipping_after_all_reduce()
+        _compat.install_trainer_hooks()  # for `keras_hooks`
         self._collective_key_base = next(self._key_bases) * self._KEYS_PER_INSTANCE
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
         distribute_lib.Strategy.__init__(
             self, self._extended_type(self, devices=devices, cross_device_ops=cross_device_ops)
         )
+
+
+    def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
+        """A training function for `steps_per_execution` > 1 over several replicas; else Keras's own."""
+        if model.steps_per_execution > 1 and self.num_replicas_in_sync > 1:
+            return {"train_function": multi_step_train_function(self, model)}
+        return {}
+
+
+def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model):
+    """`model.steps_per_execution` training steps per call, with no step inside a `tf.cond`.
+
+    Keras runs its steps in a while loop whose body puts each step in a
+    `tf.cond`; a step whose optimizer calls `merge_call` fails there when a
+    MirroredStrategy has several replicas ("You must feed a value for
+    placeholder tensor ... while/cond/Placeholder", keras-team/keras#19246).
+    Here the first step runs as is and the rest in a while loop that checks
+    for data in its condition; only fetching the next batch is conditional.
+    Returns the last step's logs, as Keras's function does.
+    """
+    steps = model.steps_per_execution
+
+    def one_step(data):
+        return _compat.keras_reduce_per_replica(strategy.run(model.train_step, args=(data,)), strategy)
+
+    @tf.function
+    def run_steps(iterator):
+        outputs = one_step(next(iterator))
+
+        def more(step, outputs, batch):
+            return tf.logical_and(step < steps, batch.has_value())
+
+        def next_step(step, outputs, batch):
+            outputs = one_step(batch.get_value())
+            # Fetch another batch only if another step will run, as Keras does.
+            batch = tf.cond(step + 1 < steps, iterator.get_next_as_optional, lambda: batch)
+            return step + 1, outputs, batch
+
+        return tf.while_loop(more, next_step, [tf.constant(1), outputs, iterator.get_next_as_optional()])[1]
+
+    def train_function(iterator):
+        try:
+            return run_steps(iterator)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+
+    return train_function
 
 
 def make_one_device(device: str) -> tf.distribute.OneDeviceStrategy:

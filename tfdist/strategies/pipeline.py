@@ -183,7 +183,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             self._prepare(model, _static_batch(data[0]) if data else None)
             return predict(data)
 
-        return {"predict_function": predict_function}
+        return {**super().keras_hooks(model), "predict_function": predict_function}
 
     @contextlib.contextmanager
     def stage_scope(self, stage_index: int):

@@ -116,6 +116,6 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         return report
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """Places the named layers' computation before Keras makes its step functions; no hooks."""
+        """Places the named layers' computation before Keras makes its step functions."""
         place_computation(model, self.placement, resolve=self.local_device)
-        return {}
+        return super().keras_hooks(model)
