@@ -25,7 +25,7 @@ from tfdist import _compat, data, models, precision
 from tfdist.callbacks import DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
-from tfdist.parallel import DeviceGroup
+from tfdist.parallel import DeviceGroup, partition
 from tfdist.parallel.placement import balance_by_memory, unknown_layers
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
@@ -106,7 +106,7 @@ def _check_pipeline_model(config: Config, model: keras.Model) -> None:
     unknown = [name for name in config.pipeline.boundaries if name not in names]
     if unknown:
         raise ConfigError("pipeline.boundaries", f"must name layers of the {model.name} model ({', '.join(names)}).", unknown)
-    random = [op.name for op in layers if hasattr(op, "seed_generator")]
+    random = [op.name for op in layers if partition.draws_random_numbers(op)]
     if config.pipeline.recompute and random:
         raise ConfigError(
             "pipeline.recompute",

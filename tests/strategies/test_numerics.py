@@ -40,6 +40,21 @@ def test_mirrored_matches_one_device(replicas):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def _regression_data():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 2)).astype("float32")
+
+
+def _dense_model(**compile_options):
+    """A seeded Dense regression model, compiled in the strategy scope the caller opened."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile(loss="mse", **compile_options)
+    return model
+
+
 @pytest.mark.parametrize("clipping", ["clipnorm", "global_clipnorm", "clipvalue"])
 def test_gradient_clipping_sees_the_all_reduced_gradient_as_on_one_device(clipping):
     """Keras clips each replica's gradient before the all-reduce; tfdist's strategies clip their sum."""
@@ -48,16 +63,12 @@ def test_gradient_clipping_sees_the_all_reduced_gradient_as_on_one_device(clippi
 
     from tfdist import MirroredStrategy
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 8)).astype("float32")
-    y = rng.standard_normal((64, 2)).astype("float32")
+    x, y = _regression_data()
 
     def step(strategy):
         with strategy.scope():
-            keras.utils.set_random_seed(0)
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
             # A threshold well below the gradient's size, so clipping decides the step.
-            model.compile(optimizer=keras.optimizers.SGD(1.0, **{clipping: 0.01}), loss="mse")
+            model = _dense_model(optimizer=keras.optimizers.SGD(1.0, **{clipping: 0.01}))
         start = model.get_weights()
         model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         return [b - a for a, b in zip(start, model.get_weights())]
@@ -77,15 +88,11 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
 
     from tfdist import MirroredStrategy
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 8)).astype("float32")
-    y = rng.standard_normal((64, 2)).astype("float32")
+    x, y = _regression_data()
 
     def train(strategy):
         with strategy.scope():
-            keras.utils.set_random_seed(0)
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
+            model = _dense_model(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=3)
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
         return model, history
 

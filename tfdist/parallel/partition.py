@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import _compat
 
-__all__ = ["Partition", "Stage", "balance", "split"]
+__all__ = ["Partition", "Stage", "balance", "draws_random_numbers", "split"]
 
 BALANCE_BASES = ("time", "params")
 
@@ -102,6 +102,11 @@ class Partition:
                 for s in self.stages
             ],
         }
+
+
+def draws_random_numbers(operation) -> bool:
+    """Whether a layer draws random numbers when it runs (Dropout and the like), so running it again differs."""
+    return hasattr(operation, "seed_generator")
 
 
 def balance(costs: Sequence[float], num_stages: int) -> list[int]:

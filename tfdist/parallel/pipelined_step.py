@@ -52,7 +52,7 @@ class PipelinedStep:
         self.var_grads: dict[int, tf.Tensor] = {}
         self.losses: list[tf.Tensor] = []
         self.predictions_by_micro_batch: dict[int, list] = {}
-        # BatchNormalization layer -> per micro-batch (share, new moving mean, new moving variance).
+        # BatchNormalization layer -> (layer, its stage, per micro-batch (share, new moving mean, new moving variance)).
         self.statistics: dict[int, tuple] = {}
 
     @contextlib.contextmanager
@@ -109,7 +109,7 @@ class PipelinedStep:
         for layer in {id(layer): layer for layer in statistics.values()}.values():
             mean, variance = scope.get_current_value(layer.moving_mean), scope.get_current_value(layer.moving_variance)
             if mean is not None:
-                self.statistics.setdefault(id(layer), (layer, []))[1].append((share, mean, variance))
+                self.statistics.setdefault(id(layer), (layer, stage.index, []))[2].append((share, mean, variance))
 
     def update_statistics(self) -> None:
         """Moves each BatchNormalization layer's statistics once, by the whole batch's moments.
@@ -119,17 +119,15 @@ class PipelinedStep:
         the whole batch's mean; the variances miss the spread of the
         micro-batch means, added back (law of total variance).
         """
-        for stage in self.partition.stages:
-            layers = {id(layer) for layer in stage.model._flatten_layers(include_self=False)}
-            for key in [key for key in self.statistics if key in layers]:
-                layer, parts = self.statistics.pop(key)
-                with self._on_stage(stage.index):
-                    weights = [tf.cast(share, mean.dtype) for share, mean, _ in parts]
-                    mean = tf.add_n([tf.math.multiply_no_nan(m, w) for w, (_, m, _) in zip(weights, parts)])
-                    spread = tf.add_n([tf.math.multiply_no_nan(tf.square(m - mean), w) for w, (_, m, _) in zip(weights, parts)])
-                    variance = tf.add_n([tf.math.multiply_no_nan(v, w) for w, (_, _, v) in zip(weights, parts)])
-                    layer.moving_mean.assign(mean)
-                    layer.moving_variance.assign(variance + spread / (1.0 - layer.momentum))
+        for layer, stage_index, parts in self.statistics.values():
+            with self._on_stage(stage_index):
+                weights = [tf.cast(share, mean.dtype) for share, mean, _ in parts]
+                mean = tf.add_n([tf.math.multiply_no_nan(m, w) for w, (_, m, _) in zip(weights, parts)])
+                spread = tf.add_n([tf.math.multiply_no_nan(tf.square(m - mean), w) for w, (_, m, _) in zip(weights, parts)])
+                variance = tf.add_n([tf.math.multiply_no_nan(v, w) for w, (_, _, v) in zip(weights, parts)])
+                layer.moving_mean.assign(mean)
+                layer.moving_variance.assign(variance + spread / (1.0 - layer.momentum))
+        self.statistics.clear()
 
     def _sources(self, stage_index: int) -> list:
         stage = self.partition.stages[stage_index]

@@ -347,7 +347,7 @@ def _static_batch(data) -> Optional[int]:
 def _refuse_random_layers(partition: partition_lib.Partition) -> None:
     for stage in partition.stages:
         for op in stage.operations:
-            if hasattr(op, "seed_generator"):
+            if partition_lib.draws_random_numbers(op):
                 raise ValueError(
                     f"`recompute` cannot be used with layer {op.name!r} (stage {stage.index}): it draws "
                     "random numbers, and the recomputed pass would draw different ones than the "
