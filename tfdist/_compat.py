@@ -124,10 +124,14 @@ def install_trainer_hooks() -> None:
     model whose strategy has `keras_hooks(model)`, the trainer's
     `make_*_function` install the functions that dict names (`train_function`,
     `test_function`, `predict_function`) instead of Keras's, and
-    `get_metrics_result` calls its `metrics_result` if it has one.
-    Everything else keeps Keras's own methods. Idempotent.
+    `get_metrics_result` calls its `metrics_result` if it has one. An
+    iterator the strategy hands Keras (`experimental_distribute_dataset`) that
+    has `on_step_group(first, last, steps_per_epoch)` hears, before each call
+    of the train function, which of the epoch's steps that call is for: Keras
+    passes it only the iterator, and a last group of `steps_per_execution` may
+    be short. Everything else keeps Keras's own methods. Idempotent.
     """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
 
     if _ORIGINAL_TRAINER_METHODS:
         return
@@ -164,9 +168,18 @@ def install_trainer_hooks() -> None:
             return hooks["metrics_result"]()
         return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
 
+    next_group = TFEpochIterator.__next__
+
+    def next_group_told(self):
+        first, last, iterator = next_group(self)
+        if hasattr(iterator, "on_step_group"):
+            iterator.on_step_group(first, last, self.num_batches)
+        return first, last, iterator
+
     for name in _STEP_FUNCTION_MAKERS:
         setattr(TensorFlowTrainer, name, step_function_maker(name))
     TensorFlowTrainer.get_metrics_result = get_metrics_result
+    TFEpochIterator.__next__ = next_group_told
 
 
 def keras_step_function(model, attribute: str):

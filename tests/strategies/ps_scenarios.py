@@ -4,6 +4,8 @@ A chief connects its TensorFlow runtime to the cluster for good, so these do not
 run inside the pytest process. `python ps_scenarios.py NAME` prints one JSON line.
 """
 
+import contextlib
+import copy
 import json
 import os
 import sys
@@ -30,11 +32,11 @@ def _data(n=512, features=16, classes=4, seed=0):
     return x, y
 
 
-def _model(features=16, classes=4):
+def _model(features=16, classes=4, dtype=None):
     return keras.Sequential([
         keras.Input((features,)),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(classes, activation="softmax"),
+        keras.layers.Dense(32, activation="relu", dtype=dtype),
+        keras.layers.Dense(classes, activation="softmax", dtype=dtype),
     ])
 
 
@@ -69,21 +71,6 @@ class _AtBatch(keras.callbacks.Callback):
         if self.done_at is None and (self.current_epoch, batch) == (self.epoch, self.batch):
             self.action()
             self.done_at = time.monotonic()
-
-
-def one_worker_matches_single_device():
-    x, y = _data()
-    with LocalCluster(num_workers=1, num_ps=1, threads=1) as cluster:
-        model = _model_on(cluster)
-        reference = _model()
-        reference.set_weights(model.get_weights())
-        _compile(reference)
-        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights()))
-        return {"max_abs_diff": diff, "iterations": int(model.optimizer.iterations.numpy()),
-                "evaluate": model.evaluate(x, y, verbose=0), "reference_evaluate": reference.evaluate(x, y, verbose=0),
-                "predict_diff": float(np.abs(model.predict(x[:64], verbose=0) - reference.predict(x[:64], verbose=0)).max())}
 
 
 def short_epochs_all_report_their_metrics():
@@ -171,6 +158,126 @@ def _reload_diff(model, x):
     loaded = keras.saving.load_model(path)
     assert len(loaded.layers[0].shards) == 1
     return float(np.abs(loaded.predict(x, verbose=0) - model.predict(x, verbose=0)).max())
+
+
+# --- The Keras feature matrix: one worker is sequential, so each feature must match one device.
+
+@keras.saving.register_keras_serializable(package="tfdist_tests")
+class HalfLossModel(keras.Model):
+    """A custom train_step, as users write one: its own tape, loss and metric updates."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = 0.5 * self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else None
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _feature_cases():
+    """name -> (build, compile kwargs, fit(model) -> History). Every model is seeded the same."""
+    x, y = _data(704)  # 22 batches of 32
+    w = np.linspace(0.2, 2.0, len(x)).astype("float32")
+    sgd = lambda **kw: keras.optimizers.SGD(0.1, **kw)  # noqa: E731
+    cce = "sparse_categorical_crossentropy"
+
+    def two_inputs_two_outputs():
+        a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
+        h = keras.layers.Dense(32, activation="relu")(keras.layers.Concatenate()([a, b]))
+        return keras.Model([a, b], {"cls": keras.layers.Dense(4, activation="softmax", name="cls")(h),
+                                    "reg": keras.layers.Dense(1, name="reg")(h)})
+
+    def batch_norm():
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+                                 keras.layers.Activation("relu"), keras.layers.Dense(4, activation="softmax")])
+
+    def custom_train_step():
+        inputs = keras.Input((16,))
+        return HalfLossModel(inputs, keras.layers.Dense(4, activation="softmax")(keras.layers.Dense(32)(inputs)))
+
+    def fit(**kwargs):
+        return lambda model: model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, **kwargs)
+
+    def fit_two_inputs(model):
+        return model.fit({"a": x[:, :8], "b": x[:, 8:]}, {"cls": y, "reg": x[:, :1]},
+                         batch_size=32, epochs=2, shuffle=False, verbose=0)
+
+    def fit_tf_data(model):
+        return model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0,
+                         validation_data=tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(32))
+
+    def fit_unknown_size(model):
+        return model.fit(tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(32),
+                         epochs=2, verbose=0)
+
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)
+    return {
+        "multi_input_output": (two_inputs_two_outputs, dict(optimizer=sgd(), loss={"cls": cce, "reg": "mse"},
+                                                            loss_weights={"cls": 1.0, "reg": 0.5},
+                                                            metrics={"cls": ["accuracy"]}), fit_two_inputs),
+        "sample_weight": (_model, dict(optimizer=sgd(), loss=cce), fit(sample_weight=w)),
+        "class_weight": (_model, dict(optimizer=sgd(), loss=cce), fit(class_weight={0: 1.0, 1: 2.0, 2: 0.5, 3: 1.0})),
+        "validation_split": (_model, dict(optimizer=sgd(), loss=cce, metrics=["accuracy"]), fit(validation_split=0.25)),
+        "tf_data": (_model, dict(optimizer=sgd(), loss=cce, metrics=["accuracy"]), fit_tf_data),
+        "tf_data_unknown_size": (_model, dict(optimizer=sgd(), loss=cce), fit_unknown_size),
+        "steps_per_execution": (_model, dict(optimizer=sgd(), loss=cce, steps_per_execution=4), fit()),
+        "callbacks": (_model, dict(optimizer=sgd(), loss=cce), fit(callbacks=[halve])),
+        "mixed_precision": (lambda: _model(dtype="mixed_float16"), dict(optimizer=sgd(), loss=cce), fit()),
+        "batch_norm": (batch_norm, dict(optimizer=sgd(), loss=cce), fit()),
+        "custom_train_step": (custom_train_step, dict(optimizer=sgd(), loss=cce), fit()),
+        "clipnorm": (_model, dict(optimizer=sgd(clipnorm=0.05), loss=cce), fit()),
+        "lr_schedule": (_model, dict(optimizer=keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=8, decay_rate=0.5)), loss=cce), fit()),
+    }
+
+
+def feature_matrix():
+    """Each Keras feature with one and with two workers (one ps), against the same on one device."""
+    results = {}
+    for workers in (1, 2):
+        with LocalCluster(num_workers=workers, num_ps=1, threads=1) as cluster:
+            strategy = ParameterServerStrategy(cluster.resolver())
+            for name, (build, compile_kwargs, fit) in _feature_cases().items():
+                try:
+                    result = _compare(strategy, build, compile_kwargs, fit)
+                except Exception as error:  # noqa: BLE001 - a failing case is a result here
+                    result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                results.setdefault(name, {})[workers] = result
+    return results
+
+
+def _compare(strategy, build, compile_kwargs, fit):
+    models = []
+    for scope in (strategy.scope(), contextlib.nullcontext()):
+        keras.utils.set_random_seed(0)
+        with scope:
+            model = build()
+            model.compile(**{k: copy.deepcopy(v) for k, v in compile_kwargs.items()})
+        models.append(model)
+    ps, reference = models
+    reference.set_weights(ps.get_weights())
+    histories = [fit(m).history for m in models]
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    ps.save(path)
+    x, y = _data(64, seed=1)
+    inputs = {"a": x[:, :8], "b": x[:, 8:]} if len(ps.inputs) == 2 else x
+    predictions = [keras.saving.load_model(path).predict(inputs, verbose=0), reference.predict(inputs, verbose=0)]
+    targets = {"cls": y, "reg": x[:, :1]} if len(ps.inputs) == 2 else y
+    evaluations = [np.array(m.evaluate(inputs, targets, verbose=0)) for m in models]  # on the chief, from the ps
+    return {
+        "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(ps.get_weights(), reference.get_weights())),
+        "history_keys": sorted(histories[0]) == sorted(histories[1]),
+        "history_diff": max((abs(a - b) for key in histories[1] for a, b in
+                             zip(histories[0].get(key, [np.inf]), histories[1][key])), default=0.0),
+        "evaluate_diff": float(np.abs(evaluations[0] - evaluations[1]).max()),
+        "epochs": [len(v) for v in histories[0].values()],
+        "iterations": int(ps.optimizer.iterations.numpy()),
+        "reference_iterations": int(reference.optimizer.iterations.numpy()),
+        "reloaded_predict_diff": max(float(np.abs(a - b).max()) for a, b in
+                                     zip(tf.nest.flatten(predictions[0]), tf.nest.flatten(predictions[1]))),
+    }
 
 
 if __name__ == "__main__":

@@ -173,6 +173,17 @@ class _CoordinatedIterator:
     def __init__(self, source: CoordinatedDataset):
         self.source = source
         self._local = None
+        self.steps_in_group: Optional[int] = None  # set by Keras's epoch loop before each train call
+
+    def on_step_group(self, first: int, last: int, steps_per_epoch: Optional[int]) -> None:
+        if not steps_per_epoch:
+            raise ValueError(
+                "ParameterServerStrategy needs to know how many steps an epoch has, and this dataset's "
+                "size is unknown (e.g. after `filter`): pass `steps_per_epoch` to fit, or state the size "
+                "with `dataset.apply(tf.data.experimental.assert_cardinality(n))`."
+            )
+        # The epoch's last group may be short of steps_per_execution.
+        self.steps_in_group = min(last, steps_per_epoch - 1) - first + 1
 
     def __iter__(self):
         return self
@@ -185,18 +196,24 @@ class _CoordinatedIterator:
 
 def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
     """Keras's train function for `model`, and the reader of its logs."""
-    steps = model.steps_per_execution
     # Steps queued ahead of the workers: enough that none waits for the chief,
     # few enough that the progress bar and step times follow real progress.
     window = IN_FLIGHT_STEPS_PER_WORKER * strategy.num_workers
     in_flight: collections.deque = collections.deque()
     last_read = [float("-inf"), {}]  # time, logs
 
-    @tf.function
-    def worker_steps(iterator):
-        for _ in range(steps):
-            strategy.run(model.train_step, args=(next(iterator),))
-        # No output: waiting on it must not copy a tensor from a worker that may have died since.
+    step_functions = {}  # steps per call (steps_per_execution, or an epoch's short last group) -> function
+
+    def worker_steps(steps: int):
+        if steps not in step_functions:
+            @tf.function
+            def run_steps(iterator):
+                for _ in range(steps):
+                    strategy.run(model.train_step, args=(next(iterator),))
+                # No output: waiting on it must not copy a tensor from a worker that may have died since.
+
+            step_functions[steps] = run_steps
+        return step_functions[steps]
 
     @tf.function
     def metric_values():
@@ -229,7 +246,8 @@ def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
                 "ParameterServerStrategy trains from `model.fit` on a dataset or arrays; "
                 "`train_on_batch` is not supported (the step would run on the chief)."
             )
-        in_flight.append(strategy.coordinator.schedule(worker_steps, args=(iterator.source.per_worker_iterator(),)))
+        run_steps = worker_steps(iterator.steps_in_group or model.steps_per_execution)
+        in_flight.append(strategy.coordinator.schedule(run_steps, args=(iterator.source.per_worker_iterator(),)))
         while len(in_flight) > window:
             in_flight.popleft().fetch()
         # Reads cost the parameter servers, so at most one per interval; but an epoch's first
