@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -100,3 +101,32 @@ def test_a_peer_killed_mid_training_is_an_error_not_a_hang(tmp_path):
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path):
+    """Keras's multi-step loop puts each step in a tf.cond, where a multi-worker step's merge_call fails."""
+    import numpy as np
+    import tensorflow as tf
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from multi_worker_steps import train
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multi_worker_steps.py")
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    out = tmp_path / "chief.npz"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
+             str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    for code, _, err in _wait(procs, timeout=180):
+        assert code == 0, err[-3000:]
+    reference, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    result = np.load(out)
+    assert int(result["iterations"]) == 2 * 8
+    for index, weight in enumerate(reference.get_weights()):
+        np.testing.assert_allclose(result[f"arr_{index}"], weight, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(result["loss"], expected["loss"], atol=1e-5)

@@ -24,7 +24,7 @@ from tfdist import _compat
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ConfigError
 
-__all__ = ["MirroredStrategy", "make_mirrored", "make_one_device", "make_tpu"]
+__all__ = ["MirroredStrategy", "multi_step_hooks", "make_mirrored", "make_one_device", "make_tpu"]
 
 
 class MirroredStrategy(tf.distribute.MirroredStrategy):
@@ -60,12 +60,15 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
             self, self._extended_type(self, devices=devices, cross_device_ops=cross_device_ops)
         )
 
-
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """A training function for `steps_per_execution` > 1 over several replicas; else Keras's own."""
-        if model.steps_per_execution > 1 and self.num_replicas_in_sync > 1:
-            return {"train_function": multi_step_train_function(self, model)}
-        return {}
+        return multi_step_hooks(self, model)
+
+
+def multi_step_hooks(strategy: tf.distribute.Strategy, model: keras.Model) -> dict[str, Any]:
+    """A training function for `steps_per_execution` > 1 over several replicas; else Keras's own."""
+    if model.steps_per_execution > 1 and strategy.num_replicas_in_sync > 1:
+        return {"train_function": multi_step_train_function(strategy, model)}
+    return {}
 
 
 def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model):

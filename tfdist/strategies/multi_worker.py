@@ -11,7 +11,9 @@ Keras 3's `fit` (keras-team/keras#20585), because Keras calls
 
 `MultiWorkerMirroredStrategy.reduce` here maps over nests and reduces rank-0
 values across replicas only (`axis=None`), which is the same mean for a value
-that has one element per replica. Everything else is TensorFlow's.
+that has one element per replica. It also trains with `steps_per_execution` > 1,
+which Keras's own loop cannot do over several replicas (see
+`data_parallel.multi_step_train_function`). Everything else is TensorFlow's.
 
 It also builds its cluster from the config (`cluster.cluster_resolver`): the config's
 `cluster.workers`, or TF_CONFIG, with every address checked to be on loopback
@@ -25,10 +27,11 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfdist._compat import configure_coordination_service, install_clipping_after_all_reduce
+from tfdist._compat import configure_coordination_service, install_clipping_after_all_reduce, install_trainer_hooks
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ClusterError, error_reason
 from tfdist.strategies.cluster import cluster_resolver
+from tfdist.strategies.data_parallel import multi_step_hooks
 
 __all__ = ["MultiWorkerMirroredStrategy", "from_config", "lost_task_error"]
 
@@ -49,6 +52,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         install_clipping_after_all_reduce()
+        install_trainer_hooks()  # for `keras_hooks`
+
+    def keras_hooks(self, model):
+        return multi_step_hooks(self, model)
 
     def reduce(self, reduce_op, value, axis):
         parent = super()

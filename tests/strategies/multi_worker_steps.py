@@ -1,0 +1,36 @@
+"""One worker of a two-process MultiWorkerMirroredStrategy job that fits with steps_per_execution=3.
+
+`python multi_worker_steps.py TF_CONFIG OUT` saves the trained weights and the
+History to OUT (.npz) when this task is the chief. test_multi_worker.py starts two.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfdist import MultiWorkerMirroredStrategy  # noqa: E402
+
+
+def train(strategy, steps_per_execution=3):
+    """64 examples in batches of 8: an epoch is 3 + 3 + 2 steps."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 2)).astype("float32")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), steps_per_execution=steps_per_execution)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    return model, history
+
+
+if __name__ == "__main__":
+    os.environ["TF_CONFIG"] = sys.argv[1]
+    model, history = train(MultiWorkerMirroredStrategy())
+    if json.loads(sys.argv[1])["task"]["index"] == 0:
+        np.savez(sys.argv[2], *model.get_weights(), loss=np.array(history["loss"]),
+                 iterations=int(model.optimizer.iterations.numpy()))
