@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import time
 from typing import Any, Optional
 
@@ -83,6 +84,7 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         self.local_cluster: Optional[LocalCluster] = None  # set when tfdist started the cluster
         _compat.install_trainer_hooks()
         _compat.install_atomic_parameter_server_updates()
+        _hold_back_coordinator_logs()
 
     @property
     def coordinator(self) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
@@ -317,6 +319,25 @@ def _with_cluster_errors(function, ps_addresses: list[str]):
             raise
 
     return wrapped
+
+
+class _CoordinatorLogFilter(logging.Filter):
+    """Drops ClusterCoordinator's own error logs unless TensorFlow's logger is at DEBUG.
+
+    A lost task makes the coordinator log every failed step with its gRPC detail
+    (70 to 150 lines for one lost parameter server) before tfdist raises the one
+    line that says what happened; a lost worker is rescheduled and needs no
+    screenful either.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.filename != "cluster_coordinator.py" or logging.getLogger("tensorflow").isEnabledFor(logging.DEBUG)
+
+
+def _hold_back_coordinator_logs() -> None:
+    logger = logging.getLogger("tensorflow")  # TensorFlow's Python logging, which the coordinator uses
+    if not any(isinstance(f, _CoordinatorLogFilter) for f in logger.filters):
+        logger.addFilter(_CoordinatorLogFilter())
 
 
 def from_config(config: Config) -> ParameterServerStrategy:

@@ -149,6 +149,8 @@ class LocalCluster:
             for (job, index), process in list(self.processes.items()):
                 if job == "worker" and self.restart_workers and process.poll() is not None:
                     self.restarts += 1
+                    print(f"tfdist: local worker {index} exited (code {process.returncode}); restarting it; "
+                          "its steps run on the others meanwhile", file=sys.stderr, flush=True)
                     self._spawn(job, index)
 
 
