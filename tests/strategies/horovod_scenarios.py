@@ -7,7 +7,6 @@ each rank writes OUT_DIR/rank-N.json.
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -165,26 +164,6 @@ def adasum_matches_its_formula():
 
     return {"rank": strategy.rank, "max_abs_diff": max_diff(trained_with(adasum)),
             "diff_from_average": max_diff(trained_with(lambda g0, g1: (g0 + g1) / 2))}
-
-
-def fails_at_step(step="3", how="die"):
-    """Rank 1 dies (`die`: exits abruptly) or hangs (`hang`: stays alive and
-    never joins the next all-reduce) at `step`; the others must fail, not wait."""
-    x, y = _data(BATCH * 200)
-    strategy = HorovodStrategy(stall_shutdown_seconds=10)
-
-    class Fail(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if strategy.rank == 1 and batch == int(step):
-                if how == "die":
-                    os._exit(17)
-                time.sleep(600)
-
-    with strategy.scope():
-        model = _model()
-        _compile(model, 0.1)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Fail()])
-    return {"rank": strategy.rank, "finished": True}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ Example (under `horovodrun -np 2 -H localhost:2 --gloo python train.py`):
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Optional
 
 import keras
@@ -48,10 +49,12 @@ from tfdist.config.schema import Config, HorovodOp
 from tfdist.errors import ClusterError, ConfigError
 from tfdist.strategies.step_watchdog import StepWatchdog
 
-__all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "lost_rank_error"]
+__all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "collectives_are_down"]
 
 _OPS = tuple(op.value for op in HorovodOp)
 DEFAULT_STEP_TIMEOUT_SECONDS = 600.0  # long enough for a large model's step or a slow evaluation
+_HOROVOD_STALL_CHECK_SECONDS = 60.0  # Horovod's own default
+_PROBE_SECONDS = 2.0  # a shut-down Horovod fails a collective in milliseconds
 
 
 class HorovodAllReduce(tf.distribute.CrossDeviceOps):
@@ -254,6 +257,9 @@ class HorovodStrategy(distribute_lib.Strategy):
         if timeout < 0:
             raise ValueError(f"`stall_shutdown_seconds` must be >= 0 (0: off). Received: {stall_shutdown_seconds!r}")
         hvd = _compat.horovod()
+        if stall_shutdown_seconds:
+            # Horovod ignores a shutdown time shorter than its check interval (default 60 s).
+            stall_check_seconds = min(stall_check_seconds or _HOROVOD_STALL_CHECK_SECONDS, stall_shutdown_seconds)
         runtime = {
             "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
             "HOROVOD_CYCLE_TIME": cycle_time_ms,
@@ -271,6 +277,7 @@ class HorovodStrategy(distribute_lib.Strategy):
         # With op average, gradient clipping sees the all-reduced gradient, as on one process (`_compat`).
         self.clips_after_all_reduce = op == "average"
         _compat.install_clipping_after_all_reduce()
+        self.stall_shutdown_seconds = timeout
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None
         _compat.install_trainer_hooks()  # for `keras_hooks`
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
@@ -288,8 +295,26 @@ class HorovodStrategy(distribute_lib.Strategy):
         return {"cluster": f"{self.size} Horovod rank(s), one process per device"}
 
     def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
-        """A lost rank as one line (see `lost_rank_error`); None for other errors."""
-        return lost_rank_error(error)
+        """One line when a step failed because Horovod's collectives are down; None for other errors.
+
+        Decided by asking Horovod, not by reading the message: a rank that
+        died breaks the collectives at once (a Gloo read error, or Horovod's
+        "shut down"), one that stopped responding makes Horovod's stall
+        inspector shut them down after `stall_shutdown_seconds`.
+        """
+        if not collectives_are_down(self.hvd):
+            return None
+        step = self._watchdog.last_step_seconds if self._watchdog else 0.0
+        if self.stall_shutdown_seconds and step >= self.stall_shutdown_seconds:
+            return ClusterError(
+                f"Horovod stopped: another rank stopped responding (alive but stuck, or paused): its "
+                f"collective did not start within {self.stall_shutdown_seconds:g} s "
+                "(horovod.stall_shutdown_seconds)."
+            )
+        return ClusterError(
+            "Horovod stopped: another rank failed or exited (its collective could not complete). "
+            "That rank's own error, if it printed one, is in its log."
+        )
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """Keras's own step functions under the step watchdog (unless off), predictions gathered from every rank."""
@@ -366,11 +391,21 @@ def from_config(config: Config) -> HorovodStrategy:
         ) from None
 
 
-def lost_rank_error(error: tf.errors.OpError) -> Optional[ClusterError]:
-    """A ClusterError when `error` is Horovod shutting down because a rank failed, else None."""
-    if "Horovod has been shut down" not in (error.message or ""):
-        return None
-    return ClusterError(
-        "Horovod stopped: another rank failed or exited early (its collective could not "
-        "complete). The first failing rank's own error is in its log."
-    )
+def collectives_are_down(hvd) -> bool:
+    """True when a Horovod collective fails at once: Horovod shut down after losing a rank.
+
+    A healthy Horovod would wait for the other ranks to join the probe, so the
+    probe runs in a thread and is given up after `_PROBE_SECONDS`.
+    """
+    failed = threading.Event()
+
+    def probe():
+        try:
+            hvd.allreduce(tf.constant(0.0), name="tfdist_liveness_probe", op=hvd.Sum)
+        except tf.errors.OpError:
+            failed.set()
+
+    thread = threading.Thread(target=probe, name="tfdist-horovod-probe", daemon=True)
+    thread.start()
+    thread.join(_PROBE_SECONDS)
+    return failed.is_set()

@@ -2,7 +2,8 @@
 
 A step blocked in a collective that another process will never join (a rank
 alive but stuck) blocks inside a C++ kernel that nothing can interrupt;
-Horovod's stall inspector did not end it in tfdist's tests. The watchdog turns
+Horovod's stall inspector ends it only at its next check, and not at all when
+its shutdown time is shorter than its check interval. The watchdog turns
 that hang into an error: when a step has run longer than `timeout_seconds`, it
 prints one line naming the rank and exits the process (the launcher, e.g.
 horovodrun, then stops the other ranks). The first step of each function is
@@ -34,6 +35,7 @@ class StepWatchdog:
         self.timeout_seconds = timeout_seconds
         self.name = name
         self._deadline = None
+        self.last_step_seconds = 0.0  # how long the last step ran (a failed one too), for the error it raised
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, name="tfdist-step-watchdog", daemon=True).start()
 
@@ -42,15 +44,16 @@ class StepWatchdog:
 
         def watched(*args, **kwargs):
             calls[0] += 1
-            if calls[0] == 1:
-                return function(*args, **kwargs)
-            with self._lock:
-                self._deadline = time.monotonic() + self.timeout_seconds
+            started = time.monotonic()
+            if calls[0] > 1:  # the first call traces and compiles
+                with self._lock:
+                    self._deadline = started + self.timeout_seconds
             try:
                 return function(*args, **kwargs)
             finally:
                 with self._lock:
                     self._deadline = None
+                self.last_step_seconds = time.monotonic() - started
 
         return watched
 
