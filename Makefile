@@ -41,7 +41,7 @@ test: setup
 	$(MAKE) bazel-test
 
 pytest:
-	pytest $(PYTEST_ARGS)
+	TFDIST_REQUIRE_HOROVOD=1 pytest $(PYTEST_ARGS)
 
 bazel-test:
 	bazel test //...

@@ -6,8 +6,25 @@ import sys
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The suite's devices are logical CPUs: device counts, placements and figures
+# are stated for them. On a GPU host, TensorFlow here and in every child process
+# would otherwise pick the GPUs (and a different number of replicas).
+os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
 
 LOGICAL_CPUS = 4
+
+
+def pytest_runtest_setup(item):
+    """A `horovod` test is skipped, saying so, where Horovod is not installed;
+    `make test` sets TFDIST_REQUIRE_HOROVOD=1, where it fails instead."""
+    if item.get_closest_marker("horovod") is None:
+        return
+    try:
+        import horovod.tensorflow  # noqa: F401
+    except ImportError as error:
+        if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
+            pytest.fail(f"Horovod is required here and does not import: {error}")
+        pytest.skip(f"needs Horovod, which does not import here ({error}); `make setup` builds it")
 
 
 @pytest.fixture(scope="session", autouse=True)

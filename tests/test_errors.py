@@ -17,13 +17,3 @@ def test_the_reason_is_the_line_that_says_why_not_where():
     assert error_reason(GRAPH_ERROR) == "Connection reset by peer"
     assert error_reason("Graph execution error:\n\n(0) UNAVAILABLE: socket closed\n(1) CANCELLED") == "UNAVAILABLE: socket closed"
     assert error_reason("") == "no reason given"
-
-
-def test_a_lost_multi_worker_peer_is_named_with_its_reason():
-    import tensorflow as tf
-
-    from tfdist.strategies.multi_worker import lost_task_error
-
-    error = tf.errors.UnavailableError(None, None, GRAPH_ERROR)
-    message = str(lost_task_error(error))
-    assert message == "lost contact with /job:worker/replica:0/task:1 during training (Connection reset by peer)."

@@ -68,7 +68,8 @@ def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
 
 def _cases():
     for index, block in enumerate(_blocks()):
-        yield pytest.param(index, block, id=f"block{index}", marks=[pytest.mark.slow] if "fit(" in block else [])
+        marks = [pytest.mark.slow] * ("fit(" in block) + [pytest.mark.horovod] * ("HorovodStrategy" in block)
+        yield pytest.param(index, block, id=f"block{index}", marks=marks)
 
 
 def test_the_readme_has_python_blocks():
@@ -85,7 +86,5 @@ def test_readme_block_runs(index, block, tmp_path):
             tf_config = {"cluster": cluster.cluster_spec, "task": {"type": "chief", "index": 0}}
             proc = _run(block, tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
     else:
-        if "HorovodStrategy" in block:
-            pytest.importorskip("horovod.tensorflow", reason="needs Horovod (make setup builds it)")
         proc = _run(block, tmp_path)
     assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{proc.stderr[-3000:]}"

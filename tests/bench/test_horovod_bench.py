@@ -5,7 +5,7 @@ import pytest
 from helpers import run_tfdist
 from tfdist.bench.horovod import count_gradient_allreduces, measure
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.horovod, pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
 def test_measure_compares_one_and_two_ranks_and_counts_fused_calls():

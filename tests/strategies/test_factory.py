@@ -1,6 +1,7 @@
 """Config -> strategy, and the machine-dependent config errors."""
 
 import json
+import os
 
 import pytest
 import tensorflow as tf
@@ -8,6 +9,8 @@ import tensorflow as tf
 from tfdist import ConfigError, load_config, make_strategy
 from tfdist.strategies import MultiWorkerMirroredStrategy
 from tfdist.strategies.multi_worker import cluster_resolver
+
+from helpers import run_tfdist
 
 
 def _strategy(*overrides):
@@ -126,3 +129,23 @@ def test_precision_policy_is_applied():
 
     _strategy("precision.policy=mixed_bfloat16")
     assert keras.mixed_precision.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_missing_horovod_is_one_clear_line(tmp_path):
+    fake = tmp_path / "horovod"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('simulated: no horovod here')\n")
+    proc = run_tfdist(
+        "train", "--config", "configs/horovod.yaml",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "horovod needs Horovod" in proc.stderr and "tools/install_horovod.sh" in proc.stderr
+
+
+def test_an_unknown_op_is_refused_before_horovod_starts():
+    from tfdist import HorovodStrategy
+
+    with pytest.raises(ValueError, match="`op` must be one of average, sum, adasum"):
+        HorovodStrategy(op="mean")

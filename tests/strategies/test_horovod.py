@@ -10,10 +10,12 @@ import time
 
 import pytest
 
-from helpers import ROOT, run_tfdist
+from helpers import ROOT
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scenarios.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+pytestmark = pytest.mark.horovod
 
 
 def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
@@ -190,26 +192,6 @@ def test_config_trains_digits_with_two_ranks_and_only_rank_0_reports(tmp_path):
     assert sum("tfdist summary" in line for line in lines) == 1
     assert not any(line.startswith("[1]<stdout>") for line in lines)  # rank 1 prints nothing
     assert '"name": "NEGOTIATE_ALLREDUCE"' in (tmp_path / "timeline.json").read_text()
-
-
-def test_missing_horovod_is_one_clear_line(tmp_path):
-    fake = tmp_path / "horovod"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('simulated: no horovod here')\n")
-    proc = run_tfdist(
-        "train", "--config", "configs/horovod.yaml",
-        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
-    )
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "horovod needs Horovod" in proc.stderr and "tools/install_horovod.sh" in proc.stderr
-
-
-def test_an_unknown_op_is_refused_before_horovod_starts():
-    from tfdist import HorovodStrategy
-
-    with pytest.raises(ValueError, match="`op` must be one of average, sum, adasum"):
-        HorovodStrategy(op="mean")
 
 
 @pytest.mark.multiprocess

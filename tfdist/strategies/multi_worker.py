@@ -22,18 +22,20 @@ unless the config opts out (the gRPC servers have no authentication).
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from tfdist._compat import configure_coordination_service, install_clipping_after_all_reduce, install_trainer_hooks
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ClusterError, error_reason
-from tfdist.strategies.cluster import cluster_resolver
+from tfdist.strategies.cluster import accepts_connections, cluster_resolver
 from tfdist.strategies.data_parallel import multi_step_hooks
 
-__all__ = ["MultiWorkerMirroredStrategy", "from_config", "lost_task_error"]
+__all__ = ["MultiWorkerMirroredStrategy", "from_config"]
+
+_HEALTH_CHECK_MS = 5000  # a live peer answers in milliseconds
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -68,8 +70,32 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return tf.nest.map_structure(reduce_one, value)
 
     def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
-        """A failed step that names another task is a lost task (one line); None for other errors."""
-        return lost_task_error(error) if _task_names(error.message or "") else None
+        """A failed step while a peer does not answer is a lost task (one line); None for other errors."""
+        lost = self.unreachable_peers()
+        if not lost:
+            return None
+        return ClusterError(f"lost contact with {', '.join(lost)} during training ({error_reason(error.message)}).")
+
+    def unreachable_peers(self) -> list[str]:
+        """The other tasks whose collective service does not answer a health check.
+
+        Asked of the peers themselves (TensorFlow's own peer health check, the
+        one its strategy's health thread uses): an unreachable, restarted or
+        silent peer fails it.
+        """
+        resolver = self.cluster_resolver
+        spec = resolver.cluster_spec()
+        me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
+        peers = [f"/job:{job}/replica:0/task:{i}" for job in spec.jobs for i in range(spec.num_tasks(job))]
+        lost = []
+        for peer in peers:
+            if peer == me:
+                continue
+            try:
+                context.context().check_collective_ops_peer_health(peer, timeout_in_ms=_HEALTH_CHECK_MS)
+            except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError, tf.errors.DeadlineExceededError):
+                lost.append(peer)
+        return lost
 
 
 def from_config(config: Config) -> MultiWorkerMirroredStrategy:
@@ -100,20 +126,11 @@ def from_config(config: Config) -> MultiWorkerMirroredStrategy:
         )
     try:
         return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
-    except tf.errors.DeadlineExceededError as e:
-        missing = _task_names(e.message.split("task names:")[-1])
+    except tf.errors.DeadlineExceededError:
+        spec = resolver.cluster_spec().as_dict()
+        missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()
+                   for i, address in enumerate(addresses) if not accepts_connections(address)]
         raise ClusterError(
             f"tasks {', '.join(missing) or '(unknown)'} did not start within "
             f"cluster.startup_timeout_seconds={config.cluster.startup_timeout_seconds:g}."
         ) from None
-
-
-def _task_names(text: str) -> list[str]:
-    return sorted(set(re.findall(r"/job:\w+/replica:\d+/task:\d+", text)))
-
-
-def lost_task_error(error: tf.errors.OpError) -> ClusterError:
-    """A ClusterError naming the task(s) a failed collective step mentions."""
-    tasks = _task_names(error.message) or ["a peer task"]
-    reason = error_reason(error.message)
-    return ClusterError(f"lost contact with {', '.join(tasks)} during training ({reason}).")
