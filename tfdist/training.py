@@ -21,21 +21,12 @@ from typing import Any, Optional, TextIO
 import keras
 import tensorflow as tf
 
-from tfdist import _compat, data, models, precision
+from tfdist import data, models, precision
 from tfdist.callbacks import DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput
 from tfdist.config.schema import Config, StrategyKind
-from tfdist.errors import ConfigError
-from tfdist.parallel import DeviceGroup, partition
-from tfdist.parallel.placement import balance_by_memory, unknown_layers
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies import (
-    HorovodStrategy,
-    PipelineStrategy,
-    TensorParallelStrategy,
-    make_strategy,
-)
-from tfdist.strategies import parameter_server
+from tfdist.strategies import make_strategy, parameter_server
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
 
@@ -68,17 +59,18 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     keras.utils.set_random_seed(train.seed)
     split = data.load(config.data, seed=train.seed)
     steps = train.steps_per_epoch or data.steps_per_epoch(len(split.x_train), train.global_batch_size)
-    if isinstance(strategy, TensorParallelStrategy) and config.placement.balance_by_memory:
-        strategy.place(_placement_by_memory(config, split, strategy.groups[0].devices))
-        keras.utils.set_random_seed(train.seed)  # the probe drew from it; the model starts as without placement
+
+    def build_model():
+        return models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
+
+    # What a strategy needs before the model is built, and the config errors it can see in the model.
+    if hasattr(strategy, "before_build"):
+        strategy.before_build(config, build_model)
+        keras.utils.set_random_seed(train.seed)  # a probe build drew from it; the model starts as without one
     with strategy.scope():
-        model = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
-        unknown = unknown_layers(model, strategy.placement) if isinstance(strategy, TensorParallelStrategy) else []
-        if unknown:
-            names = ", ".join(sorted(layer.name for layer in model.layers))
-            raise ConfigError("placement.layers", f"must name layers of the {model.name} model ({names}).", unknown)
-        if isinstance(strategy, PipelineStrategy):
-            _check_pipeline_model(config, model)
+        model = build_model()
+        if hasattr(strategy, "check_model"):
+            strategy.check_model(config, model)
         optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=_accumulation_steps(config))
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),
@@ -99,23 +91,6 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     )
 
 
-def _check_pipeline_model(config: Config, model: keras.Model) -> None:
-    """What the pipeline would refuse at its first step, as config errors before any."""
-    layers = [op for op, _, _ in _compat.graph_nodes(model)[0]]
-    names = [op.name for op in layers]
-    unknown = [name for name in config.pipeline.boundaries if name not in names]
-    if unknown:
-        raise ConfigError("pipeline.boundaries", f"must name layers of the {model.name} model ({', '.join(names)}).", unknown)
-    random = [op.name for op in layers if partition.draws_random_numbers(op)]
-    if config.pipeline.recompute and random:
-        raise ConfigError(
-            "pipeline.recompute",
-            f"cannot be used with the {model.name} model: its layers {', '.join(random)} draw random numbers, and "
-            "a recomputed pass would draw different ones (for the digits models, set model.dropout: 0).",
-            True,
-        )
-
-
 def _accumulation_steps(config: Config) -> int:
     if config.strategy.kind == StrategyKind.HOROVOD:
         return config.horovod.backward_passes_per_step
@@ -130,8 +105,8 @@ def _steps_per_execution(config: Config) -> int:
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """True in a single-process job and in the chief task of a multi-worker one."""
-    if isinstance(strategy, HorovodStrategy):
-        return strategy.rank == 0
+    if hasattr(strategy, "is_chief"):  # a strategy that knows (Horovod: rank 0)
+        return strategy.is_chief
     resolver = getattr(strategy, "cluster_resolver", None)
     jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if not jobs:
@@ -231,10 +206,3 @@ def run(
         if metrics_out:
             write_json(metrics_out, result)
     return result
-
-
-def _placement_by_memory(config: Config, split, devices: list[str]) -> dict[str, str]:
-    """Layer name -> device, from a throwaway build of the model on one device (its layers are named)."""
-    with DeviceGroup(devices[:1]).scope():
-        probe = models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
-    return balance_by_memory(probe, devices)

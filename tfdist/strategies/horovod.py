@@ -288,6 +288,11 @@ class HorovodStrategy(distribute_lib.Strategy):
         return self.hvd.rank()
 
     @property
+    def is_chief(self) -> bool:
+        """Rank 0 reports (summary, TensorBoard, `--metrics_out`)."""
+        return self.rank == 0
+
+    @property
     def size(self) -> int:
         return self.hvd.size()
 

@@ -52,6 +52,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
+from tfdist.errors import ConfigError
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
@@ -266,6 +267,29 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 f"optimizer state{'; ' + times if times else ''})"
             )
         return "\n".join(lines)
+
+    def check_model(self, config, model: keras.Model) -> None:
+        """What the first step would refuse, as config errors before any (for `tfdist train`).
+
+        Raises:
+          ConfigError: `pipeline.boundaries` names no layer of the model, or
+            `pipeline.recompute` with layers that draw random numbers.
+        """
+        layers = [op for op, _, _ in _compat.graph_nodes(model)[0]]
+        names = [op.name for op in layers]
+        unknown = [name for name in config.pipeline.boundaries if name not in names]
+        if unknown:
+            raise ConfigError(
+                "pipeline.boundaries", f"must name layers of the {model.name} model ({', '.join(names)}).", unknown
+            )
+        random = [op.name for op in layers if partition_lib.draws_random_numbers(op)]
+        if config.pipeline.recompute and random:
+            raise ConfigError(
+                "pipeline.recompute",
+                f"cannot be used with the {model.name} model: its layers {', '.join(random)} draw random numbers, "
+                "and a recomputed pass would draw different ones (for the digits models, set model.dropout: 0).",
+                True,
+            )
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The pipeline's layout, partition and per-stage bytes, for the summary and `--metrics_out`."""

@@ -31,14 +31,15 @@ Example:
 from __future__ import annotations
 
 import collections
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import keras
 from tensorflow.python.framework import ops
 
 from tfdist import _compat
+from tfdist.errors import ConfigError
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
-from tfdist.parallel.placement import device_for_scope, place_computation
+from tfdist.parallel.placement import balance_by_memory, device_for_scope, place_computation, unknown_layers
 from tfdist.strategies.devices import default_devices
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy
 
@@ -104,6 +105,20 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         self.placement = dict(placement)
         if self.placement:
             _compat.install_trainer_hooks()
+
+    def before_build(self, config, build_model: Callable[[], keras.Model]) -> None:
+        """With `placement.balance_by_memory`, places the layers of a throwaway build (for `tfdist train`)."""
+        if config.placement.balance_by_memory:
+            with DeviceGroup(self.groups[0].devices[:1]).scope():
+                probe = build_model()  # on one device: only its layers' names and sizes are wanted
+            self.place(balance_by_memory(probe, self.groups[0].devices))
+
+    def check_model(self, config, model: keras.Model) -> None:
+        """Raises ConfigError when `placement.layers` names a layer the model does not have."""
+        unknown = unknown_layers(model, self.placement)
+        if unknown:
+            names = ", ".join(sorted(layer.name for layer in model.layers))
+            raise ConfigError("placement.layers", f"must name layers of the {model.name} model ({names}).", unknown)
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The groups layers split over (when they hold more than one device) and where placed layers went."""
