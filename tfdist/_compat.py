@@ -38,6 +38,21 @@ __all__ = [
 ]
 
 
+def peer_answers(peer: str, timeout_ms: int) -> bool:
+    """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's
+    collective health check: the private check MultiWorkerMirroredStrategy's own
+    health thread uses (checked against TF 2.21). An unreachable, restarted or
+    silent peer fails it."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().check_collective_ops_peer_health(peer, timeout_in_ms=timeout_ms)
+        return True
+    except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError, tf.errors.DeadlineExceededError):
+        return False
+
+
 def configure_coordination_service(
     cluster_spec, *, startup_timeout_seconds: float, heartbeat_timeout_seconds: float
 ) -> None:

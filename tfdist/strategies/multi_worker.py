@@ -25,9 +25,13 @@ from __future__ import annotations
 from typing import Optional
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
-from tfdist._compat import configure_coordination_service, install_clipping_after_all_reduce, install_trainer_hooks
+from tfdist._compat import (
+    configure_coordination_service,
+    install_clipping_after_all_reduce,
+    install_trainer_hooks,
+    peer_answers,
+)
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ClusterError, error_reason
 from tfdist.strategies.cluster import accepts_connections, cluster_resolver
@@ -77,25 +81,12 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return ClusterError(f"lost contact with {', '.join(lost)} during training ({error_reason(error.message)}).")
 
     def unreachable_peers(self) -> list[str]:
-        """The other tasks whose collective service does not answer a health check.
-
-        Asked of the peers themselves (TensorFlow's own peer health check, the
-        one its strategy's health thread uses): an unreachable, restarted or
-        silent peer fails it.
-        """
+        """The other tasks that do not answer TensorFlow's collective health check."""
         resolver = self.cluster_resolver
         spec = resolver.cluster_spec()
         me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
         peers = [f"/job:{job}/replica:0/task:{i}" for job in spec.jobs for i in range(spec.num_tasks(job))]
-        lost = []
-        for peer in peers:
-            if peer == me:
-                continue
-            try:
-                context.context().check_collective_ops_peer_health(peer, timeout_in_ms=_HEALTH_CHECK_MS)
-            except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError, tf.errors.DeadlineExceededError):
-                lost.append(peer)
-        return lost
+        return [peer for peer in peers if peer != me and not peer_answers(peer, _HEALTH_CHECK_MS)]
 
 
 def from_config(config: Config) -> MultiWorkerMirroredStrategy:
