@@ -3,6 +3,7 @@
     tfdist train --config configs/default.yaml [--set train.epochs=5] [--metrics_out m.json]
     tfdist config --config configs/default.yaml [--set ...]
     tfdist bench overhead --json overhead.json
+    tfdist launch --workers 2 [--ps 1] [--chief] --config configs/horovod.yaml [--set ...]
 
 A bad config prints one line, `tfdist: error: ...`, and exits 2; a cluster
 that loses or never finds a task prints one line and exits 1.
@@ -25,12 +26,16 @@ _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "train: write the result
 _JSON = flags.DEFINE_string("json", None, "bench: write the benchmark's JSON here.")
 _PLOT = flags.DEFINE_string("plot", None, "bench scaling: write the speed-up plot (PNG) here.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (median taken).", lower_bound=1)
+_WORKERS = flags.DEFINE_integer("workers", 1, "launch: worker processes (Horovod: ranks).")
+_PS = flags.DEFINE_integer("ps", 0, "launch: parameter servers (default: parameter_server.num_ps).", lower_bound=0)
+_CHIEF = flags.DEFINE_bool("chief", False, "launch: add a chief task to a multi-worker job.")
 
 USAGE = """usage: tfdist COMMAND [flags]
 
 commands:
   train          train the configured model (--config, --set, --metrics_out)
   config         print the resolved config as YAML (--config, --set)
+  launch         run every task of a multi-process job here (--workers, --ps, --chief, and train's flags)
   bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling); NAME is one of:
                  {benches}
 """
@@ -86,7 +91,18 @@ def _bench_command(args) -> None:
     print(bench.one_line(result))
 
 
-_COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command}
+def _launch_command(args) -> None:
+    from tfdist import launch
+
+    if args:
+        _fail(f"`launch` takes no arguments. Received: {' '.join(args)}")
+    train_args = [*(["--config", _CONFIG.value] if _CONFIG.value else []), *(f"--set={s}" for s in _SET.value),
+                  *([f"--metrics_out={_METRICS_OUT.value}"] if _METRICS_OUT.value else [])]
+    tasks = launch.plan(_load(), train_args, workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value)
+    sys.exit(launch.run(tasks))
+
+
+_COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command, "launch": _launch_command}
 
 
 def main(argv: list[str]) -> None:

@@ -4,37 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import tensorflow as tf
 
 from tfdist.config.schema import Config
 from tfdist.config.validation import check_address
 from tfdist.errors import ConfigError
+from tfdist.loopback import accepts_connections, free_loopback_ports
 
 __all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports"]
-
-
-def free_loopback_ports(count: int) -> list[int]:
-    """Ports on 127.0.0.1 that were free a moment ago (all held at once, so distinct)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def accepts_connections(address: str, timeout: float = 2.0) -> bool:
-    """Whether something listens at `host:port` (a killed task's port refuses at once)."""
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:

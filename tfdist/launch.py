@@ -1,0 +1,289 @@
+"""`tfdist launch`: every task of a multi-process job as local processes on loopback.
+
+    tfdist launch --workers 2 --config configs/default.yaml --set strategy.kind=multi_worker_mirrored
+    tfdist launch --workers 2 --ps 1 --config configs/parameter_server.yaml
+    tfdist launch --workers 2 --config configs/horovod.yaml      # runs horovodrun for you
+
+Each task is `tfdist train` with the same config and its own `TF_CONFIG`
+(ports on 127.0.0.1 chosen free); Horovod jobs are one `horovodrun -np N
+--gloo`. The reporting task's output (the chief, else worker 0, else rank 0)
+passes through as it is, so Keras's progress bar keeps working; every other
+line is prefixed with its task (`[worker 1] ...`). The first task that fails
+stops the others: the launcher prints one line naming it and exits with its
+code (128 + N for a signal N). SIGINT and SIGTERM reach every task. Nothing is
+left running when it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+from tfdist.config.schema import Config, StrategyKind
+from tfdist.errors import ConfigError
+from tfdist.loopback import free_loopback_ports
+
+__all__ = ["Task", "plan", "run"]
+
+STOP_GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
+_POLL_SECONDS = 0.2
+# horovodrun prefixes each rank's output with "[RANK]<stdout>:" and reports a failed rank as
+# "Process RANK exit with status code CODE." (horovod/runner/gloo_run.py).
+_HOROVOD_PREFIX = re.compile(r"\[(\d+)\]<(stdout|stderr)>:")
+_HOROVOD_FAILURE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
+_SINGLE_PROCESS_KINDS = (StrategyKind.ONE_DEVICE, StrategyKind.MIRRORED, StrategyKind.PIPELINE,
+                         StrategyKind.TENSOR_PARALLEL, StrategyKind.TPU)
+
+
+@dataclasses.dataclass
+class Task:
+    """One process of the job.
+
+    Attributes:
+      role: `chief`, `worker`, `ps`, or `horovodrun` (which starts the ranks itself).
+      index: the task's index in its role.
+      command: what runs.
+      env: the environment it runs with (this one's, plus TF_CONFIG).
+      reports: its output passes through unprefixed (the progress bar and summary).
+      finishes: the job is done when every task that finishes has exited 0
+        (parameter servers, and workers under a chief, serve until stopped).
+    """
+
+    role: str
+    index: int
+    command: list[str]
+    env: dict[str, str]
+    reports: bool = False
+    finishes: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.role if self.role == "horovodrun" else f"{self.role} {self.index}"
+
+
+def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, chief: bool = False) -> list[Task]:
+    """The tasks that run `config` on this machine.
+
+    Args:
+      config: the job's config (its strategy kind decides the roles).
+      train_args: the `tfdist train` flags every task gets (--config, --set, --metrics_out).
+      workers: worker processes (Horovod: ranks).
+      ps: parameter servers (parameter_server kind; 0 takes `parameter_server.num_ps`).
+      chief: add a chief to a multi-worker job (the parameter_server kind always has one).
+
+    Raises:
+      ConfigError: the counts do not fit the kind, or the config already names a cluster.
+    """
+    kind = config.strategy.kind
+    if workers < 1:
+        raise ConfigError("--workers", "must be at least 1.", workers)
+    if config.cluster.workers:
+        raise ConfigError("cluster.workers", "must be empty under `tfdist launch`, which chooses the cluster itself.",
+                          list(config.cluster.workers))
+    if ps and kind != StrategyKind.PARAMETER_SERVER:
+        raise ConfigError("--ps", f"only applies with strategy.kind=parameter_server, not {kind.value}.", ps)
+    train = [sys.executable, "-m", "tfdist.cli", "train", *train_args]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    if kind == StrategyKind.HOROVOD:
+        if chief:
+            raise ConfigError("--chief", "does not apply to Horovod, whose rank 0 reports.", True)
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        command = [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", *train]
+        return [Task("horovodrun", 0, command, env, reports=True)]
+    if kind in _SINGLE_PROCESS_KINDS:
+        if workers > 1 or chief:
+            raise ConfigError("--workers", f"must be 1: strategy.kind={kind.value} runs in one process "
+                              "(multi_worker_mirrored, parameter_server and horovod run in several).", workers)
+        return [Task("worker", 0, train, env, reports=True)]
+    if kind == StrategyKind.PARAMETER_SERVER:
+        ps = ps or config.parameter_server.num_ps
+        chief = True
+    roles = ["chief"] * chief + ["worker"] * workers + ["ps"] * ps
+    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(len(roles))]
+    cluster: dict[str, list[str]] = {}
+    for role, address in zip(roles, addresses):
+        cluster.setdefault(role, []).append(address)
+    tasks = []
+    for role in ("chief", "worker", "ps"):
+        for index in range(len(cluster.get(role, []))):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
+            reports = role == "chief" or (not chief and role == "worker" and index == 0)
+            # Under a parameter-server chief, workers and parameter servers serve until stopped.
+            finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
+            tasks.append(Task(role, index, train, {**env, "TF_CONFIG": tf_config}, reports, finishes))
+    return tasks
+
+
+def run(tasks: list[Task], *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Runs every task until the job is done or one fails; returns the exit code."""
+    return _Job(tasks, out, err).run()
+
+
+def exit_code(returncode: int) -> int:
+    """A shell's exit code for a process's return code (signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Job:
+    def __init__(self, tasks: list[Task], out: TextIO, err: TextIO):
+        self.tasks = tasks
+        self.out, self.err = out, err
+        self.processes: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.write_lock = threading.Lock()
+        self.signalled: Optional[int] = None
+        self.horovod_failure: Optional[tuple[int, int]] = None  # (rank, code), from horovodrun's report
+        self.mid_line = False  # the last output ended without a newline (a progress bar)
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for task in self.tasks:
+                self._start(task)
+            return self._watch()
+        finally:
+            self._stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _start(self, task: Task) -> None:
+        # On a terminal, the reporting task writes to one too (a pseudo-terminal), so Keras draws
+        # its progress bar in place with carriage returns instead of a line per update.
+        terminal = task.reports and task.role != "horovodrun" and _isatty(self.out)
+        reader, writer = pty.openpty() if terminal else (None, subprocess.PIPE)
+        # Its own session, so a signal meant for the launcher reaches each task once, from here,
+        # and stopping a task stops what it started (horovodrun's ranks).
+        process = subprocess.Popen(task.command, env=task.env, stdin=subprocess.DEVNULL, stdout=writer,
+                                   stderr=subprocess.PIPE, start_new_session=True)
+        if terminal:
+            os.close(writer)
+        self.processes.append(process)
+        stdout = os.fdopen(reader, "rb", buffering=0) if terminal else process.stdout
+        self._pump(task, stdout, self.out, raw=task.reports)
+        self._pump(task, process.stderr, self.err, raw=False)
+
+    def _watch(self) -> int:
+        while True:
+            if self.signalled is not None:
+                self._say(f"stopped by {signal.Signals(self.signalled).name}; stopping every task")
+                return 128 + self.signalled
+            codes = [process.poll() for process in self.processes]
+            for task, code in zip(self.tasks, codes):
+                if code:
+                    self._stop()  # the others, and the output still in the pipes, before the one line
+                    message, code = self._failure(task, code)
+                    self._say(message)
+                    return exit_code(code)
+            if all(code == 0 for task, code in zip(self.tasks, codes) if task.finishes):
+                return 0
+            time.sleep(_POLL_SECONDS)
+
+    def _failure(self, task: Task, code: int) -> tuple[str, int]:
+        """The one line for a failed task, and the exit code to end with (the failed rank's, under Horovod)."""
+        if task.role == "horovodrun" and self.horovod_failure:
+            rank, code = self.horovod_failure
+            return f"error: rank {rank} failed ({_describe(code)}); horovodrun stopped the other ranks", code
+        return f"error: {task.name} failed ({_describe(code)}); stopped the other tasks", code
+
+    def _say(self, message: str) -> None:
+        with self.write_lock:
+            if self.mid_line:  # below a progress bar, not on it
+                self.out.write("\n")
+            self.out.flush()
+            print(f"tfdist launch: {message}", file=self.err, flush=True)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def _stop(self) -> None:
+        """SIGTERM to every task's process group still running, SIGKILL after the grace period."""
+        live = [p for p in self.processes if p.poll() is None]
+        for process in live:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process in live:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        for process in self.processes:
+            _signal_group(process, signal.SIGKILL)  # anything a task left behind in its group
+        for pump in self.pumps:
+            pump.join(timeout=STOP_GRACE_SECONDS)
+
+    def _pump(self, task: Task, stream, sink: TextIO, *, raw: bool) -> None:
+        """Copies `stream` to `sink`: as it comes when `raw` (carriage returns and all), else by prefixed lines."""
+
+        def pump():
+            with stream:
+                if raw and task.role != "horovodrun":
+                    for chunk in iter(lambda: _read(stream), b""):
+                        self._write(sink, chunk.decode(errors="replace"))
+                    return
+                for line in iter(stream.readline, b""):
+                    text = self._label(task, line.decode(errors="replace"))
+                    if text is not None:
+                        self._write(sink, text)
+
+        thread = threading.Thread(target=pump, name=f"tfdist-launch-{task.name}", daemon=True)
+        thread.start()
+        self.pumps.append(thread)
+
+    def _label(self, task: Task, line: str) -> Optional[str]:
+        """`line` as shown: prefixed with its task, or None to hold it back."""
+        if task.role != "horovodrun":
+            return f"[{task.name}] {line}"
+        # horovodrun starts each segment of a rank's output (up to a newline or carriage return)
+        # with its prefix; what precedes the first prefix is horovodrun's own.
+        own, *segments = _HOROVOD_PREFIX.split(line)
+        failure = _HOROVOD_FAILURE.match(own)
+        if failure and self.horovod_failure is None:  # kept for the one line; the traceback after it is not
+            self.horovod_failure = (int(failure.group(1)), int(failure.group(2)))
+        shown = []
+        for rank, stream, text in zip(segments[::3], segments[1::3], segments[2::3]):
+            shown.append(text if rank == "0" and stream == "stdout" else f"[rank {rank}] {text}")
+        return "".join(shown) or None
+
+    def _write(self, sink: TextIO, text: str) -> None:
+        with self.write_lock:
+            sink.write(text)
+            sink.flush()
+            if sink is self.out and text:
+                self.mid_line = not text.endswith("\n")
+
+
+def _isatty(stream: TextIO) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+def _read(stream) -> bytes:
+    """What `stream` has now (up to 4 KiB), waiting only while it has nothing; b"" at its end."""
+    try:
+        return (stream.read1 if hasattr(stream, "read1") else stream.read)(4096) or b""
+    except OSError:  # a pseudo-terminal whose writer has gone: end of output
+        return b""
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code > 128 and code - 128 in signal.valid_signals():
+        return f"exit code {code}, {signal.Signals(code - 128).name}"
+    return f"exit code {code}"
