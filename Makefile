@@ -22,8 +22,10 @@ $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
 	mkdir -p $(STAMPS) && touch $@
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that
-# TensorFlow's XLA headers include, and Open MPI (Horovod's MPI controller, which Adasum needs).
-SYSTEM_PACKAGES := bazel-bootstrap cmake libhighwayhash-dev libfarmhash-dev libopenmpi-dev openmpi-bin
+# TensorFlow's XLA headers include, and Open MPI (Horovod's MPI controller, which Adasum needs);
+# Slurm and munge, which the tests start as a real one-node cluster.
+SYSTEM_PACKAGES := bazel-bootstrap cmake libhighwayhash-dev libfarmhash-dev libopenmpi-dev openmpi-bin \
+                   slurm-wlm munge
 $(STAMPS)/system: | $(BIN)/python
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES); }
 	mkdir -p $(STAMPS) && touch $@

@@ -4,6 +4,7 @@
     tfdist config --config configs/default.yaml [--set ...]
     tfdist bench overhead --json overhead.json
     tfdist launch --workers 2 [--ps 1] [--chief] --config configs/horovod.yaml [--set ...]
+    tfdist slurm --tasks 4 --config configs/parameter_server.yaml | sbatch --wait
 
 A bad config prints one line, `tfdist: error: ...`, and exits 2; a cluster
 that loses or never finds a task prints one line and exits 1.
@@ -29,12 +30,20 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (
 _WORKERS = flags.DEFINE_integer("workers", 1, "launch: worker processes (Horovod: ranks).")
 _PS = flags.DEFINE_integer("ps", 0, "launch: parameter servers (default: parameter_server.num_ps).", lower_bound=0)
 _CHIEF = flags.DEFINE_bool("chief", False, "launch: add a chief task to a multi-worker job.")
+_TASKS = flags.DEFINE_integer("tasks", None, "slurm: Slurm tasks (processes) of the job.")
+_NODES = flags.DEFINE_integer("nodes", None, "slurm: nodes (#SBATCH --nodes).")
+_GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "slurm: GPUs per node (#SBATCH --gpus-per-node).")
+_PARTITION = flags.DEFINE_string("partition", None, "slurm: partition (#SBATCH --partition).")
+_TIME = flags.DEFINE_string("time", None, "slurm: time limit (#SBATCH --time).")
+_OVERCOMMIT = flags.DEFINE_bool("overcommit", False, "slurm: more tasks than CPUs on a node (#SBATCH --overcommit).")
 
 USAGE = """usage: tfdist COMMAND [flags]
 
 commands:
   train          train the configured model (--config, --set, --metrics_out)
   config         print the resolved config as YAML (--config, --set)
+  slurm          print an sbatch script for the job (--tasks, --nodes, --gpus-per-node, --partition, --time,
+                 --overcommit, and train's flags): tfdist slurm ... | sbatch
   launch         run every task of a multi-process job here (--workers, --ps, --chief, and train's flags)
   bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling); NAME is one of:
                  {benches}
@@ -91,18 +100,38 @@ def _bench_command(args) -> None:
     print(bench.one_line(result))
 
 
+def _train_args() -> list[str]:
+    """The flags that make `tfdist train` in another process run this job."""
+    config = ["--config", os.path.abspath(_CONFIG.value)] if _CONFIG.value else []
+    metrics = [f"--metrics_out={os.path.abspath(_METRICS_OUT.value)}"] if _METRICS_OUT.value else []
+    return [*config, *(f"--set={s}" for s in _SET.value), *metrics]
+
+
 def _launch_command(args) -> None:
     from tfdist import launch
 
     if args:
         _fail(f"`launch` takes no arguments. Received: {' '.join(args)}")
-    train_args = [*(["--config", _CONFIG.value] if _CONFIG.value else []), *(f"--set={s}" for s in _SET.value),
-                  *([f"--metrics_out={_METRICS_OUT.value}"] if _METRICS_OUT.value else [])]
-    tasks = launch.plan(_load(), train_args, workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value)
+    tasks = launch.plan(_load(), _train_args(), workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value)
     sys.exit(launch.run(tasks))
 
 
-_COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command, "launch": _launch_command}
+def _slurm_command(args) -> None:
+    from tfdist import slurm
+
+    if args:
+        _fail(f"`slurm` takes no arguments. Received: {' '.join(args)}")
+    if _TASKS.value is None:
+        _fail("`slurm` needs --tasks, the number of Slurm tasks (processes).")
+    script = slurm.sbatch_script(
+        _load(), _train_args(), tasks=_TASKS.value, nodes=_NODES.value, gpus_per_node=_GPUS_PER_NODE.value,
+        partition=_PARTITION.value, time_limit=_TIME.value, overcommit=_OVERCOMMIT.value,
+    )
+    print(script, end="")
+
+
+_COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command, "launch": _launch_command,
+             "slurm": _slurm_command}
 
 
 def main(argv: list[str]) -> None:

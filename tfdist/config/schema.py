@@ -111,6 +111,11 @@ class TaskType(str, enum.Enum):
     PS = "ps"
 
 
+class ClusterResolverKind(str, enum.Enum):
+    CONFIG = "config"  # the cluster section, else TF_CONFIG
+    SLURM = "slurm"
+
+
 class Dataset(str, enum.Enum):
     DIGITS = "digits"
     SYNTHETIC = "synthetic"
@@ -404,6 +409,10 @@ class ClusterConfig:
         or the others fail naming the problem instead of waiting.
       heartbeat_timeout_seconds: a task silent this long counts as dead and
         the others fail instead of hanging.
+      resolver: where the cluster comes from: `config` (this section, else
+        TF_CONFIG) or `slurm` (the tasks of the Slurm job step this process is
+        in; see `tfdist slurm`).
+      port_base: slurm: the tasks on a node listen on port_base, port_base + 1, ...
     """
 
     workers: tuple[str, ...] = ()
@@ -414,6 +423,8 @@ class ClusterConfig:
     allow_non_loopback: bool = False
     startup_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
     heartbeat_timeout_seconds: float = bounded(60.0, low=0, low_open=True)
+    resolver: ClusterResolverKind = ClusterResolverKind.CONFIG
+    port_base: int = bounded(29000, low=1024, high=65000)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from tfdist.config.schema import AllReduce, Config, ModelName, PrecisionPolicy, StrategyKind
+from tfdist.config.schema import AllReduce, ClusterResolverKind, Config, ModelName, PrecisionPolicy, StrategyKind
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -272,6 +272,17 @@ def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> Non
 def _check_cluster(config: Config) -> None:
     c = config.cluster
     kind = config.strategy.kind
+    if c.resolver == ClusterResolverKind.SLURM:
+        if kind not in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER):
+            raise ConfigError(
+                "cluster.resolver",
+                "slurm applies to multi_worker_mirrored and parameter_server (a Horovod job on Slurm runs "
+                f"horovodrun over the job's nodes: `tfdist slurm` writes that); strategy.kind is {kind.value}.",
+                c.resolver.value,
+            )
+        if c.workers or c.ps or c.chief:
+            raise ConfigError("cluster.resolver", "slurm finds the tasks itself; leave cluster.workers, "
+                              "cluster.ps and cluster.chief empty.", c.resolver.value)
     addresses = [(f"cluster.workers[{i}]", a) for i, a in enumerate(c.workers)]
     addresses += [(f"cluster.ps[{i}]", a) for i, a in enumerate(c.ps)]
     addresses += [("cluster.chief", c.chief)] if c.chief else []

@@ -7,7 +7,7 @@ import os
 
 import tensorflow as tf
 
-from tfdist.config.schema import Config
+from tfdist.config.schema import ClusterResolverKind, Config
 from tfdist.config.validation import check_address
 from tfdist.errors import ConfigError
 from tfdist.loopback import accepts_connections, free_loopback_ports
@@ -16,13 +16,18 @@ __all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports"]
 
 
 def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
-    """The cluster from the config's `cluster` section, else from TF_CONFIG.
+    """The cluster from the config's `cluster` section, else from TF_CONFIG; or from Slurm
+    (`cluster.resolver: slurm`).
 
     Raises:
       ConfigError: both are set, TF_CONFIG is malformed, or an address is off
         loopback without `cluster.allow_non_loopback`.
     """
     c = config.cluster
+    if c.resolver == ClusterResolverKind.SLURM:
+        from tfdist import slurm
+
+        return slurm.resolver(config)
     tf_config = os.environ.get("TF_CONFIG", "").strip()
     if c.workers and tf_config:
         raise ConfigError(

@@ -29,6 +29,7 @@ __all__ = ["LocalCluster", "serve"]
 
 START_TIMEOUT_SECONDS = 60
 STOP_TIMEOUT_SECONDS = 10
+CHIEF_POLL_SECONDS = 2.0
 
 
 def serve(cluster_spec: dict, job: str, index: int, *, threads: int = 0) -> None:
@@ -42,7 +43,23 @@ def serve(cluster_spec: dict, job: str, index: int, *, threads: int = 0) -> None
     server = tf.distribute.Server(
         tf.train.ClusterSpec(cluster_spec), job_name=job, task_index=index, protocol="grpc", config=config
     )
+    if cluster_spec.get("chief"):
+        threading.Thread(target=_exit_after_chief, args=(cluster_spec["chief"][0],), daemon=True).start()
     server.join()
+
+
+def _exit_after_chief(address: str) -> None:
+    """Ends this server (exit 0) once the chief has come and gone: under Slurm or Kubernetes a
+    job's parameter servers and workers would otherwise outlive it forever."""
+    from tfdist.loopback import accepts_connections
+
+    while not accepts_connections(address):  # the chief starts after its servers
+        time.sleep(CHIEF_POLL_SECONDS)
+    misses = 0
+    while misses < 3:  # three misses in a row: gone, not busy
+        time.sleep(CHIEF_POLL_SECONDS)
+        misses = 0 if accepts_connections(address) else misses + 1
+    os._exit(0)
 
 
 class LocalCluster:

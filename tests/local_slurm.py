@@ -1,0 +1,97 @@
+"""A real one-node Slurm for tests: munged, slurmctld and slurmd, all state in one directory.
+
+Debian's slurm-wlm and munge (`make setup` installs them); the daemons run as
+root and are stopped by the PIDs in their pid files.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+CONF = """\
+ClusterName=tfdist-test
+SlurmctldHost=localhost(127.0.0.1)
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge.socket
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+MpiDefault=none
+SlurmUser=root
+ReturnToService=2
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+START_TIMEOUT_SECONDS = 30
+
+
+class LocalSlurm:
+    """`with LocalSlurm(directory) as slurm:` a running Slurm; `slurm.env` reaches it."""
+
+    def __init__(self, directory, ctld_port, d_port):
+        self.dir = str(directory)
+        self.env = {**os.environ, "SLURM_CONF": os.path.join(self.dir, "slurm.conf")}
+        self.ports = (ctld_port, d_port)
+
+    def __enter__(self):
+        for sub in ("state", "spool"):
+            os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+        os.chmod(self.dir, 0o700)  # munged refuses a socket directory others can write
+        with open(self.env["SLURM_CONF"], "w") as f:
+            f.write(CONF.format(dir=self.dir, ctld_port=self.ports[0], d_port=self.ports[1]))
+        try:
+            subprocess.run(["munged", "--force", f"--socket={self.dir}/munge.socket",
+                            f"--pid-file={self.dir}/munged.pid", f"--log-file={self.dir}/munged.log",
+                            f"--seed-file={self.dir}/munged.seed"], check=True, capture_output=True)
+            for daemon in ("slurmctld", "slurmd"):
+                subprocess.run([daemon], env=self.env, check=True, capture_output=True)
+            self._wait_until_idle()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for name in ("slurmd", "slurmctld", "munged"):
+            try:
+                with open(os.path.join(self.dir, f"{name}.pid")) as f:
+                    os.kill(int(f.read().strip()), signal.SIGTERM)
+            except (OSError, ValueError):
+                continue
+
+    def _wait_until_idle(self):
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=self.env, capture_output=True, text=True)
+            if state.stdout.strip() == "idle":
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm did not come up in {START_TIMEOUT_SECONDS} s: {self.log()}")
+
+    def log(self):
+        tails = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            try:
+                with open(os.path.join(self.dir, name)) as f:
+                    tails.append(f.read()[-2000:])
+            except OSError:
+                pass
+        return "\n".join(tails)
+
+    def sbatch_wait(self, script, cwd, timeout):
+        """Submits `script` with `sbatch --wait`; returns (exit code, the job's output file's text)."""
+        proc = subprocess.run(["sbatch", "--wait", "--parsable"], input=script, text=True, capture_output=True,
+                              env=self.env, cwd=cwd, timeout=timeout)
+        job = proc.stdout.strip().split(";")[0]
+        path = os.path.join(cwd, f"tfdist-{job}.out")
+        output = open(path).read() if job and os.path.exists(path) else proc.stderr
+        return proc.returncode, output

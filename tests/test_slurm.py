@@ -1,0 +1,87 @@
+"""Slurm: roles, the sbatch script, and jobs trained through a real one-node Slurm."""
+
+import json
+import shutil
+
+import pytest
+
+from helpers import ROOT, free_ports, run_tfdist
+from local_slurm import LocalSlurm
+
+from tfdist.config import load_config
+from tfdist.config.schema import StrategyKind
+from tfdist.errors import ConfigError
+from tfdist.slurm import roles
+
+
+def test_roles_follow_the_strategy():
+    assert roles(StrategyKind.MULTI_WORKER_MIRRORED, 3) == ["worker"] * 3
+    assert roles(StrategyKind.PARAMETER_SERVER, 5, num_ps=2) == ["ps", "ps", "chief", "worker", "worker"]
+    with pytest.raises(ConfigError, match="needs num_ps \\+ 2 tasks"):
+        roles(StrategyKind.PARAMETER_SERVER, 2, num_ps=1)
+
+
+def test_the_script_asks_slurm_for_what_the_flags_say():
+    proc = run_tfdist("slurm", "--tasks", "4", "--nodes", "2", "--gpus-per-node", "2", "--partition", "gpu",
+                      "--time", "1:00:00", "--config", "configs/parameter_server.yaml", "--set", "train.epochs=3")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for option in ("--ntasks=4", "--nodes=2", "--gpus-per-node=2", "--partition=gpu", "--time=1:00:00"):
+        assert f"#SBATCH {option}" in lines
+    assert lines[-1].startswith("srun --kill-on-bad-exit=1 ") and "--set=cluster.resolver=slurm" in lines[-1]
+    assert "--set=train.epochs=3" in lines[-1] and f"--config {ROOT}/configs/parameter_server.yaml" in lines[-1]
+
+
+def test_horovod_runs_horovodrun_over_the_jobs_nodes():
+    proc = run_tfdist("slurm", "--tasks", "4", "--nodes", "2", "--config", "configs/horovod.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert 'sed "s/$/:2/"' in proc.stdout and "horovodrun -np 4 --gloo -H \"$hosts\"" in proc.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--config", "configs/default.yaml"], "`slurm` needs --tasks"),
+    (["--tasks", "2", "--config", "configs/default.yaml"], "`strategy.kind` runs in one process"),
+    (["--tasks", "2", "--config", "configs/parameter_server.yaml"], "`parameter_server.num_ps` leaves no chief"),
+    (["--tasks", "3", "--nodes", "2", "--config", "configs/horovod.yaml"], "`--tasks` must divide evenly"),
+])
+def test_bad_counts_are_one_line(flags, message):
+    proc = run_tfdist("slurm", *flags)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("tfdist: error: " + message), lines
+
+
+def test_the_slurm_resolver_only_runs_in_a_job_step(monkeypatch):
+    from tfdist.strategies.cluster import cluster_resolver
+
+    for variable in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        monkeypatch.delenv(variable, raising=False)
+    config = load_config(None, ["strategy.kind=multi_worker_mirrored", "cluster.resolver=slurm"])
+    with pytest.raises(ConfigError, match="slurm needs a Slurm job step: run every task with srun"):
+        cluster_resolver(config)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if shutil.which("slurmctld") is None:
+        pytest.fail("Slurm is not installed: `make setup` installs slurm-wlm and munge")
+    with LocalSlurm(tmp_path_factory.mktemp("slurm"), *free_ports(2)) as cluster:
+        yield cluster
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tasks,flags", [
+    ("2", ["--config", "configs/default.yaml", "--set", "strategy.kind=multi_worker_mirrored"]),
+    ("4", ["--config", "configs/parameter_server.yaml", "--overcommit"]),  # 1 ps, the chief, 2 workers
+])
+def test_a_job_trains_digits_through_sbatch(slurm, tmp_path, tasks, flags):
+    metrics = tmp_path / "metrics.json"
+    port_base = free_ports(1)[0]
+    script = run_tfdist("slurm", "--tasks", tasks, *flags, "--set", f"cluster.port_base={port_base}",
+                        "--metrics_out", str(metrics)).stdout
+    code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=540)
+    assert code == 0, output[-4000:] + slurm.log()
+    result = json.loads(metrics.read_text())
+    assert result["final"]["val_accuracy"] >= 0.95
+    assert output.count("tfdist summary") == 1  # only the chief (or worker 0) reports
