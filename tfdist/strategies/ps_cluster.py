@@ -164,7 +164,8 @@ class LocalCluster:
     def _supervise(self) -> None:
         while not self._stopping.wait(0.5):
             for (job, index), process in list(self.processes.items()):
-                if job == "worker" and self.restart_workers and process.poll() is not None:
+                # A worker that exited 0 saw its chief finish (see `serve`): nothing to restart.
+                if job == "worker" and self.restart_workers and process.poll() not in (None, 0):
                     self.restarts += 1
                     print(f"tfdist: local worker {index} exited (code {process.returncode}); restarting it; "
                           "its steps run on the others meanwhile", file=sys.stderr, flush=True)
