@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import pty
+import queue
 import re
 import signal
 import subprocess
@@ -143,6 +144,7 @@ class _Job:
         self.signalled: Optional[int] = None
         self.horovod_failure: Optional[tuple[int, int]] = None  # (rank, code), from horovodrun's report
         self.mid_line = False  # the last output ended without a newline (a progress bar)
+        self.exits: queue.Queue = queue.Queue()  # (task, return code), as each task exits
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -167,25 +169,30 @@ class _Job:
         if terminal:
             os.close(writer)
         self.processes.append(process)
+        threading.Thread(target=lambda: self.exits.put((task, process.wait())), daemon=True).start()
         stdout = os.fdopen(reader, "rb", buffering=0) if terminal else process.stdout
         self._pump(task, stdout, self.out, raw=task.reports)
         self._pump(task, process.stderr, self.err, raw=False)
 
     def _watch(self) -> int:
-        while True:
+        # Exits in the order they happened: a killed worker's peer fails moments after it, and must
+        # not be named as the first to fail just because it comes first in the task list.
+        unfinished = {task.name for task in self.tasks if task.finishes}
+        while unfinished:
             if self.signalled is not None:
                 self._say(f"stopped by {signal.Signals(self.signalled).name}; stopping every task")
                 return 128 + self.signalled
-            codes = [process.poll() for process in self.processes]
-            for task, code in zip(self.tasks, codes):
-                if code:
-                    self._stop()  # the others, and the output still in the pipes, before the one line
-                    message, code = self._failure(task, code)
-                    self._say(message)
-                    return exit_code(code)
-            if all(code == 0 for task, code in zip(self.tasks, codes) if task.finishes):
-                return 0
-            time.sleep(_POLL_SECONDS)
+            try:
+                task, code = self.exits.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            if code:
+                self._stop()  # the others, and the output still in the pipes, before the one line
+                message, code = self._failure(task, code)
+                self._say(message)
+                return exit_code(code)
+            unfinished.discard(task.name)
+        return 0
 
     def _failure(self, task: Task, code: int) -> tuple[str, int]:
         """The one line for a failed task, and the exit code to end with (the failed rank's, under Horovod)."""
