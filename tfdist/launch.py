@@ -33,7 +33,7 @@ from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 from tfdist.loopback import free_loopback_ports
 
-__all__ = ["Task", "plan", "run"]
+__all__ = ["MULTI_PROCESS_KINDS", "Task", "cluster_of", "plan", "run"]
 
 STOP_GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 _POLL_SECONDS = 0.2
@@ -41,8 +41,8 @@ _POLL_SECONDS = 0.2
 # "Process RANK exit with status code CODE." (horovod/runner/gloo_run.py).
 _HOROVOD_PREFIX = re.compile(r"\[(\d+)\]<(stdout|stderr)>:")
 _HOROVOD_FAILURE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
-_SINGLE_PROCESS_KINDS = (StrategyKind.ONE_DEVICE, StrategyKind.MIRRORED, StrategyKind.PIPELINE,
-                         StrategyKind.TENSOR_PARALLEL, StrategyKind.TPU)
+# The kinds whose job is several processes; every other kind runs in one.
+MULTI_PROCESS_KINDS = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER, StrategyKind.HOROVOD)
 
 
 @dataclasses.dataclass
@@ -100,19 +100,17 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
         horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
         command = [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", *train]
         return [Task("horovodrun", 0, command, env, reports=True)]
-    if kind in _SINGLE_PROCESS_KINDS:
+    if kind not in MULTI_PROCESS_KINDS:
         if workers > 1 or chief:
+            several = ", ".join(k.value for k in MULTI_PROCESS_KINDS)
             raise ConfigError("--workers", f"must be 1: strategy.kind={kind.value} runs in one process "
-                              "(multi_worker_mirrored, parameter_server and horovod run in several).", workers)
+                              f"({several} run in several).", workers)
         return [Task("worker", 0, train, env, reports=True)]
     if kind == StrategyKind.PARAMETER_SERVER:
         ps = ps or config.parameter_server.num_ps
         chief = True
     roles = ["chief"] * chief + ["worker"] * workers + ["ps"] * ps
-    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(len(roles))]
-    cluster: dict[str, list[str]] = {}
-    for role, address in zip(roles, addresses):
-        cluster.setdefault(role, []).append(address)
+    cluster = cluster_of(roles, [f"127.0.0.1:{port}" for port in free_loopback_ports(len(roles))])
     tasks = []
     for role in ("chief", "worker", "ps"):
         for index in range(len(cluster.get(role, []))):
@@ -122,6 +120,14 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
             finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
             tasks.append(Task(role, index, train, {**env, "TF_CONFIG": tf_config}, reports, finishes))
     return tasks
+
+
+def cluster_of(roles: list[str], addresses: list[str]) -> dict[str, list[str]]:
+    """The cluster spec (role -> addresses, in task order) of tasks with these roles and addresses."""
+    cluster: dict[str, list[str]] = {}
+    for role, address in zip(roles, addresses):
+        cluster.setdefault(role, []).append(address)
+    return cluster
 
 
 def run(tasks: list[Task], *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:

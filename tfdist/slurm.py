@@ -29,10 +29,9 @@ from typing import Optional
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_address
 from tfdist.errors import ConfigError
+from tfdist.launch import MULTI_PROCESS_KINDS, cluster_of
 
 __all__ = ["node_gpus", "resolver", "roles", "sbatch_script"]
-
-KINDS = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER, StrategyKind.HOROVOD)
 
 
 def roles(kind: StrategyKind, num_tasks: int, num_ps: int = 0) -> list[str]:
@@ -86,9 +85,7 @@ def resolver(config: Config):
     for index, address in enumerate(addresses):
         check_address(address, f"Slurm task {index}", config.cluster.allow_non_loopback)
     task_roles = roles(config.strategy.kind, num_tasks, config.parameter_server.num_ps)
-    cluster: dict[str, list[str]] = {}
-    for role, address in zip(task_roles, addresses):
-        cluster.setdefault(role, []).append(address)
+    cluster = cluster_of(task_roles, addresses)
     me = int(os.environ["SLURM_PROCID"])
     task_type = task_roles[me]
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -131,7 +128,7 @@ def sbatch_script(
       ConfigError: a kind that does not run on several processes, or counts that do not fit it.
     """
     kind = config.strategy.kind
-    if kind not in KINDS:
+    if kind not in MULTI_PROCESS_KINDS:
         raise ConfigError("strategy.kind", "runs in one process; Slurm jobs take multi_worker_mirrored, "
                           "parameter_server or horovod.", kind.value)
     if tasks < 1 or (nodes is not None and not 1 <= nodes <= tasks):

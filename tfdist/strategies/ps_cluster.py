@@ -24,6 +24,7 @@ import time
 from typing import Optional
 
 from tfdist.errors import ClusterError
+from tfdist.loopback import accepts_connections, free_loopback_ports
 
 __all__ = ["LocalCluster", "serve"]
 
@@ -51,8 +52,6 @@ def serve(cluster_spec: dict, job: str, index: int, *, threads: int = 0) -> None
 def _exit_after_chief(address: str) -> None:
     """Ends this server (exit 0) once the chief has come and gone: under Slurm or Kubernetes a
     job's parameter servers and workers would otherwise outlive it forever."""
-    from tfdist.loopback import accepts_connections
-
     while not accepts_connections(address):  # the chief starts after its servers
         time.sleep(CHIEF_POLL_SECONDS)
     misses = 0
@@ -73,8 +72,6 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int, num_ps: int, *, threads: int = 0, restart_workers: bool = True):
-        from tfdist.strategies.cluster import free_loopback_ports
-
         ports = free_loopback_ports(1 + num_workers + num_ps)
         addresses = [f"127.0.0.1:{p}" for p in ports]
         self.cluster_spec = {
@@ -144,8 +141,6 @@ class LocalCluster:
 
     def _wait_until_listening(self) -> None:
         """Every task's port accepts connections, or a ClusterError naming the ones that do not."""
-        from tfdist.strategies.cluster import accepts_connections
-
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         pending = {(job, i): address for job in ("ps", "worker") for i, address in enumerate(self.cluster_spec[job])}
         while pending and time.monotonic() < deadline:
