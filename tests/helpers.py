@@ -3,12 +3,30 @@
 import collections
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 
 from tfdist.strategies.cluster import free_loopback_ports as free_ports  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port_block(count, low=20000, high=32000):
+    """`count` consecutive free ports below Linux's ephemeral range (32768+), as `cluster.port_base`
+    numbers them: a port from the ephemeral range can be taken meanwhile by any connection (srun's
+    own I/O ports took one in CI)."""
+    for _ in range(100):
+        first = random.randrange(low, high - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", port))  # as TensorFlow's gRPC server binds
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports in {low}-{high}")
 
 
 def tfdist_command(*args):

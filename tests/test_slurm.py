@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from helpers import ROOT, free_ports, run_tfdist
+from helpers import ROOT, free_port_block, free_ports, run_tfdist
 from local_slurm import LocalSlurm
 
 from tfdist.config import load_config
@@ -77,7 +77,7 @@ def slurm(tmp_path_factory):
 ])
 def test_a_job_trains_digits_through_sbatch(slurm, tmp_path, tasks, flags):
     metrics = tmp_path / "metrics.json"
-    port_base = free_ports(1)[0]
+    port_base = free_port_block(int(tasks))
     script = run_tfdist("slurm", "--tasks", tasks, *flags, "--set", f"cluster.port_base={port_base}",
                         "--metrics_out", str(metrics)).stdout
     code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=540)

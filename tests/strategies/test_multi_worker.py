@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,27 @@ def test_a_missing_peer_is_an_error_naming_it(tmp_path):
         "cluster.startup_timeout_seconds=10." in err
     )
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("kind", ["multi_worker_mirrored", "parameter_server"])
+def test_a_port_held_by_another_process_is_one_line_naming_it(tmp_path, kind):
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        worker, ps, chief = [f"127.0.0.1:{p}" for p in (held, *free_ports(2))]
+        cluster = [f"cluster.workers=[{worker}]", "cluster.task_type=worker"]
+        if kind == "parameter_server":
+            cluster += [f"cluster.ps=[{ps}]", f"cluster.chief={chief}"]
+        proc = subprocess.run(
+            tfdist_command("train", "--set", f"strategy.kind={kind}", *[f"--set={c}" for c in cluster]),
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"tfdist: error: task worker:0 cannot listen on {worker}: another process holds the port. "
+        "Give the job free ports (under Slurm: cluster.port_base)."
+    ), proc.stderr[-2000:]
 
 
 def test_a_peer_killed_mid_training_is_an_error_not_a_hang(tmp_path):

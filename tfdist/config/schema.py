@@ -412,7 +412,8 @@ class ClusterConfig:
       resolver: where the cluster comes from: `config` (this section, else
         TF_CONFIG) or `slurm` (the tasks of the Slurm job step this process is
         in; see `tfdist slurm`).
-      port_base: slurm: the tasks on a node listen on port_base, port_base + 1, ...
+      port_base: slurm: the tasks on a node listen on port_base, port_base + 1, ... (keep
+        them below the ephemeral range, 32768+ on Linux, where any connection may take a port).
     """
 
     workers: tuple[str, ...] = ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -9,10 +10,10 @@ import tensorflow as tf
 
 from tfdist.config.schema import ClusterResolverKind, Config
 from tfdist.config.validation import check_address
-from tfdist.errors import ConfigError
+from tfdist.errors import ClusterError, ConfigError
 from tfdist.loopback import accepts_connections, free_loopback_ports
 
-__all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports"]
+__all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports", "listening_as"]
 
 
 def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
@@ -46,6 +47,22 @@ def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterRe
         for key, address in _tf_config_addresses(tf_config):
             check_address(address, key, c.allow_non_loopback)
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
+@contextlib.contextmanager
+def listening_as(resolver: tf.distribute.cluster_resolver.ClusterResolver):
+    """Turns TensorFlow's "Could not start gRPC server" into a ClusterError naming the port:
+    another process holds this task's address."""
+    try:
+        yield
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in str(e):
+            raise
+        address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
+        raise ClusterError(
+            f"task {resolver.task_type}:{resolver.task_id} cannot listen on {address}: another process holds "
+            "the port. Give the job free ports (under Slurm: cluster.port_base)."
+        ) from None
 
 
 def _tf_config_addresses(text: str) -> list[tuple[str, str]]:

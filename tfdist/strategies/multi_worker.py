@@ -34,7 +34,7 @@ from tfdist._compat import (
 )
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ClusterError, error_reason
-from tfdist.strategies.cluster import accepts_connections, cluster_resolver
+from tfdist.strategies.cluster import accepts_connections, cluster_resolver, listening_as
 from tfdist.strategies.data_parallel import multi_step_hooks
 
 __all__ = ["MultiWorkerMirroredStrategy", "from_config"]
@@ -116,7 +116,8 @@ def from_config(config: Config) -> MultiWorkerMirroredStrategy:
             heartbeat_timeout_seconds=config.cluster.heartbeat_timeout_seconds,
         )
     try:
-        return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+        with listening_as(resolver):
+            return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     except tf.errors.DeadlineExceededError:
         spec = resolver.cluster_spec().as_dict()
         missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()

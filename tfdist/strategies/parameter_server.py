@@ -50,7 +50,7 @@ from tfdist import _compat
 from tfdist.config.schema import Config
 from tfdist.errors import ClusterError, ConfigError, error_reason
 from tfdist.layers.sharded_embedding import shard_placement
-from tfdist.strategies.cluster import accepts_connections, cluster_resolver
+from tfdist.strategies.cluster import accepts_connections, cluster_resolver, listening_as
 from tfdist.strategies.ps_cluster import LocalCluster, serve
 
 __all__ = ["ParameterServerStrategy", "CoordinatedDataset", "from_config"]
@@ -371,7 +371,8 @@ def from_config(config: Config) -> ParameterServerStrategy:
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=p.min_shard_bytes, max_shards=p.max_shards
         )
-    strategy = ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+    with listening_as(resolver):
+        strategy = ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     strategy.local_cluster = cluster
     return strategy
 
@@ -380,7 +381,8 @@ def serve_if_not_chief(config: Config) -> bool:
     """On a worker or parameter-server task, serves until killed and returns True."""
     resolver = cluster_resolver(config)
     if resolver.cluster_spec().jobs and resolver.task_type in ("worker", "ps"):
-        serve(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id,
-              threads=config.parameter_server.threads_per_task)
+        with listening_as(resolver):
+            serve(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id,
+                  threads=config.parameter_server.threads_per_task)
         return True
     return False
