@@ -18,7 +18,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
 $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[cpu,monitor,test]"
+	$(BIN)/pip install --quiet -e ".[cpu,monitor,test,k8s]"
 	mkdir -p $(STAMPS) && touch $@
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that

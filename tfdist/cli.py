@@ -5,6 +5,7 @@
     tfdist bench overhead --json overhead.json
     tfdist launch --workers 2 [--ps 1] [--chief] --config configs/horovod.yaml [--set ...]
     tfdist slurm --tasks 4 --config configs/parameter_server.yaml | sbatch --wait
+    tfdist k8s --image REPO/tfdist:0.1 --workers 2 --config configs/parameter_server.yaml --out k8s/
 
 A bad config prints one line, `tfdist: error: ...`, and exits 2; a cluster
 that loses or never finds a task prints one line and exits 1.
@@ -36,6 +37,17 @@ _GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "slurm: GPUs per no
 _PARTITION = flags.DEFINE_string("partition", None, "slurm: partition (#SBATCH --partition).")
 _TIME = flags.DEFINE_string("time", None, "slurm: time limit (#SBATCH --time).")
 _OVERCOMMIT = flags.DEFINE_bool("overcommit", False, "slurm: more tasks than CPUs on a node (#SBATCH --overcommit).")
+_IMAGE = flags.DEFINE_string("image", None, "k8s: the container image, with tfdist installed.")
+_OUT = flags.DEFINE_string("out", None, "k8s: the directory the manifests are written to.")
+_NAME = flags.DEFINE_string("name", "tfdist", "k8s: the job's name (objects and pod hostnames start with it).")
+_FLAVOR = flags.DEFINE_enum("flavor", "jobs", ["jobs", "jobset", "tfjob"],
+                            "k8s: Indexed Jobs and a Service, one JobSet, or a Kubeflow TFJob.")
+_GPUS_PER_WORKER = flags.DEFINE_integer("gpus-per-worker", 0, "k8s: nvidia.com/gpu per worker pod.", lower_bound=0)
+_CPU = flags.DEFINE_string("cpu", "2", "k8s: CPU request per pod.")
+_MEMORY = flags.DEFINE_string("memory", "8Gi", "k8s: memory request per pod.")
+_QUEUE = flags.DEFINE_string("queue", None, "k8s: Kueue LocalQueue; the job starts suspended until admitted.")
+_NAMESPACE = flags.DEFINE_string("namespace", None, "k8s: the namespace of every object.")
+_PRIORITY_CLASS = flags.DEFINE_string("priority-class", None, "k8s: the pods' PriorityClass.")
 
 USAGE = """usage: tfdist COMMAND [flags]
 
@@ -45,6 +57,8 @@ commands:
   slurm          print an sbatch script for the job (--tasks, --nodes, --gpus-per-node, --partition, --time,
                  --overcommit, and train's flags): tfdist slurm ... | sbatch
   launch         run every task of a multi-process job here (--workers, --ps, --chief, and train's flags)
+  k8s            write validated Kubernetes manifests for the job (--image, --workers, --ps, --out, --flavor,
+                 --gpus-per-worker, --cpu, --memory, --queue, --namespace, --priority-class, --name)
   bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling); NAME is one of:
                  {benches}
 """
@@ -130,8 +144,32 @@ def _slurm_command(args) -> None:
     print(script, end="")
 
 
+def _k8s_command(args) -> None:
+    from tfdist import k8s
+    from tfdist.k8s_validation import KUBERNETES_VERSION, missing_packages, validate
+
+    if args:
+        _fail(f"`k8s` takes no arguments. Received: {' '.join(args)}")
+    if missing_packages():
+        _fail(f"`k8s` validates what it writes with {', '.join(missing_packages())}: pip install 'tfdist[k8s]'.")
+    if not _OUT.value:
+        _fail("`k8s` needs --out, the directory to write the manifests to.")
+    job = k8s.Job(
+        name=_NAME.value, image=_IMAGE.value or "", workers=_WORKERS.value, ps=_PS.value,
+        gpus_per_worker=_GPUS_PER_WORKER.value, cpu=_CPU.value, memory=_MEMORY.value, flavor=_FLAVOR.value,
+        queue=_QUEUE.value, namespace=_NAMESPACE.value, priority_class=_PRIORITY_CLASS.value,
+        metrics_out=_METRICS_OUT.value,
+    )
+    objects = k8s.manifests(_load(), job)
+    for obj in objects:  # all of them before any file is written
+        validate(obj)
+    for path in k8s.write(objects, _OUT.value):
+        print(path)
+    print(f"# valid for Kubernetes {KUBERNETES_VERSION}; run it with: kubectl apply -f {_OUT.value}", file=sys.stderr)
+
+
 _COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command, "launch": _launch_command,
-             "slurm": _slurm_command}
+             "slurm": _slurm_command, "k8s": _k8s_command}
 
 
 def main(argv: list[str]) -> None:

@@ -114,6 +114,7 @@ class TaskType(str, enum.Enum):
 class ClusterResolverKind(str, enum.Enum):
     CONFIG = "config"  # the cluster section, else TF_CONFIG
     SLURM = "slurm"
+    KUBERNETES = "kubernetes"  # the pod's role and index, from the manifests `tfdist k8s` writes
 
 
 class Dataset(str, enum.Enum):
@@ -410,10 +411,12 @@ class ClusterConfig:
       heartbeat_timeout_seconds: a task silent this long counts as dead and
         the others fail instead of hanging.
       resolver: where the cluster comes from: `config` (this section, else
-        TF_CONFIG) or `slurm` (the tasks of the Slurm job step this process is
-        in; see `tfdist slurm`).
+        TF_CONFIG), `slurm` (the tasks of the Slurm job step this process is
+        in; see `tfdist slurm`) or `kubernetes` (the pods of the job `tfdist k8s`
+        wrote, by their stable hostnames).
       port_base: slurm: the tasks on a node listen on port_base, port_base + 1, ... (keep
-        them below the ephemeral range, 32768+ on Linux, where any connection may take a port).
+        them below the ephemeral range, 32768+ on Linux, where any connection may take a port);
+        kubernetes: every pod listens on port_base.
     """
 
     workers: tuple[str, ...] = ()

@@ -272,17 +272,18 @@ def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> Non
 def _check_cluster(config: Config) -> None:
     c = config.cluster
     kind = config.strategy.kind
-    if c.resolver == ClusterResolverKind.SLURM:
+    if c.resolver != ClusterResolverKind.CONFIG:
         if kind not in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER):
             raise ConfigError(
                 "cluster.resolver",
-                "slurm applies to multi_worker_mirrored and parameter_server (a Horovod job on Slurm runs "
-                f"horovodrun over the job's nodes: `tfdist slurm` writes that); strategy.kind is {kind.value}.",
+                f"{c.resolver.value} applies to multi_worker_mirrored and parameter_server (a Horovod job runs "
+                "horovodrun over the job's hosts: `tfdist slurm` and `tfdist k8s` write that); "
+                f"strategy.kind is {kind.value}.",
                 c.resolver.value,
             )
         if c.workers or c.ps or c.chief:
-            raise ConfigError("cluster.resolver", "slurm finds the tasks itself; leave cluster.workers, "
-                              "cluster.ps and cluster.chief empty.", c.resolver.value)
+            raise ConfigError("cluster.resolver", f"{c.resolver.value} finds the tasks itself; leave "
+                              "cluster.workers, cluster.ps and cluster.chief empty.", c.resolver.value)
     addresses = [(f"cluster.workers[{i}]", a) for i, a in enumerate(c.workers)]
     addresses += [(f"cluster.ps[{i}]", a) for i, a in enumerate(c.ps)]
     addresses += [("cluster.chief", c.chief)] if c.chief else []

@@ -18,7 +18,7 @@ __all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports", "li
 
 def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
     """The cluster from the config's `cluster` section, else from TF_CONFIG; or from Slurm
-    (`cluster.resolver: slurm`).
+    (`cluster.resolver: slurm`) or a Kubernetes pod's environment (`kubernetes`).
 
     Raises:
       ConfigError: both are set, TF_CONFIG is malformed, or an address is off
@@ -29,6 +29,10 @@ def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterRe
         from tfdist import slurm
 
         return slurm.resolver(config)
+    if c.resolver == ClusterResolverKind.KUBERNETES:
+        from tfdist import k8s
+
+        return k8s.resolver(config)
     tf_config = os.environ.get("TF_CONFIG", "").strip()
     if c.workers and tf_config:
         raise ConfigError(

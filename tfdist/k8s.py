@@ -1,0 +1,351 @@
+"""Kubernetes: the manifests of a tfdist job, and the cluster its pods find.
+
+`tfdist k8s` writes, for a multi-worker or parameter-server job, a ConfigMap
+holding the resolved config, a headless Service, and one Indexed Job per role
+(`--flavor jobs`, no operator needed), or one JobSet with a replicated job per
+role (`--flavor jobset`: one workload, so Kueue admits every role together).
+Each pod runs `tfdist train` with `cluster.resolver: kubernetes`: its role and
+the job's shape come from the environment the manifest gives it, its index
+from `JOB_COMPLETION_INDEX`, and every task's address from the pods' stable
+hostnames (`HOST.SUBDOMAIN`, the Service's DNS records). A Horovod job is an
+MPIJob (kubeflow.org/v2beta1) whose launcher runs horovodrun over the worker
+pods; `--flavor tfjob` writes the training operator's TFJob (kubeflow.org/v1),
+which sets TF_CONFIG itself.
+
+`TFDIST_K8S_ADDRESSES` (JSON, hostname -> host:port) overrides where a hostname
+points: it exists so a job's pods can run as local processes on loopback, as
+the tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import yaml
+
+from tfdist.config import to_dict
+from tfdist.config.schema import ClusterResolverKind, Config, StrategyKind
+from tfdist.config.validation import check_address
+from tfdist.errors import ConfigError
+from tfdist.launch import MULTI_PROCESS_KINDS
+
+__all__ = ["Job", "FLAVORS", "manifests", "resolver", "write"]
+
+FLAVORS = ("jobs", "jobset", "tfjob")
+ROLE_ENV = "TFDIST_K8S_ROLE"
+TASKS_ENV = "TFDIST_K8S_TASKS"  # the job's shape: "ps=1,chief=1,worker=2"
+HOST_ENV = "TFDIST_K8S_HOST"  # a pod's hostname: "digits-{role}-{index}.digits"
+ADDRESSES_ENV = "TFDIST_K8S_ADDRESSES"
+CONFIG_DIR = "/etc/tfdist"
+CONFIG_FILE = f"{CONFIG_DIR}/config.yaml"
+CONTAINER = "tensorflow"  # the name TFJob's operator looks for; kept for every flavor
+JOB_LABEL = "tfdist.dev/job"
+ROLE_LABEL = "tfdist.dev/role"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What `tfdist k8s` was asked for, besides the config.
+
+    Attributes:
+      name: the job's name (a DNS label); objects are named after it.
+      image: the container image, with tfdist installed.
+      workers: worker pods (Horovod: ranks).
+      ps: parameter-server pods (0: parameter_server.num_ps).
+      gpus_per_worker: `nvidia.com/gpu` per worker pod (0: none).
+      cpu, memory: each pod's resource requests.
+      flavor: jobs, jobset or tfjob (Horovod always writes an MPIJob).
+      queue: a Kueue LocalQueue: the workloads carry its label and start suspended.
+      namespace: where the objects go (None: kubectl's current namespace).
+      priority_class: the pods' PriorityClass (Kueue takes the workload's priority from it).
+      metrics_out: the chief's `--metrics_out` path inside its pod.
+    """
+
+    name: str = "tfdist"
+    image: str = ""
+    workers: int = 1
+    ps: int = 0
+    gpus_per_worker: int = 0
+    cpu: str = "2"
+    memory: str = "8Gi"
+    flavor: str = "jobs"
+    queue: Optional[str] = None
+    namespace: Optional[str] = None
+    priority_class: Optional[str] = None
+    metrics_out: Optional[str] = None
+
+
+def roles(config: Config, job: Job) -> dict[str, int]:
+    """Pods per role, in the order the tasks start."""
+    if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+        return {"ps": job.ps or config.parameter_server.num_ps, "chief": 1, "worker": job.workers}
+    return {"worker": job.workers}
+
+
+def manifests(config: Config, job: Job) -> list[dict]:
+    """The objects that run `config` as `job`, in the order to apply them.
+
+    Raises:
+      ConfigError: a kind that runs in one process, a bad name or count, or a
+        flavor that does not fit the kind.
+    """
+    _check(config, job)
+    if config.strategy.kind == StrategyKind.HOROVOD:
+        return [_config_map(config, job), _mpi_job(job)]
+    if job.flavor == "tfjob":
+        return [_config_map(config, job), _tf_job(config, job)]
+    if job.flavor == "jobset":
+        host = f"{job.name}-{{role}}-0-{{index}}.{job.name}"  # JobSet's pod hostnames: jobset-rjob-jobindex-podindex
+        return [_config_map(config, job), _job_set(config, job, host)]
+    host = f"{job.name}-{{role}}-{{index}}.{job.name}"  # an Indexed Job's pod hostname is job-index
+    return [_config_map(config, job), _service(config, job),
+            *(_indexed_job(config, job, role, count, host) for role, count in roles(config, job).items())]
+
+
+def write(objects: list[dict], out_dir: str) -> list[str]:
+    """Writes each object to `out_dir/NN-kind-name.yaml`; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for number, obj in enumerate(objects):
+        path = os.path.join(out_dir, f"{number:02d}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml")
+        with open(path, "w") as f:
+            yaml.dump(obj, f, Dumper=_PlainDumper, sort_keys=False)
+        paths.append(path)
+    return paths
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a repeated value out again, not as a YAML alias (`*id001`), so each object reads alone."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+def _literal_if_multiline(dumper: yaml.SafeDumper, text: str):
+    """The ConfigMap's config.yaml as a readable block, not one escaped line."""
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+_PlainDumper.add_representer(str, _literal_if_multiline)
+
+
+def resolver(config: Config):
+    """This pod's cluster resolver, from the environment its manifest gave it.
+
+    Raises:
+      ConfigError: not in a pod `tfdist k8s` described, or an address off
+        loopback without `cluster.allow_non_loopback`.
+    """
+    import tensorflow as tf
+
+    missing = [v for v in ("JOB_COMPLETION_INDEX", ROLE_ENV, TASKS_ENV, HOST_ENV) if v not in os.environ]
+    if missing:
+        raise ConfigError("cluster.resolver", f"kubernetes needs the environment of a pod `tfdist k8s` wrote; "
+                          f"{', '.join(missing)} unset.", "kubernetes")
+    try:
+        overrides = json.loads(os.environ.get(ADDRESSES_ENV) or "{}")
+        shape = {role: int(count) for role, count in
+                 (part.split("=") for part in os.environ[TASKS_ENV].split(","))}
+    except ValueError as e:
+        raise ConfigError("cluster.resolver", f"kubernetes: a malformed {TASKS_ENV} or {ADDRESSES_ENV} ({e}).",
+                          "kubernetes") from None
+    cluster = {}
+    for role, count in shape.items():
+        hosts = [os.environ[HOST_ENV].format(role=role, index=i) for i in range(count)]
+        cluster[role] = [overrides.get(host, f"{host}:{config.cluster.port_base}") for host in hosts]
+        for index, address in enumerate(cluster[role]):
+            check_address(address, f"the {role} {index} pod", config.cluster.allow_non_loopback)
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=os.environ[ROLE_ENV],
+        task_id=int(os.environ["JOB_COMPLETION_INDEX"]), rpc_layer="grpc",
+    )
+
+
+def _check(config: Config, job: Job) -> None:
+    kind = config.strategy.kind
+    if kind not in MULTI_PROCESS_KINDS:
+        raise ConfigError("strategy.kind", f"runs in one process; `k8s` writes jobs of "
+                          f"{', '.join(k.value for k in MULTI_PROCESS_KINDS)}.", kind.value)
+    if not _DNS_LABEL.fullmatch(job.name) or len(job.name) > 40:
+        raise ConfigError("--name", "must be a DNS label of at most 40 characters (lowercase letters, digits "
+                          "and '-', starting with a letter): pod hostnames add the role and index to it.", job.name)
+    if not job.image:
+        raise ConfigError("--image", "is required: the container image with tfdist installed.", job.image)
+    if job.flavor not in FLAVORS:
+        raise ConfigError("--flavor", f"must be one of {', '.join(FLAVORS)}.", job.flavor)
+    if kind == StrategyKind.HOROVOD and job.flavor != "jobs":
+        raise ConfigError("--flavor", "does not apply to strategy.kind=horovod, which always runs as an MPIJob.",
+                          job.flavor)
+    if job.workers < 1 or job.ps < 0 or job.gpus_per_worker < 0:
+        raise ConfigError("--workers", "needs one worker or more, and --ps and --gpus-per-worker 0 or more.",
+                          job.workers)
+    if kind == StrategyKind.PARAMETER_SERVER and roles(config, job)["ps"] < 1:
+        raise ConfigError("--ps", "a parameter-server job needs one parameter server or more.", job.ps)
+    if job.queue and job.flavor == "jobs" and len(roles(config, job)) > 1:
+        raise ConfigError("--queue", "with --flavor jobs each role is its own Job, which Kueue would admit on "
+                          "its own (a chief without its workers waits); use --flavor jobset, which it admits "
+                          "as one workload.", job.queue)
+
+
+def _pod_config(config: Config, job: Job) -> dict:
+    """The config the pods read: the cluster from Kubernetes (or TF_CONFIG under TFJob), addresses off loopback."""
+    data = to_dict(config)
+    uses_resolver = config.strategy.kind != StrategyKind.HOROVOD and job.flavor != "tfjob"
+    resolver_kind = ClusterResolverKind.KUBERNETES if uses_resolver else ClusterResolverKind.CONFIG
+    data["cluster"].update(resolver=resolver_kind.value, allow_non_loopback=True)
+    if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+        data["parameter_server"].update(num_workers=job.workers, num_ps=roles(config, job)["ps"])
+    return data
+
+
+def _config_map(config: Config, job: Job) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(job, f"{job.name}-config"),
+        "data": {"config.yaml": yaml.safe_dump(_pod_config(config, job), sort_keys=False)},
+    }
+
+
+def _metadata(job: Job, name: str, *, workload: bool = False, role: Optional[str] = None) -> dict:
+    labels = {JOB_LABEL: job.name, **({ROLE_LABEL: role} if role else {})}
+    if workload and job.queue:
+        labels[QUEUE_LABEL] = job.queue
+    return {"name": name, **({"namespace": job.namespace} if job.namespace else {}), "labels": labels}
+
+
+def _train_command(job: Job) -> list[str]:
+    metrics = [f"--metrics_out={job.metrics_out}"] if job.metrics_out else []  # only the chief writes it
+    return ["python", "-m", "tfdist.cli", "train", "--config", CONFIG_FILE, *metrics]
+
+
+def _container(config: Config, job: Job, role: str, command: list[str], env: list[dict]) -> dict:
+    container = {"name": CONTAINER, "image": job.image, "command": command, "env": env,
+                 "resources": {"requests": {"cpu": job.cpu, "memory": job.memory}},
+                 "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]}
+    if config.strategy.kind != StrategyKind.HOROVOD:
+        port_name = "tfjob-port" if job.flavor == "tfjob" else "tfdist"  # the operator finds it by that name
+        container["ports"] = [{"name": port_name, "containerPort": config.cluster.port_base}]
+    if job.gpus_per_worker and role == "worker":
+        container["resources"]["limits"] = {"nvidia.com/gpu": job.gpus_per_worker}
+    return container
+
+
+def _pod_template(job: Job, role: str, container: dict, *, restart: str,
+                  subdomain: Optional[str] = None) -> dict:
+    spec = {"restartPolicy": restart, "containers": [container],
+            "volumes": [{"name": "config", "configMap": {"name": f"{job.name}-config"}}]}
+    if subdomain:
+        spec["subdomain"] = subdomain
+    if job.priority_class:
+        spec["priorityClassName"] = job.priority_class
+    return {"metadata": {"labels": {JOB_LABEL: job.name, ROLE_LABEL: role}}, "spec": spec}
+
+
+def _restart_policy(config: Config, role: str) -> str:
+    """A parameter-server job's worker restarts in place (same hostname; the coordinator takes it back);
+    any other task's failure ends the job."""
+    parameter_server = config.strategy.kind == StrategyKind.PARAMETER_SERVER
+    return "OnFailure" if parameter_server and role == "worker" else "Never"
+
+
+def _job_spec(config: Config, job: Job, role: str, count: int, host: str, subdomain: str) -> dict:
+    """An Indexed Job's spec: `count` pods of `role`, each told the job's shape."""
+    shape = ",".join(f"{r}={n}" for r, n in roles(config, job).items())
+    env = [{"name": ROLE_ENV, "value": role}, {"name": TASKS_ENV, "value": shape}, {"name": HOST_ENV, "value": host},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    restart = _restart_policy(config, role)
+    container = _container(config, job, role, _train_command(job), env)
+    return {
+        "completionMode": "Indexed", "completions": count, "parallelism": count,
+        "backoffLimit": 6 if restart == "OnFailure" else 0,
+        "template": _pod_template(job, role, container, restart=restart, subdomain=subdomain),
+    }
+
+
+def _service(config: Config, job: Job) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(job, job.name),
+        "spec": {
+            "clusterIP": "None",  # headless: one DNS record per pod, by hostname
+            "publishNotReadyAddresses": True,  # tasks look each other up before they are ready
+            "selector": {JOB_LABEL: job.name},
+            "ports": [{"name": "tfdist", "port": config.cluster.port_base}],
+        },
+    }
+
+
+def _indexed_job(config: Config, job: Job, role: str, count: int, host: str) -> dict:
+    spec = _job_spec(config, job, role, count, host, subdomain=job.name)
+    if job.queue:
+        spec["suspend"] = True
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _metadata(job, f"{job.name}-{role}", workload=True, role=role), "spec": spec}
+
+
+def _job_set(config: Config, job: Job, host: str) -> dict:
+    done_when = "chief" if config.strategy.kind == StrategyKind.PARAMETER_SERVER else "worker"
+    spec = {
+        "network": {"enableDNSHostnames": True, "subdomain": job.name, "publishNotReadyAddresses": True},
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": [done_when]},
+        "failurePolicy": {"maxRestarts": 0},
+        "replicatedJobs": [
+            {"name": role, "replicas": 1, "template": {"spec": _job_spec(config, job, role, count, host, job.name)}}
+            for role, count in roles(config, job).items()
+        ],
+    }
+    if job.queue:
+        spec["suspend"] = True
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": _metadata(job, job.name, workload=True), "spec": spec}
+
+
+def _run_policy(job: Job) -> dict:
+    return {"cleanPodPolicy": "Running", **({"suspend": True} if job.queue else {})}
+
+
+def _tf_job(config: Config, job: Job) -> dict:
+    replica_specs = {}
+    for role, count in roles(config, job).items():
+        restart = _restart_policy(config, role)
+        container = _container(config, job, role, _train_command(job),
+                               [{"name": "PYTHONUNBUFFERED", "value": "1"}])
+        replica_specs["PS" if role == "ps" else role.capitalize()] = {
+            "replicas": count, "restartPolicy": restart,
+            "template": _pod_template(job, role, container, restart=restart),
+        }
+    return {"apiVersion": "kubeflow.org/v1", "kind": "TFJob", "metadata": _metadata(job, job.name, workload=True),
+            "spec": {"runPolicy": _run_policy(job), "tfReplicaSpecs": replica_specs}}
+
+
+def _mpi_job(job: Job) -> dict:
+    """horovodrun on the launcher reaches the workers by ssh (the MPI operator gives it their hostfile and
+    keys), so the image runs sshd on the workers."""
+    slots = max(1, job.gpus_per_worker)
+    ranks = job.workers * slots
+    launch = ["horovodrun", "-np", str(ranks), "--hostfile", "/etc/mpi/hostfile", "--gloo",
+              *_train_command(job)]
+    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    launcher = {"name": CONTAINER, "image": job.image, "command": launch, "env": env,
+                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]}
+    worker = {**launcher, "command": ["/usr/sbin/sshd", "-De"],
+              "resources": {"requests": {"cpu": job.cpu, "memory": job.memory}}}
+    if job.gpus_per_worker:
+        worker["resources"]["limits"] = {"nvidia.com/gpu": job.gpus_per_worker}
+    return {
+        "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": _metadata(job, job.name, workload=True),
+        "spec": {
+            "slotsPerWorker": slots, "runPolicy": _run_policy(job), "mpiImplementation": "OpenMPI",
+            "mpiReplicaSpecs": {
+                "Launcher": {"replicas": 1, "restartPolicy": "Never", "template": _pod_template(
+                    job, "launcher", launcher, restart="Never")},
+                "Worker": {"replicas": job.workers, "restartPolicy": "Never", "template": _pod_template(
+                    job, "worker", worker, restart="Never")},
+            },
+        },
+    }
