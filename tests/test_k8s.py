@@ -260,3 +260,16 @@ def test_the_pods_train_digits_when_run_as_local_processes(tmp_path, config, fla
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
     assert result["num_replicas"] == 2 or result["strategy"] == "parameter_server"
+
+
+def test_the_readmes_k8s_commands_write_valid_manifests(tmp_path):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("### On Kubernetes: `tfdist k8s`")[1].split("```sh\n")[1].split("```")[0]
+    commands = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("tfdist k8s ")]
+    assert len(commands) == 3
+    for number, command in enumerate(commands):
+        args = command.split()[1:]
+        args[args.index("--out") + 1] = str(tmp_path / str(number))
+        proc = run_tfdist(*args)
+        assert proc.returncode == 0, (command, proc.stderr)
+        assert len(proc.stdout.split()) >= 2, command
