@@ -273,3 +273,27 @@ def test_the_readmes_k8s_commands_write_valid_manifests(tmp_path):
         proc = run_tfdist(*args)
         assert proc.returncode == 0, (command, proc.stderr)
         assert len(proc.stdout.split()) >= 2, command
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_the_mpi_launchers_horovodrun_command_trains_over_an_operator_style_hostfile(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    config_map, mpi_job = _write(tmp_path, "configs/horovod.yaml", "--workers", "1", "--gpus-per-worker", "2",
+                                 "--metrics_out", str(metrics), sets=["train.epochs=3"])
+    config_dir = tmp_path / "etc-tfdist"
+    config_dir.mkdir()
+    (config_dir / "config.yaml").write_text(config_map["data"]["config.yaml"])
+    hostfile = tmp_path / "hostfile"  # as the MPI operator writes it for OpenMPI, the worker pod here
+    hostfile.write_text(f"localhost slots={mpi_job['spec']['slotsPerWorker']}\n")
+    replace = {"horovodrun": os.path.join(os.path.dirname(sys.executable), "horovodrun"), "python": sys.executable,
+               "/etc/mpi/hostfile": str(hostfile)}
+    command = [replace.get(part, part.replace(k8s.CONFIG_DIR, str(config_dir)))
+               for part in _containers(mpi_job)["launcher"]["command"]]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=360,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["strategy"] == "horovod" and result["num_replicas"] == 2
