@@ -139,6 +139,7 @@ def test_validation_catches_a_misspelled_field_in_every_kind(config, flavor, kin
      "`TFJob tfdist: spec.tfReplicaSpecs.Worker.replicas` has the wrong type"),
     ("configs/parameter_server.yaml", "jobset", "JobSet", ["spec", "suspend"], "yes", "`JobSet tfdist: spec.suspend`"),
     ("configs/horovod.yaml", "jobs", "MPIJob", ["spec", "slotsPerWorker"], True, "`MPIJob tfdist: spec.slotsPerWorker`"),
+    ("configs/horovod.yaml", "jobs", "MPIJob", ["apiVersion"], "kubeflow.org/v1", "`MPIJob tfdist: apiVersion` must be"),
 ])
 def test_validation_catches_a_wrong_type(config, flavor, kind, path, value, message):
     obj = _manifest(config, flavor, kind)

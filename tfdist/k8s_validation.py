@@ -26,6 +26,7 @@ from tfdist.errors import ConfigError
 __all__ = ["KUBERNETES_VERSION", "missing_packages", "validate"]
 
 KUBERNETES_VERSION = "1.33"
+CUSTOM_API_VERSIONS = {"JobSet": "jobset.x-k8s.io/v1alpha2", "TFJob": "kubeflow.org/v1", "MPIJob": "kubeflow.org/v2beta1"}
 
 # mpi-operator v2beta1: each object's fields, a nested object as a dict, a map of them as {"*": ...}.
 _RUN_POLICY = {"cleanPodPolicy": str, "ttlSecondsAfterFinished": int, "activeDeadlineSeconds": int,
@@ -64,6 +65,9 @@ def validate(obj: dict) -> None:
     """
     kind = obj.get("kind")
     where = f"{kind} {obj.get('metadata', {}).get('name')}"
+    if kind in CUSTOM_API_VERSIONS and obj.get("apiVersion") != CUSTOM_API_VERSIONS[kind]:
+        raise ConfigError(f"{where}: apiVersion", f"must be {CUSTOM_API_VERSIONS[kind]}, the version these schemas "
+                          "describe.", obj.get("apiVersion"))
     if kind in ("ConfigMap", "Service", "Job"):
         _core(obj, where, "")
     elif kind == "JobSet":
