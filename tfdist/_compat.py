@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
+import weakref
 from typing import Mapping, Optional
 
 TESTED_VERSIONS = {"tensorflow": "2.21", "keras": "3.15"}  # major.minor
@@ -184,9 +185,29 @@ def install_trainer_hooks() -> None:
         return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
 
     next_group = TFEpochIterator.__next__
+    init = TFEpochIterator.__init__
+    get_iterator = TFEpochIterator._get_iterator
+
+    def init_recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        global _LATEST_EPOCH_ITERATOR
+        _LATEST_EPOCH_ITERATOR = weakref.ref(self)
+
+    def get_iterator_resumed(self):
+        # Called whenever Keras starts a new iterator over the dataset.
+        skip = self.__dict__.pop("_tfdist_skip_batches", 0)
+        self.__dict__["_tfdist_batches"] = skip
+        if not skip:
+            return get_iterator(self)
+        dataset = self.data_adapter.get_tf_dataset().skip(skip)  # global batches: before any sharding
+        return self._distribute_strategy.experimental_distribute_dataset(dataset)
 
     def next_group_told(self):
         first, last, iterator = next_group(self)
+        resume_at = self.__dict__.pop("_tfdist_first_step", 0)
+        while first < resume_at:  # steps a checkpoint already took: Keras's counter moves, no data is read
+            first, last, iterator = next_group(self)
+        self.__dict__["_tfdist_batches"] += last - first + 1
         if hasattr(iterator, "on_step_group"):
             iterator.on_step_group(first, last, self.num_batches)
         return first, last, iterator
@@ -194,7 +215,30 @@ def install_trainer_hooks() -> None:
     for name in _STEP_FUNCTION_MAKERS:
         setattr(TensorFlowTrainer, name, step_function_maker(name))
     TensorFlowTrainer.get_metrics_result = get_metrics_result
+    TFEpochIterator.__init__ = init_recorded
+    TFEpochIterator._get_iterator = get_iterator_resumed
     TFEpochIterator.__next__ = next_group_told
+
+
+_LATEST_EPOCH_ITERATOR = None
+
+
+def keras_global_seed_state():
+    """The variable behind Keras's unseeded random ops (`keras.random.normal()` without a seed)."""
+    from keras.src.random.seed_generator import global_seed_generator
+
+    return global_seed_generator().state
+
+
+def training_epoch_iterator():
+    """The epoch iterator `fit` made last: in a callback's `on_train_begin`, the one training reads.
+
+    tfdist's hooks (install_trainer_hooks) let it resume: set `_tfdist_skip_batches`
+    (global batches the next iterator over the dataset skips, inside tf.data) and
+    `_tfdist_first_step` (the epoch's first step to run) before the epoch starts;
+    `_tfdist_batches` counts the batches read from the current iterator.
+    """
+    return _LATEST_EPOCH_ITERATOR() if _LATEST_EPOCH_ITERATOR is not None else None
 
 
 def keras_step_function(model, attribute: str):

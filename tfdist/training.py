@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import data, models, precision
-from tfdist.callbacks import DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput
+from tfdist.callbacks import Checkpoint, DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput, weights_digest
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
@@ -116,7 +116,8 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
     return resolver.task_type == "worker" and resolver.task_id == 0
 
 
-def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], list[keras.callbacks.Callback]]:
+def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Checkpoint],
+                                   list[keras.callbacks.Callback]]:
     cfg = job.config.callbacks
     throughput = Throughput(
         job.config.train.global_batch_size, warmup_steps=cfg.throughput_warmup_steps
@@ -136,7 +137,13 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], list[keras.
     if cfg.backup_dir:  # every process resumes from the backup; only the chief writes it
         backup = keras.callbacks.BackupAndRestore if chief else RestoreOnlyBackup
         callbacks.append(backup(cfg.backup_dir))
-    return throughput, stalls, callbacks
+    checkpoint = None
+    if job.config.checkpoint.dir:  # every process resumes; only the chief writes
+        c = job.config.checkpoint
+        checkpoint = Checkpoint(c.dir, every_steps=c.every_steps, every_seconds=c.every_seconds, keep=c.keep,
+                                grace_seconds=c.grace_seconds, write=chief)
+        callbacks.append(checkpoint)
+    return throughput, stalls, checkpoint, callbacks
 
 
 def _devices(strategy: tf.distribute.Strategy) -> list[str]:
@@ -165,7 +172,7 @@ def run(
     if config.strategy.kind == StrategyKind.PARAMETER_SERVER and parameter_server.serve_if_not_chief(config):
         return {}  # a worker or parameter server: served until the chief's job ended
     job = prepare(config)
-    throughput, stalls, callbacks = _callbacks(job)
+    throughput, stalls, checkpoint, callbacks = _callbacks(job)
     chief = is_chief(job.strategy)
     try:
         history = job.model.fit(
@@ -195,6 +202,8 @@ def run(
         "epochs": config.train.epochs,
         "steps_per_epoch": job.steps_per_epoch,
         "final": final,
+        "resumed_from_step": checkpoint.resumed_from_step if checkpoint else 0,
+        "final_weights_digest": weights_digest(job.model),
     }
     if stalls is not None and stalls.report:
         result["input_wait_share"] = stalls.input_wait_share

@@ -1,8 +1,10 @@
 """Keras callbacks tfdist adds to training."""
 
 from tfdist.callbacks.backup import RestoreOnlyBackup
+from tfdist.callbacks.checkpoint import EXIT_PREEMPTED, Checkpoint, weights_digest
 from tfdist.callbacks.device_metrics import DeviceMetrics
 from tfdist.callbacks.input_stalls import InputStalls
 from tfdist.callbacks.throughput import Throughput
 
-__all__ = ["DeviceMetrics", "InputStalls", "RestoreOnlyBackup", "Throughput"]
+__all__ = ["Checkpoint", "DeviceMetrics", "EXIT_PREEMPTED", "InputStalls", "RestoreOnlyBackup", "Throughput",
+           "weights_digest"]

@@ -462,6 +462,28 @@ class CallbacksConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of the whole training state, for exact resumes (tfdist.callbacks.Checkpoint).
+
+    Attributes:
+      dir: write checkpoints here, and resume from the newest readable one when
+        the job starts again; null for none.
+      every_steps: save every this many training steps (0: not by steps).
+      every_seconds: save when this long has passed since the last save (0: not by time).
+        With neither, a checkpoint is saved at every epoch end.
+      keep: how many of the newest checkpoints to keep.
+      grace_seconds: after SIGTERM, the time to finish the step, save and exit
+        (exit code 75) before the process exits without saving.
+    """
+
+    dir: Optional[str] = None
+    every_steps: int = bounded(0, low=0)
+    every_seconds: float = bounded(0.0, low=0)
+    keep: int = bounded(3, low=1)
+    grace_seconds: float = bounded(30.0, low=0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """TensorFlow runtime settings applied before TensorFlow initialises.
 
@@ -490,6 +512,7 @@ class Config:
       model: the model.
       cluster: the multi-process cluster.
       callbacks: callbacks `tfdist train` adds.
+      checkpoint: checkpoints for exact resumes.
       runtime: TensorFlow threading.
     """
 
@@ -504,4 +527,5 @@ class Config:
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
     callbacks: CallbacksConfig = CallbacksConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     runtime: RuntimeConfig = RuntimeConfig()

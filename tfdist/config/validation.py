@@ -68,6 +68,9 @@ def check(config: Config) -> None:
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
+    if config.checkpoint.dir and config.callbacks.backup_dir:
+        raise ConfigError("checkpoint.dir", "and callbacks.backup_dir both resume a job; keep one (checkpoint.dir "
+                          "resumes mid-epoch and exactly).", config.checkpoint.dir)
     _check_callbacks(config)
 
 
