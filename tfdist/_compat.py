@@ -223,6 +223,17 @@ def install_trainer_hooks() -> None:
 _LATEST_EPOCH_ITERATOR = None
 
 
+def build_for_training(model, epoch_iterator) -> None:
+    """Makes every variable `fit` will train with (optimizer slots, metrics) now, from the data's shapes.
+
+    Under a distribution strategy `fit` does this before `on_train_begin`; without
+    one Keras waits for the first step's tracing, too late to restore them.
+    Shapes only: no batch is read, so the input order stays as it would be.
+    """
+    spec = epoch_iterator.data_adapter.get_tf_dataset().element_spec
+    model._symbolic_build(data_batch=spec)
+
+
 def keras_global_seed_state():
     """The variable behind Keras's unseeded random ops (`keras.random.normal()` without a seed)."""
     from keras.src.random.seed_generator import global_seed_generator

@@ -122,6 +122,7 @@ class Checkpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._iterator = _compat.training_epoch_iterator()
+        _compat.build_for_training(self.model, self._iterator)
         self._steps_per_epoch = getattr(self._iterator, "num_batches", None)
         self._step, self._epoch, self._step_in_epoch, self._resume_step_in_epoch = 0, 0, 0, 0
         self._resumed_metrics = None
