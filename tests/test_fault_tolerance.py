@@ -1,0 +1,101 @@
+"""Lose nothing: `tfdist train` killed at random moments, or preempted, resumes to the uninterrupted weights."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from helpers import ROOT, tfdist_command
+from tfdist.callbacks import EXIT_PREEMPTED
+from tfdist.checkpoint_store import CheckpointStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+# One device keeps each of the many restarts short; 4 epochs of 22 steps.
+JOB = ["--config", "configs/default.yaml", "--set", "strategy.kind=one_device", "--set", "train.epochs=4",
+       "--set", "train.verbose=0", "--set", "callbacks.throughput_warmup_steps=1"]
+
+
+def _start(directory, metrics, *sets, log=None):
+    args = [*JOB, *(f"--set={s}" for s in sets), "--set", f"checkpoint.dir={directory}", "--metrics_out", str(metrics)]
+    return subprocess.Popen(tfdist_command("train", *args), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=log or subprocess.PIPE, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+def _digest(metrics):
+    result = json.loads(metrics.read_text())
+    return result["final_weights_digest"], result["resumed_from_step"]
+
+
+def _wait_for_checkpoint_after(store, step, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = store.steps()
+        if steps and steps[0] > step:
+            return steps
+        assert process.poll() is None, f"the job ended (exit {process.returncode}) before saving past step {step}"
+        time.sleep(0.02)
+    pytest.fail(f"no checkpoint after step {step} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    process = _start(tmp / "ckpt", tmp / "metrics.json", "checkpoint.every_steps=1")
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return _digest(tmp / "metrics.json")[0]
+
+
+@pytest.mark.timeout(900)
+def test_twenty_sigkills_at_random_moments_lose_nothing(tmp_path, uninterrupted):
+    rng = random.Random(18)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    newest, kills, during_save = 0, 0, 0
+    log = open(tmp_path / "stderr.log", "w")
+    while kills < 20:
+        process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=1",
+                         "checkpoint.keep=1000", log=log)
+        steps = _wait_for_checkpoint_after(store, newest, process)
+        assert min(s for s in steps if s > newest) == newest + 1, "the restart did not resume from the newest checkpoint"
+        time.sleep(rng.uniform(0, 0.3))  # saves every step: many kills land during one
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        kills += 1
+        during_save += any(name.startswith(".tmp-") for name in os.listdir(store.directory))
+        newest = store.steps()[0]
+        files = os.listdir(store.path(newest))
+        assert "meta.json" in files and "state.index" in files, files  # complete, or not there at all
+    process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=1", log=log)
+    assert process.wait(timeout=300) == 0
+    log.close()
+    digest, resumed_from = _digest(tmp_path / "metrics.json")
+    assert resumed_from == newest and digest == uninterrupted
+    assert "cannot be read" not in (tmp_path / "stderr.log").read_text()
+    print(f"{kills} kills, {during_save} during a save; resumed last from step {newest}")
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, uninterrupted):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=20",
+                     "checkpoint.grace_seconds=20")
+    _wait_for_checkpoint_after(store, 0, process)  # step 20: training is under way
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == EXIT_PREEMPTED and time.monotonic() - sent < 20
+    stopped_at = store.steps()[0]
+    assert stopped_at > 20
+    assert err.strip().splitlines()[-1] == (
+        f"tfdist: preempted (SIGTERM): saved the checkpoint of step {stopped_at} in {store.directory}; "
+        f"exiting {EXIT_PREEMPTED} so that the job is run again, and it resumes there")
+    process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=20")
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert _digest(tmp_path / "metrics.json") == (uninterrupted, stopped_at)
