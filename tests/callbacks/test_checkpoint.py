@@ -10,6 +10,8 @@ import tensorflow as tf
 
 from tfdist.callbacks import Checkpoint, weights_digest
 from tfdist.checkpoint_store import CheckpointMismatch, CheckpointStore
+from tfdist.layers import ColumnParallelDense, RowParallelDense
+from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
 
 STEPS_PER_EPOCH = 6
 
@@ -25,9 +27,13 @@ def _data():
 def _model(strategy):
     keras.utils.set_random_seed(0)
     with strategy.scope():
+        if isinstance(strategy, TensorParallelStrategy):
+            hidden = [ColumnParallelDense(16, activation="relu"), RowParallelDense(16)]
+        else:
+            hidden = [keras.layers.Dense(16, activation="relu")]
         model = keras.Sequential([
-            keras.Input((5,)), keras.layers.Dense(16, activation="relu"), keras.layers.BatchNormalization(),
-            keras.layers.Dropout(0.3), keras.layers.Dense(2),
+            keras.Input((5,)), *hidden, keras.layers.BatchNormalization(), keras.layers.Dropout(0.3),
+            keras.layers.Dense(2),
         ])
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
@@ -59,9 +65,17 @@ def _fit(strategy, directory, epochs=3, extra=()):
     return model, checkpoint, history
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_a_run_killed_mid_epoch_resumes_to_the_same_weights_and_history(tmp_path, devices):
-    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+STRATEGIES = {
+    "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+    "mirrored": lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+    "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False),
+    "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
+}
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_a_run_killed_mid_epoch_resumes_to_the_same_weights_and_history(tmp_path, kind):
+    strategy = STRATEGIES[kind]()
     whole, _, whole_history = _fit(strategy, tmp_path / "whole")
     with pytest.raises(_Killed):
         _fit(strategy, tmp_path / "killed", extra=[_KillAt(11)])  # epoch 1, step 5; last checkpoint at step 8
