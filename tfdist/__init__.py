@@ -21,6 +21,7 @@ from tfdist.errors import ClusterError, ConfigError
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
     "ClusterError",
     "Config",
     "ConfigError",
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Checkpoint": "tfdist.callbacks",
     "make_strategy": "tfdist.strategies",
     "HorovodStrategy": "tfdist.strategies",
     "MirroredStrategy": "tfdist.strategies",
