@@ -19,7 +19,9 @@ import shutil
 import warnings
 from typing import Any, Callable, Optional
 
-__all__ = ["CheckpointMismatch", "CheckpointStore"]
+__all__ = ["CheckpointMismatch", "CheckpointStore", "EXIT_PREEMPTED"]
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped by SIGTERM after saving; run the job again to resume
 
 _NAME = re.compile(r"step-(\d{12})")
 _TMP_PREFIX = ".tmp-"

@@ -31,6 +31,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (
 _WORKERS = flags.DEFINE_integer("workers", 1, "launch: worker processes (Horovod: ranks).")
 _PS = flags.DEFINE_integer("ps", 0, "launch: parameter servers (default: parameter_server.num_ps).", lower_bound=0)
 _CHIEF = flags.DEFINE_bool("chief", False, "launch: add a chief task to a multi-worker job.")
+_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 0, "launch: run the job again after a failure, up to this "
+                                     "many times (it resumes from checkpoint.dir).", lower_bound=0)
 _TASKS = flags.DEFINE_integer("tasks", None, "slurm: Slurm tasks (processes) of the job.")
 _NODES = flags.DEFINE_integer("nodes", None, "slurm: nodes (#SBATCH --nodes).")
 _GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "slurm: GPUs per node (#SBATCH --gpus-per-node).")
@@ -56,7 +58,8 @@ commands:
   config         print the resolved config as YAML (--config, --set)
   slurm          print an sbatch script for the job (--tasks, --nodes, --gpus-per-node, --partition, --time,
                  --overcommit, and train's flags): tfdist slurm ... | sbatch
-  launch         run every task of a multi-process job here (--workers, --ps, --chief, and train's flags)
+  launch         run every task of a multi-process job here (--workers, --ps, --chief, --max_restarts, and
+                 train's flags)
   k8s            write validated Kubernetes manifests for the job (--image, --workers, --ps, --out, --flavor,
                  --gpus-per-worker, --cpu, --memory, --queue, --namespace, --priority-class, --name)
   bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling); NAME is one of:
@@ -126,8 +129,12 @@ def _launch_command(args) -> None:
 
     if args:
         _fail(f"`launch` takes no arguments. Received: {' '.join(args)}")
-    tasks = launch.plan(_load(), _train_args(), workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value)
-    sys.exit(launch.run(tasks))
+    config = _load()
+
+    def plan():
+        return launch.plan(config, _train_args(), workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value)
+
+    sys.exit(launch.run(plan(), max_restarts=_MAX_RESTARTS.value, replan=plan))
 
 
 def _slurm_command(args) -> None:

@@ -10,8 +10,10 @@ Each task is `tfdist train` with the same config and its own `TF_CONFIG`
 passes through as it is, so Keras's progress bar keeps working; every other
 line is prefixed with its task (`[worker 1] ...`). The first task that fails
 stops the others: the launcher prints one line naming it and exits with its
-code (128 + N for a signal N). SIGINT and SIGTERM reach every task. Nothing is
-left running when it returns.
+code (128 + N for a signal N), or, with `--max_restarts N`, says why and runs
+the whole job again, up to N times (with `checkpoint.dir` it resumes from its
+last checkpoint). SIGINT and SIGTERM reach every task. Nothing is left running
+when it returns.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
+from tfdist.checkpoint_store import EXIT_PREEMPTED
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 from tfdist.loopback import free_loopback_ports
@@ -130,9 +133,25 @@ def cluster_of(roles: list[str], addresses: list[str]) -> dict[str, list[str]]:
     return cluster
 
 
-def run(tasks: list[Task], *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Runs every task until the job is done or one fails; returns the exit code."""
-    return _Job(tasks, out, err).run()
+def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[], list[Task]]] = None,
+        out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Runs every task until the job is done or one fails; returns the exit code.
+
+    Args:
+      tasks: the job's tasks.
+      max_restarts: run the whole job again after a failure, up to this many
+        times (a job with `checkpoint.dir` resumes from its last checkpoint).
+        A stop by SIGINT or SIGTERM is not restarted.
+      replan: the tasks of a restart (fresh ports), when given.
+    """
+    for attempt in range(max_restarts + 1):
+        job = _Job(tasks, out, err)
+        code = job.run()
+        if code == 0 or job.signalled is not None or attempt == max_restarts:
+            return code
+        job.say(f"restarting the job ({attempt + 1} of {max_restarts}) after: {job.failure}")
+        tasks = replan() if replan else tasks
+    return code
 
 
 def exit_code(returncode: int) -> int:
@@ -151,6 +170,7 @@ class _Job:
         self.horovod_failure: Optional[tuple[int, int]] = None  # (rank, code), from horovodrun's report
         self.mid_line = False  # the last output ended without a newline (a progress bar)
         self.exits: queue.Queue = queue.Queue()  # (task, return code), as each task exits
+        self.failure: Optional[str] = None  # what failed, as the one line says it
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -186,7 +206,7 @@ class _Job:
         unfinished = {task.name for task in self.tasks if task.finishes}
         while unfinished:
             if self.signalled is not None:
-                self._say(f"stopped by {signal.Signals(self.signalled).name}; stopping every task")
+                self.say(f"stopped by {signal.Signals(self.signalled).name}; stopping every task")
                 return 128 + self.signalled
             try:
                 task, code = self.exits.get(timeout=_POLL_SECONDS)
@@ -194,8 +214,8 @@ class _Job:
                 continue
             if code:
                 self._stop()  # the others, and the output still in the pipes, before the one line
-                message, code = self._failure(task, code)
-                self._say(message)
+                self.failure, code = self._failure(task, code)
+                self.say(f"error: {self.failure}")
                 return exit_code(code)
             unfinished.discard(task.name)
         return 0
@@ -204,10 +224,10 @@ class _Job:
         """The one line for a failed task, and the exit code to end with (the failed rank's, under Horovod)."""
         if task.role == "horovodrun" and self.horovod_failure:
             rank, code = self.horovod_failure
-            return f"error: rank {rank} failed ({_describe(code)}); horovodrun stopped the other ranks", code
-        return f"error: {task.name} failed ({_describe(code)}); stopped the other tasks", code
+            return f"rank {rank} failed ({_describe(code)}); horovodrun stopped the other ranks", code
+        return f"{task.name} failed ({_describe(code)}); stopped the other tasks", code
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         with self.write_lock:
             if self.mid_line:  # below a progress bar, not on it
                 self.out.write("\n")
@@ -295,6 +315,8 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
 
 
 def _describe(code: int) -> str:
+    if code == EXIT_PREEMPTED:
+        return f"exit code {code}: preempted, its checkpoint saved"
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     if code > 128 and code - 128 in signal.valid_signals():

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -42,11 +44,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.checkpoint_store import CheckpointMismatch, CheckpointStore
+from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
 
 __all__ = ["Checkpoint", "EXIT_PREEMPTED", "weights_digest"]
-
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job can be run again and will resume
 
 
 def weights_digest(model: keras.Model) -> str:
@@ -68,8 +68,11 @@ class Checkpoint(keras.callbacks.Callback):
         With neither, a checkpoint is saved at each epoch end.
       keep: how many of the newest checkpoints to keep.
       grace_seconds: after SIGTERM, the time allowed to finish the step and save.
-      write: whether this process writes (in a multi-process job only the
-        chief does; every process resumes).
+      write: whether this process writes the checkpoints (in a multi-process
+        job only the chief does, and every process resumes). The others still
+        save, to a scratch directory they delete: reading the metrics (and, in
+        some strategies, variables) of a multi-process job is a collective that
+        every process must join, at the same step.
 
     Attributes:
       resumed_from_step: the global step this run resumed from (0: a fresh start).
@@ -188,6 +191,9 @@ class Checkpoint(keras.callbacks.Callback):
             sys.exit(EXIT_PREEMPTED)
         if self._step != self._last_saved_step:
             self._save()
+        if getattr(self, "_scratch_store", None) is not None:
+            shutil.rmtree(self._scratch_store.directory, ignore_errors=True)
+            self._scratch_store = None
 
     def _save(self):
         epoch, step_in_epoch = self._epoch, self._step_in_epoch
@@ -195,10 +201,15 @@ class Checkpoint(keras.callbacks.Callback):
             epoch, step_in_epoch = epoch + 1, 0  # the epoch is done: resume at the next one's start
         meta = {"epoch": epoch, "step_in_epoch": step_in_epoch,
                 "iterator_batches": self._iterator._tfdist_batches if step_in_epoch or self._keeps_iterator() else 0}
-        if self.write:
-            self.store.save(self._step, self._state().write, {**meta, **self._shape()})
+        store = self.store if self.write else self._scratch()
+        store.save(self._step, self._state().write, {**meta, **self._shape()})
         self._last_save_time = time.monotonic()
         self._last_saved_step = self._step
+
+    def _scratch(self) -> CheckpointStore:
+        if getattr(self, "_scratch_store", None) is None:
+            self._scratch_store = CheckpointStore(tempfile.mkdtemp(prefix="tfdist-checkpoint-"), keep=1)
+        return self._scratch_store
 
     def _keeps_iterator(self) -> bool:
         """Whether Keras reads one iterator across epochs (steps_per_epoch given) rather than one per epoch."""

@@ -68,6 +68,11 @@ def check(config: Config) -> None:
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
+    multi_process = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.HOROVOD)
+    if config.checkpoint.every_seconds and config.strategy.kind in multi_process:
+        raise ConfigError("checkpoint.every_seconds", "would have each process save at its own step; "
+                          f"{config.strategy.kind.value} saves at the same step in every process: use "
+                          "checkpoint.every_steps.", config.checkpoint.every_seconds)
     if config.checkpoint.dir and config.callbacks.backup_dir:
         raise ConfigError("checkpoint.dir", "and callbacks.backup_dir both resume a job; keep one (checkpoint.dir "
                           "resumes mid-epoch and exactly).", config.checkpoint.dir)
