@@ -76,3 +76,29 @@ def ops_per_device(graph, types):
         ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
     devices = [op.device.split("device:")[-1] for op in ops if op.type in types]
     return dict(collections.Counter(d for d in devices if d))
+
+
+def processes_with(marker):
+    """PIDs of processes whose command line contains `marker` (each task's carries its --metrics_out)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def task_pid(marker, variable, value):
+    """The task process whose environment has VARIABLE=VALUE (a substring for TF_CONFIG)."""
+    for pid in processes_with(marker):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if value.encode() in env.get(variable.encode(), b"") and b"tfdist.cli" in open(f"/proc/{pid}/cmdline", "rb").read():
+            return pid
+    raise AssertionError(f"no task with {variable}={value}")

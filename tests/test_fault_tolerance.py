@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, tfdist_command
+from helpers import ROOT, task_pid, tfdist_command
 from tfdist.callbacks import EXIT_PREEMPTED
 from tfdist.checkpoint_store import CheckpointStore
 
@@ -99,3 +99,37 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
     _, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
     assert _digest(tmp_path / "metrics.json") == (uninterrupted, stopped_at)
+
+
+def _launch(directory, metrics, *flags):
+    args = ["launch", "--workers", "2", *flags, "--set", "train.epochs=2", "--set", "train.verbose=0",
+            "--set", "checkpoint.every_steps=5", "--set", f"checkpoint.dir={directory}", "--metrics_out", str(metrics)]
+    return subprocess.Popen(tfdist_command(*args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("flags,variable,value,failed", [
+    (["--config", "configs/default.yaml", "--set", "strategy.kind=multi_worker_mirrored"], "TF_CONFIG",
+     '"index": 1', "worker 1 failed (killed by SIGKILL); stopped the other tasks"),
+    pytest.param(["--config", "configs/horovod.yaml"], "HOROVOD_RANK", "1",
+                 "rank 1 failed (exit code 137, SIGKILL); horovodrun stopped the other ranks",
+                 marks=pytest.mark.horovod),
+])
+def test_a_two_process_job_with_a_process_killed_restarts_and_ends_as_if_uninterrupted(
+        tmp_path, flags, variable, value, failed):
+    whole = _launch(tmp_path / "whole", tmp_path / "whole.json", *flags)
+    _, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-3000:]
+    store = CheckpointStore(str(tmp_path / "killed"))
+    job = _launch(store.directory, tmp_path / "killed.json", "--max_restarts", "1", *flags)
+    try:
+        _wait_for_checkpoint_after(store, 10, job)  # mid-epoch 0 of 22 steps
+        os.kill(task_pid(str(tmp_path / "killed.json"), variable, value), signal.SIGKILL)
+        _, err = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert f"tfdist launch: restarting the job (1 of 1) after: {failed}" in err
+    digest, resumed_from = _digest(tmp_path / "killed.json")
+    assert resumed_from >= 10 and digest == _digest(tmp_path / "whole.json")[0]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, run_tfdist, tfdist_command
+from helpers import ROOT, processes_with, run_tfdist, task_pid, tfdist_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -52,32 +52,6 @@ def _finish(proc, timeout=240):
     return out, err
 
 
-def _processes_with(marker):
-    """PIDs of processes whose command line contains `marker` (each task's carries its --metrics_out)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return [pid for pid in found if pid != os.getpid()]
-
-
-def _task_pid(marker, variable, value):
-    """The task process whose environment has VARIABLE=VALUE (a substring for TF_CONFIG)."""
-    for pid in _processes_with(marker):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if value.encode() in env.get(variable.encode(), b"") and b"tfdist.cli" in open(f"/proc/{pid}/cmdline", "rb").read():
-            return pid
-    raise AssertionError(f"no task with {variable}={value}")
-
-
 def _wait_for(proc, text):
     """Reads the launcher's stdout until `text` appears; returns what was read."""
     seen = ""
@@ -98,7 +72,7 @@ def test_a_multi_worker_job_runs_from_one_command_with_its_progress_bar_and_leav
     assert result["strategy"] == "multi_worker_mirrored" and result["num_replicas"] == 2
     # The chief's bar redraws in place (a carriage return not ending a line) and its summary shows once.
     assert re.search(r"\r(?!\n)", out) and out.count("tfdist summary") == 1
-    assert _processes_with(str(metrics)) == []
+    assert processes_with(str(metrics)) == []
 
 
 def test_a_parameter_server_job_stops_its_servers_when_the_chief_is_done(tmp_path):
@@ -110,7 +84,7 @@ def test_a_parameter_server_job_stops_its_servers_when_the_chief_is_done(tmp_pat
     result = json.loads(metrics.read_text())
     assert result["cluster"] == "2 worker(s), 1 parameter server(s)"  # the launcher's, not a local cluster
     assert result["final"]["val_accuracy"] >= 0.9
-    assert _processes_with(str(metrics)) == []
+    assert processes_with(str(metrics)) == []
 
 
 @pytest.mark.horovod
@@ -121,7 +95,7 @@ def test_a_horovod_job_runs_horovodrun_for_you(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(metrics.read_text())["num_replicas"] == 2
     assert out.count("tfdist summary") == 1 and "<stdout>" not in out  # rank 0 unprefixed, as a plain run
-    assert _processes_with(str(metrics)) == []
+    assert processes_with(str(metrics)) == []
 
 
 @pytest.mark.parametrize("flags,variable,value,expected", [
@@ -134,7 +108,7 @@ def test_the_first_task_that_fails_ends_the_job_with_one_line_naming_it(tmp_path
     proc = _launch(metrics, *flags, "--set", "train.epochs=100", "--set", "train.verbose=2")
     try:
         _wait_for(proc, "Epoch 3/")
-        os.kill(_task_pid(str(metrics), variable, value), signal.SIGKILL)
+        os.kill(task_pid(str(metrics), variable, value), signal.SIGKILL)
         killed = time.monotonic()
         out, err = _finish(proc, timeout=120)
     finally:
@@ -143,7 +117,7 @@ def test_the_first_task_that_fails_ends_the_job_with_one_line_naming_it(tmp_path
     lines = err.strip().splitlines()
     assert lines[-1].startswith("tfdist launch: error: " + expected), err[-3000:]
     assert "Traceback" not in err  # not horovodrun's, not a task's
-    assert _processes_with(str(metrics)) == []
+    assert processes_with(str(metrics)) == []
 
 
 def test_sigterm_to_the_launcher_reaches_every_task(tmp_path):
@@ -158,7 +132,7 @@ def test_sigterm_to_the_launcher_reaches_every_task(tmp_path):
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == "tfdist launch: stopped by SIGTERM; stopping every task"
-    assert _processes_with(str(metrics)) == []
+    assert processes_with(str(metrics)) == []
 
 
 @pytest.mark.parametrize("flags,message", [
