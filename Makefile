@@ -38,18 +38,22 @@ $(STAMPS)/horovod: $(STAMPS)/tfdist $(STAMPS)/system tools/install_horovod.sh
 demo: setup
 	tfdist train --config configs/default.yaml
 
+# `bazel test //...` runs the unit-test files of tests/BUILD; pytest runs the rest, so no test runs twice.
+BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
+
 test: setup
-	$(MAKE) pytest
+	$(MAKE) pytest PYTEST_ARGS="$(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"
 	$(MAKE) bazel-test
 
 pytest:
 	TFDIST_REQUIRE_HOROVOD=1 pytest $(PYTEST_ARGS)
 
 bazel-test:
-	bazel test //...
+	bazel test --test_output=errors //...
 
 bench: setup
 	OMP_NUM_THREADS=1 tfdist bench overhead --json results/overhead.json --repeats 9
+	OMP_NUM_THREADS=1 tfdist bench checkpoint --json results/checkpoint.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench pipeline --json results/pipeline.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench parameter_server --json results/parameter_server.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench horovod --json results/horovod.json --repeats 5

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -109,27 +110,33 @@ def _launch(directory, metrics, *flags):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("flags,variable,value,failed", [
+@pytest.mark.parametrize("flags,variable,value,task", [
     (["--config", "configs/default.yaml", "--set", "strategy.kind=multi_worker_mirrored"], "TF_CONFIG",
-     '"index": 1', "worker 1 failed (killed by SIGKILL); stopped the other tasks"),
-    pytest.param(["--config", "configs/horovod.yaml"], "HOROVOD_RANK", "1",
-                 "rank 1 failed (exit code 137, SIGKILL); horovodrun stopped the other ranks",
-                 marks=pytest.mark.horovod),
+     '"index": 1', "worker"),
+    pytest.param(["--config", "configs/horovod.yaml"], "HOROVOD_RANK", "1", "rank", marks=pytest.mark.horovod),
 ])
-def test_a_two_process_job_with_a_process_killed_restarts_and_ends_as_if_uninterrupted(
-        tmp_path, flags, variable, value, failed):
+def test_a_two_process_job_killed_then_preempted_restarts_and_ends_as_if_uninterrupted(
+        tmp_path, flags, variable, value, task):
     whole = _launch(tmp_path / "whole", tmp_path / "whole.json", *flags)
     _, err = whole.communicate(timeout=300)
     assert whole.returncode == 0, err[-3000:]
-    store = CheckpointStore(str(tmp_path / "killed"))
-    job = _launch(store.directory, tmp_path / "killed.json", "--max_restarts", "1", *flags)
+    store = CheckpointStore(str(tmp_path / "job"))
+    job = _launch(store.directory, tmp_path / "job.json", "--max_restarts", "2", *flags)
     try:
         _wait_for_checkpoint_after(store, 10, job)  # mid-epoch 0 of 22 steps
-        os.kill(task_pid(str(tmp_path / "killed.json"), variable, value), signal.SIGKILL)
+        os.kill(task_pid(str(tmp_path / "job.json"), variable, value), signal.SIGKILL)
+        killed_after = store.steps()[0]
+        time.sleep(1)  # the launcher has stopped the job; the restart resumes and saves again
+        _wait_for_checkpoint_after(store, killed_after + 5, job)
+        # SIGTERM to one process only, as a scheduler draining one node: both save at one step and exit 75.
+        os.kill(task_pid(str(tmp_path / "job.json"), variable, value), signal.SIGTERM)
         _, err = job.communicate(timeout=300)
     finally:
         job.kill()
     assert job.returncode == 0, err[-3000:]
-    assert f"tfdist launch: restarting the job (1 of 1) after: {failed}" in err
-    digest, resumed_from = _digest(tmp_path / "killed.json")
-    assert resumed_from >= 10 and digest == _digest(tmp_path / "whole.json")[0]
+    restarts = [line for line in err.splitlines() if line.startswith("tfdist launch: restarting the job")]
+    assert len(restarts) == 2, err[-3000:]
+    assert f"1 of 2) after: {task} 1 failed (" in restarts[0] and "SIGKILL" in restarts[0]
+    assert "2 of 2) after: " in restarts[1] and "(exit code 75: preempted, its checkpoint saved)" in restarts[1]
+    preempted_at = int(re.search(r"saved the checkpoint of step (\d+)", err)[1])
+    assert _digest(tmp_path / "job.json") == (_digest(tmp_path / "whole.json")[0], preempted_at)

@@ -17,6 +17,7 @@ from tfdist.errors import ConfigError
 __all__ = ["BENCHMARKS", "one_line", "run"]
 
 BENCHMARKS = {
+    "checkpoint": "tfdist.bench.checkpoint",
     "horovod": "tfdist.bench.horovod",
     "input_pipeline": "tfdist.bench.input_pipeline",
     "overhead": "tfdist.bench.overhead",

@@ -169,13 +169,19 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._step += batch + 1 - self._step_in_epoch  # steps_per_execution steps per call
         self._step_in_epoch = batch + 1
-        if self._sigterm.is_set():
+        if self._any_process_preempted():
             self._save()
             self.preempted = True
             self.model.stop_training = True
         elif (self.every_steps and self._step - self._last_saved_step >= self.every_steps) or (
                 self.every_seconds and time.monotonic() - self._last_save_time >= self.every_seconds):
             self._save()
+
+    def _any_process_preempted(self) -> bool:
+        """Whether any process of the job got SIGTERM. A multi-process strategy (`any_process`) agrees on it
+        every step, so every process saves at the same step: a scheduler may signal only one of them."""
+        agree = getattr(self.model.distribute_strategy, "any_process", None)
+        return agree(self._sigterm.is_set()) if agree else self._sigterm.is_set()
 
     def on_epoch_end(self, epoch, logs=None):
         if not (self.every_steps or self.every_seconds) and not self.preempted:

@@ -299,6 +299,11 @@ class HorovodStrategy(distribute_lib.Strategy):
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         return {"cluster": f"{self.size} Horovod rank(s), one process per device"}
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (an all-reduced maximum); every rank must call it, in step."""
+        agreed = self.hvd.allreduce(tf.constant(int(flag)), op=self.hvd.Max, name="tfdist_any_process")
+        return bool(agreed.numpy())
+
     def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
         """One line when a step failed because Horovod's collectives are down; None for other errors.
 

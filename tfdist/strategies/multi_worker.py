@@ -73,6 +73,11 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
         return tf.nest.map_structure(reduce_one, value)
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is set on any worker (an all-reduced sum); every worker must call it, in step."""
+        flags = self.experimental_distribute_values_from_function(lambda context: tf.constant(int(flag)))
+        return bool(self.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None).numpy())
+
     def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
         """A failed step while a peer does not answer is a lost task (one line); None for other errors."""
         lost = self.unreachable_peers()

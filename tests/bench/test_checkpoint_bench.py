@@ -1,0 +1,27 @@
+"""`tfdist bench checkpoint` writes its JSON: the step-time ratio with checkpoints every 100 steps."""
+
+import json
+import math
+
+import pytest
+
+from helpers import run_tfdist
+
+pytestmark = pytest.mark.slow
+
+
+def test_checkpoint_bench_times_rounds_with_and_without_saves(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    proc = run_tfdist("bench", "checkpoint", "--json", str(out), "--repeats", "1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "checkpoint" and result["every_steps"] == 100
+    assert result["steps_per_round"] > 2 * result["every_steps"]  # two saves inside the timed steps
+    figures = result["figures"]
+    ratio = figures["ratio"]
+    assert math.isfinite(ratio) and ratio == pytest.approx(
+        result["mean_step_time_ms"]["checkpointed"] / result["mean_step_time_ms"]["plain"])
+    assert figures["save_ms"] > 0
+    # Weights, Adam's two slots per weight and the metrics: more than 3 x the digits CNN's float32 weights.
+    assert figures["checkpoint_bytes"] > 3 * 4 * 20000
+    assert f"ratio={ratio:.4g}" in proc.stdout and "machine" in result

@@ -1,0 +1,15 @@
+"""Prints the test files `bazel test //...` runs (tests/BUILD targets not tagged `manual`).
+
+`make test` runs those under Bazel and everything else under pytest, so no
+test runs twice.
+"""
+
+import os
+import re
+
+BUILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "BUILD")
+
+with open(BUILD) as f:
+    for target in re.findall(r"pytest_test\((.*?)\)\n", f.read(), re.S):
+        if '"manual"' not in target:
+            print("tests/" + re.search(r'src = "([^"]+)"', target)[1])
