@@ -143,16 +143,18 @@ class Checkpoint(keras.callbacks.Callback):
                               "repeat the dataset and pass steps_per_epoch for an exact resume", stacklevel=2)
         self._last_save_time = time.monotonic()
         self._last_saved_step = self._step
-        self._previous_handler = None
+        self._previous_handler, self._deadline = None, None
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm())
 
     def _on_sigterm(self):
-        self._sigterm.set()
-        threading.Thread(target=self._exit_if_not_saved_in_time, daemon=True).start()
+        if not self._sigterm.is_set():
+            self._sigterm.set()
+            self._deadline = threading.Timer(self.grace_seconds, self._exit_without_saving)
+            self._deadline.daemon = True
+            self._deadline.start()
 
-    def _exit_if_not_saved_in_time(self):  # a step stuck in a collective must not outlive the grace period
-        time.sleep(self.grace_seconds)
+    def _exit_without_saving(self):  # a step stuck (in a collective, say) must not outlive the grace period
         print(f"tfdist: error: preempted (SIGTERM); the step and checkpoint did not finish within "
               f"checkpoint.grace_seconds={self.grace_seconds:g}; exiting without saving "
               f"(exit {EXIT_PREEMPTED}: run the job again to resume from the last checkpoint)", file=sys.stderr)
@@ -190,16 +192,20 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
-        if self.preempted:
-            print(f"tfdist: preempted (SIGTERM): saved the checkpoint of step {self._step} in {self.store.directory}; "
-                  f"exiting {EXIT_PREEMPTED} so that the job is run again, and it resumes there", file=sys.stderr)
-            sys.stderr.flush()
-            sys.exit(EXIT_PREEMPTED)
+        if self._deadline is not None:
+            self._deadline.cancel()
         if self._step != self._last_saved_step:
             self._save()
         if getattr(self, "_scratch_store", None) is not None:
             shutil.rmtree(self._scratch_store.directory, ignore_errors=True)
             self._scratch_store = None
+        if self.preempted:
+            print(f"tfdist: preempted (SIGTERM): saved the checkpoint of step {self._step} in {self.store.directory}; "
+                  f"exiting {EXIT_PREEMPTED} so that the job is run again, and it resumes there", file=sys.stderr)
+            sys.stderr.flush()
+            sys.exit(EXIT_PREEMPTED)
+        if self._sigterm.is_set():  # it came after the last step: training is done and saved; now obey it
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _save(self):
         epoch, step_in_epoch = self._epoch, self._step_in_epoch
