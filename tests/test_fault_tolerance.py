@@ -140,3 +140,18 @@ def test_a_two_process_job_killed_then_preempted_restarts_and_ends_as_if_uninter
     assert "2 of 2) after: " in restarts[1] and "(exit code 75: preempted, its checkpoint saved)" in restarts[1]
     preempted_at = int(re.search(r"saved the checkpoint of step (\d+)", err)[1])
     assert _digest(tmp_path / "job.json") == (_digest(tmp_path / "whole.json")[0], preempted_at)
+
+
+@pytest.mark.timeout(400)
+def test_a_parameter_server_job_resumes_from_its_checkpoint(tmp_path):
+    # Its workers' steps are asynchronous, so the resume is not bit-exact: it restarts from the saved step.
+    ps = ["train", "--config", "configs/parameter_server.yaml", "--set", "train.steps_per_epoch=10",
+          "--set", "train.verbose=0", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "checkpoint.every_steps=4",
+          "--metrics_out", str(tmp_path / "metrics.json")]
+    for epochs, resumed in ((1, 0), (3, 10)):
+        proc = subprocess.run(tfdist_command(*ps, "--set", f"train.epochs={epochs}"), cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads((tmp_path / "metrics.json").read_text())
+        assert result["resumed_from_step"] == resumed
+    assert CheckpointStore(str(tmp_path / "ckpt")).steps()[0] == 30
