@@ -56,6 +56,7 @@ bench: setup
 	OMP_NUM_THREADS=1 tfdist bench checkpoint --json results/checkpoint.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench pipeline --json results/pipeline.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench parameter_server --json results/parameter_server.json --repeats 5
+	OMP_NUM_THREADS=1 tfdist bench ps_worker_loss --json results/ps_worker_loss.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench horovod --json results/horovod.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench tensor_parallel --json results/tensor_parallel.json --repeats 5
 	tfdist bench input_pipeline --json results/input_pipeline.json --repeats 5

@@ -86,7 +86,7 @@ def test_a_killed_parameter_server_is_a_prompt_clear_error():
     result = _scenario("killed_ps_is_an_error")
     assert result["error"] is not None
     assert result["error"].startswith("lost a parameter server, ps 0 at 127.0.0.1:")
-    assert "callbacks.backup_dir" in result["error"]
+    assert "checkpoint.dir" in result["error"]
     assert result["seconds_after_kill"] < 30
 
 
@@ -140,18 +140,19 @@ def _ps_children(parent_pid):
 
 
 @pytest.mark.slow
-def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_backup(tmp_path):
+def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_checkpoint(tmp_path):
+    metrics = tmp_path / "metrics.json"
     command = tfdist_command(
         "train", "--config", "configs/parameter_server.yaml",
         "--set", "train.epochs=6", "--set", "train.verbose=2",
-        "--set", f"callbacks.backup_dir={tmp_path / 'backup'}",
+        "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--metrics_out", str(metrics),
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the CLI's own default
     first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in first.stdout:
-            if line.startswith("Epoch 3/6"):  # epochs 1 and 2 are backed up
+            if line.startswith("Epoch 3/6"):  # epochs 1 and 2 are saved
                 for pid in _ps_children(first.pid):
                     os.kill(pid, 9)
                 break
@@ -162,10 +163,11 @@ def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_backup(tmp_path)
     # The user's screen ends with one line, not the coordinator's 70-150 lines of gRPC detail.
     lines = err.strip().splitlines()
     assert lines[-1].startswith("tfdist: error: lost a parameter server"), err[-3000:]
-    assert len(lines) <= 3, err[-3000:]
+    assert "checkpoint.dir" in lines[-1] and len(lines) <= 3, err[-3000:]
 
     second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     epochs = [line.split()[1] for line in second.stdout.splitlines() if line.startswith("Epoch ")]
-    assert epochs[0] in ("3/6", "4/6")  # resumed after the last backed-up epoch
-    assert epochs[-1] == "6/6"
+    assert epochs[0] == "3/6" and epochs[-1] == "6/6"  # resumed at the last saved epoch end
+    result = json.loads(metrics.read_text())
+    assert result["resumed_from_step"] == 2 * result["steps_per_epoch"]

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",
+    "ps_worker_loss": "tfdist.bench.ps_worker_loss",
     "scaling": "tfdist.bench.scaling",
     "tensor_parallel": "tfdist.bench.tensor_parallel",
 }

@@ -314,7 +314,7 @@ def _with_cluster_errors(function, ps_addresses: list[str]):
                 raise ClusterError(
                     f"lost a parameter server, {where} ({error_reason(message)}). The variables it "
                     "held are gone: restart the cluster and rerun the job; with "
-                    "callbacks.backup_dir set it resumes from the last epoch's backup."
+                    "checkpoint.dir set it resumes from the last checkpoint."
                 ) from error
             raise
 

@@ -97,7 +97,7 @@ class LocalCluster:
         for job in ("ps", "worker"):
             for index in range(len(self.cluster_spec[job])):
                 self._spawn(job, index)
-        self._wait_until_listening()
+        self.wait_until_listening()
         self._supervisor = threading.Thread(target=self._supervise, name="tfdist-ps-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -139,7 +139,7 @@ class LocalCluster:
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent
         )
 
-    def _wait_until_listening(self) -> None:
+    def wait_until_listening(self) -> None:
         """Every task's port accepts connections, or a ClusterError naming the ones that do not."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         pending = {(job, i): address for job in ("ps", "worker") for i, address in enumerate(self.cluster_spec[job])}
