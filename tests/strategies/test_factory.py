@@ -2,9 +2,12 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework.config import is_op_determinism_enabled  # no public getter in TF 2.21
 
 from tfdist import ConfigError, load_config, make_strategy
 from tfdist.strategies import MultiWorkerMirroredStrategy
@@ -149,3 +152,14 @@ def test_an_unknown_op_is_refused_before_horovod_starts():
 
     with pytest.raises(ValueError, match="`op` must be one of average, sum, adasum"):
         HorovodStrategy(op="mean")
+
+
+def test_deterministic_ops_switches_on_op_determinism():
+    # Op determinism is process-wide and cannot be switched off again, so it is tried in a process of its own.
+    code = ("from tensorflow.python.framework.config import is_op_determinism_enabled; "
+            "from tfdist import load_config, make_strategy; "
+            "make_strategy(load_config(None, ['runtime.deterministic_ops=true'])); print(is_op_determinism_enabled())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+    assert not is_op_determinism_enabled()  # off unless asked for

@@ -490,10 +490,14 @@ class RuntimeConfig:
     Attributes:
       intra_op_threads: threads inside one op (0: TensorFlow decides).
       inter_op_threads: ops run at once (0: TensorFlow decides).
+      deterministic_ops: TensorFlow's op determinism
+        (`tf.config.experimental.enable_op_determinism`): the same inputs give
+        the same bits, which a bit-identical resume on a GPU needs.
     """
 
     intra_op_threads: int = bounded(0, low=0)
     inter_op_threads: int = bounded(0, low=0)
+    deterministic_ops: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

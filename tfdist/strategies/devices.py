@@ -61,7 +61,7 @@ def _set_threads(setter, getter, value: int, key: str) -> None:
 
 
 def configure_runtime(config: Config) -> int:
-    """Applies threads and logical CPU devices from config; returns the GPU count.
+    """Applies threads, op determinism and logical CPU devices from config; returns the GPU count.
 
     Raises:
       ConfigError: the runtime already initialised differently, or
@@ -80,6 +80,8 @@ def configure_runtime(config: Config) -> int:
         config.runtime.inter_op_threads,
         "runtime.inter_op_threads",
     )
+    if config.runtime.deterministic_ops:
+        tf.config.experimental.enable_op_determinism()
     gpus = physical_gpus()
     check_devices(config, gpus=gpus)
     single_host = (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE, StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL)
