@@ -83,7 +83,7 @@ class Job:
 
 def roles(config: Config, job: Job) -> dict[str, int]:
     """Pods per role, in the order the tasks start."""
-    if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+    if config.strategy.launched_as == StrategyKind.PARAMETER_SERVER:
         return {"ps": job.ps or config.parameter_server.num_ps, "chief": 1, "worker": job.workers}
     return {"worker": job.workers}
 
@@ -96,7 +96,7 @@ def manifests(config: Config, job: Job) -> list[dict]:
         flavor that does not fit the kind.
     """
     _check(config, job)
-    if config.strategy.kind == StrategyKind.HOROVOD:
+    if config.strategy.launched_as == StrategyKind.HOROVOD:
         return [_config_map(config, job), _mpi_job(job)]
     if job.flavor == "tfjob":
         return [_config_map(config, job), _tf_job(config, job)]
@@ -168,7 +168,7 @@ def resolver(config: Config):
 
 
 def _check(config: Config, job: Job) -> None:
-    kind = config.strategy.kind
+    kind = config.strategy.launched_as
     if kind not in MULTI_PROCESS_KINDS:
         raise ConfigError("strategy.kind", f"runs in one process; `k8s` writes jobs of "
                           f"{', '.join(k.value for k in MULTI_PROCESS_KINDS)}.", kind.value)
@@ -196,7 +196,7 @@ def _check(config: Config, job: Job) -> None:
 def _pod_config(config: Config, job: Job) -> dict:
     """The config the pods read: the cluster from Kubernetes (or TF_CONFIG under TFJob), addresses off loopback."""
     data = to_dict(config)
-    uses_resolver = config.strategy.kind != StrategyKind.HOROVOD and job.flavor != "tfjob"
+    uses_resolver = config.strategy.launched_as != StrategyKind.HOROVOD and job.flavor != "tfjob"
     resolver_kind = ClusterResolverKind.KUBERNETES if uses_resolver else ClusterResolverKind.CONFIG
     data["cluster"].update(resolver=resolver_kind.value, allow_non_loopback=True)
     if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
@@ -227,7 +227,7 @@ def _container(config: Config, job: Job, role: str, command: list[str], env: lis
     container = {"name": CONTAINER, "image": job.image, "command": command, "env": env,
                  "resources": {"requests": {"cpu": job.cpu, "memory": job.memory}},
                  "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]}
-    if config.strategy.kind != StrategyKind.HOROVOD:
+    if config.strategy.launched_as != StrategyKind.HOROVOD:
         port_name = "tfjob-port" if job.flavor == "tfjob" else "tfdist"  # the operator finds it by that name
         container["ports"] = [{"name": port_name, "containerPort": config.cluster.port_base}]
     if job.gpus_per_worker and role == "worker":

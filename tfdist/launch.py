@@ -87,7 +87,7 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
     Raises:
       ConfigError: the counts do not fit the kind, or the config already names a cluster.
     """
-    kind = config.strategy.kind
+    kind = config.strategy.launched_as
     if workers < 1:
         raise ConfigError("--workers", "must be at least 1.", workers)
     if config.cluster.workers:

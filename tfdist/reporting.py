@@ -58,11 +58,13 @@ def format_summary(result: Mapping[str, Any]) -> str:
         "tfdist summary",
         f"  strategy        {result['strategy']} ({replicas} replica(s))",
         *([f"  cluster         {result['cluster']}"] if "cluster" in result else []),
+        *([f"  layout          {result['layout']['text']}"] if "layout" in result else []),
         *([f"  sharded tables  {result['sharded_tables']}"] if "sharded_tables" in result else []),
         *([f"  tensor groups   {_groups(result['tensor_parallel_groups'])}"] if "tensor_parallel_groups" in result else []),
         *([f"  placement       {result['placement']}"] if "placement" in result else []),
         f"  local devices   {', '.join(_short(d) for d in result['devices'])}",
-        f"  global batch    {result['global_batch_size']} ({per_replica} per replica)",
+        f"  global batch    {result['global_batch_size']} ({per_replica} per replica"
+        + (f", micro-batches of {result['micro_batch_size']})" if "micro_batch_size" in result else ")"),
         f"  precision       {result['precision']}",
         "  samples/sec     "
         + (

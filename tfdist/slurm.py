@@ -84,7 +84,7 @@ def resolver(config: Config):
     addresses = slurm.cluster_spec().as_dict()["worker"]  # in task order
     for index, address in enumerate(addresses):
         check_address(address, f"Slurm task {index}", config.cluster.allow_non_loopback)
-    task_roles = roles(config.strategy.kind, num_tasks, config.parameter_server.num_ps)
+    task_roles = roles(config.strategy.launched_as, num_tasks, config.parameter_server.num_ps)
     cluster = cluster_of(task_roles, addresses)
     me = int(os.environ["SLURM_PROCID"])
     task_type = task_roles[me]
@@ -127,7 +127,7 @@ def sbatch_script(
     Raises:
       ConfigError: a kind that does not run on several processes, or counts that do not fit it.
     """
-    kind = config.strategy.kind
+    kind = config.strategy.launched_as
     if kind not in MULTI_PROCESS_KINDS:
         raise ConfigError("strategy.kind", "runs in one process; Slurm jobs take multi_worker_mirrored, "
                           "parameter_server or horovod.", kind.value)

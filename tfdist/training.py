@@ -210,6 +210,9 @@ def run(
         result["input_stalls"] = stalls.report
     # What the strategy adds: its cluster, partition, device groups, placement.
     result.update(getattr(job.strategy, "job_report", lambda model: {})(job.model))
+    if "pipeline" in result:
+        per_replica = config.train.global_batch_size // job.strategy.num_replicas_in_sync
+        result["micro_batch_size"] = per_replica // result["pipeline"]["num_micro_batches"]
     if chief:
         print(format_summary(result), file=out)
         if metrics_out:

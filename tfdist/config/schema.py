@@ -67,6 +67,12 @@ class StrategyKind(str, enum.Enum):
     TENSOR_PARALLEL = "tensor_parallel"
 
 
+class DataParallel(str, enum.Enum):
+    LOCAL = "local"
+    MULTI_WORKER = "multi_worker"
+    HOROVOD = "horovod"
+
+
 class AllReduce(str, enum.Enum):
     AUTO = "auto"
     NCCL = "nccl"
@@ -153,6 +159,11 @@ class StrategyConfig:
         over. With tensor_parallel, 0 puts every device in one group, and a
         smaller size makes several groups, one model replica each, trained
         data parallel. With pipeline, the devices of each stage (0: one).
+      data_parallel: for pipeline and tensor_parallel: `local` trains this
+        process's replicas; `multi_worker` (a cluster from the `cluster`
+        section or TF_CONFIG) and `horovod` (the ranks `horovodrun` started)
+        run the replicas on the local devices of every process and train all
+        of them data parallel, with that backend's collectives.
     """
 
     kind: StrategyKind = StrategyKind.MIRRORED
@@ -164,6 +175,16 @@ class StrategyConfig:
     collective_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
     tpu: str = ""
     tensor_parallel_size: int = bounded(0, low=0, high=64)
+    data_parallel: DataParallel = DataParallel.LOCAL
+
+    @property
+    def launched_as(self) -> "StrategyKind":
+        """The kind whose processes this job's are: a pipeline or tensor-parallel job with
+        `data_parallel` starts like a multi-worker or Horovod one (same tasks, launchers, cluster)."""
+        return {
+            DataParallel.MULTI_WORKER: StrategyKind.MULTI_WORKER_MIRRORED,
+            DataParallel.HOROVOD: StrategyKind.HOROVOD,
+        }.get(self.data_parallel, self.kind)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,15 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from tfdist.config.schema import AllReduce, ClusterResolverKind, Config, ModelName, PrecisionPolicy, StrategyKind
+from tfdist.config.schema import (
+    AllReduce,
+    ClusterResolverKind,
+    Config,
+    DataParallel,
+    ModelName,
+    PrecisionPolicy,
+    StrategyKind,
+)
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -63,13 +71,14 @@ def check(config: Config) -> None:
     _check_pipeline(config)
     _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
     _check_section_kind(config, "horovod", StrategyKind.HOROVOD)
+    _check_data_parallel(config)
     _check_tensor_parallel(config)
     _check_placement(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
     multi_process = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.HOROVOD)
-    if config.checkpoint.every_seconds and config.strategy.kind in multi_process:
+    if config.checkpoint.every_seconds and config.strategy.launched_as in multi_process:
         raise ConfigError("checkpoint.every_seconds", "would have each process save at its own step; "
                           f"{config.strategy.kind.value} saves at the same step in every process: use "
                           "checkpoint.every_steps.", config.checkpoint.every_seconds)
@@ -102,7 +111,7 @@ def _check_strategy(config: Config) -> None:
             "leave it at 1 otherwise.",
             s.num_packs,
         )
-    if s.bytes_per_pack and s.kind != StrategyKind.MULTI_WORKER_MIRRORED:
+    if s.bytes_per_pack and s.launched_as != StrategyKind.MULTI_WORKER_MIRRORED:
         raise ConfigError(
             "strategy.bytes_per_pack",
             "only applies to strategy.kind=multi_worker_mirrored; leave it at 0 otherwise.",
@@ -268,8 +277,19 @@ def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
             raise ConfigError(f"placement.layers[{i}]", f"must place on a device of the first group {first}.", device)
 
 
+def _check_data_parallel(config: Config) -> None:
+    s = config.strategy
+    if s.data_parallel != DataParallel.LOCAL and s.kind not in (StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL):
+        raise ConfigError("strategy.data_parallel", "applies to strategy.kind pipeline and tensor_parallel (the "
+                          f"other kinds are their own data parallelism); strategy.kind is {s.kind.value}.",
+                          s.data_parallel.value)
+    if s.data_parallel == DataParallel.HOROVOD and config.horovod.backward_passes_per_step != 1:
+        raise ConfigError("horovod.backward_passes_per_step", "applies to strategy.kind=horovod only; a pipeline "
+                          "accumulates over pipeline.num_micro_batches.", config.horovod.backward_passes_per_step)
+
+
 def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:
-    if config.strategy.kind != kind and getattr(config, section) != type(getattr(config, section))():
+    if config.strategy.launched_as != kind and getattr(config, section) != type(getattr(config, section))():
         raise ConfigError(
             section,
             f"only applies with strategy.kind={kind.value}; strategy.kind is {config.strategy.kind.value}.",
@@ -279,7 +299,7 @@ def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> Non
 
 def _check_cluster(config: Config) -> None:
     c = config.cluster
-    kind = config.strategy.kind
+    kind = config.strategy.launched_as
     if c.resolver != ClusterResolverKind.CONFIG:
         if kind not in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER):
             raise ConfigError(

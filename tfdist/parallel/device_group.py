@@ -98,12 +98,13 @@ def split_into_groups(devices: Sequence[str], size: int) -> list[DeviceGroup]:
 
 
 def current_replica() -> int:
-    """The id of the replica whose step is being built; 0 outside a replica (cross-replica context)."""
+    """The id in this process of the replica whose step is being built; 0 outside a replica
+    (cross-replica context). Replicas of other processes are not counted (`data_parallel`)."""
     context = tf.distribute.get_replica_context()
     if context is None:
         return 0
     replica = tf.get_static_value(context.replica_id_in_sync_group)
-    return 0 if replica is None else int(replica)
+    return 0 if replica is None else int(context.strategy.extended._get_local_replica_id(int(replica)))
 
 
 def _stack() -> list:

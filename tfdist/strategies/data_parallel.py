@@ -47,14 +47,18 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
     # Gradient clipping sees the all-reduced gradient, as on one device (`_compat`).
     clips_after_all_reduce = True
     _key_bases = itertools.count(1)
-    _KEYS_PER_INSTANCE = 100_000
+    _KEYS_PER_INSTANCE = 1_000_000
+    _KEYS_PER_PROCESS = 10_000  # up to 100 processes
     # A subclass that places variables its own way gives its MirroredExtended subclass here.
     _extended_type = mirrored_strategy.MirroredExtended
 
-    def __init__(self, devices=None, cross_device_ops=None):
+    def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0):
+        """`process_index`: this process's index when its local collectives share a cluster's
+        collective runtime with other processes (their local groups must not share keys)."""
         _compat.install_clipping_after_all_reduce()
         _compat.install_trainer_hooks()  # for `keras_hooks`
-        self._collective_key_base = next(self._key_bases) * self._KEYS_PER_INSTANCE
+        self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
+                                     + process_index * self._KEYS_PER_PROCESS)
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
         distribute_lib.Strategy.__init__(
             self, self._extended_type(self, devices=devices, cross_device_ops=cross_device_ops)

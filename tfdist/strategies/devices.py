@@ -12,7 +12,9 @@ from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_devices
 from tfdist.errors import ConfigError
 
-__all__ = ["configure_runtime", "default_devices", "ensure_logical_cpus", "local_devices", "physical_gpus"]
+__all__ = [
+    "configure_runtime", "default_devices", "ensure_logical_cpus", "local_devices", "physical_gpus", "split_cpu",
+]
 
 
 def physical_gpus() -> int:
@@ -112,6 +114,18 @@ def default_devices(needed: int = 1) -> list[str]:
       ValueError: no GPUs, and TensorFlow already started with fewer than
         `needed` CPU devices (the message says how to get them).
     """
+    split_cpu(needed)
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def split_cpu(needed: int) -> None:
+    """On a machine without GPUs, splits the CPU into `needed` logical devices unless it is already
+    (TensorFlow not started: this does not start it, so a cluster can still be joined after).
+
+    Raises:
+      ValueError: TensorFlow already started with fewer CPU devices (see `default_devices`).
+    """
     if not physical_gpus():
         try:
             ensure_logical_cpus(needed)
@@ -123,5 +137,3 @@ def default_devices(needed: int = 1) -> list[str]:
                 f"`tfdist.strategies.devices.ensure_logical_cpus({needed})` (in a config: "
                 f"strategy.logical_devices), or pass `devices`."
             ) from None
-    gpus = tf.config.list_logical_devices("GPU")
-    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

@@ -11,10 +11,12 @@ Example:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tensorflow as tf
 
 from tfdist import precision
-from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.schema import Config, DataParallel, StrategyKind
 from tfdist.config.validation import (
     check_batch_split,
     check_pipeline_devices,
@@ -26,6 +28,7 @@ from tfdist.errors import ConfigError
 from tfdist.strategies import data_parallel, horovod, multi_worker, parameter_server
 from tfdist.strategies.devices import configure_runtime, local_devices
 from tfdist.strategies.pipeline import PipelineStrategy
+from tfdist.strategies.process_group import HorovodProcesses, ProcessGroup, WorkerProcesses
 from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["make_strategy"]
@@ -53,6 +56,7 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     elif kind == StrategyKind.PIPELINE:
         devices = local_devices(config, gpus)
         check_pipeline_devices(config, devices)
+        processes = _process_group(config)
         p = config.pipeline
         strategy = PipelineStrategy(
             p.num_stages,
@@ -63,19 +67,18 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
             balance_by=p.balance_by.value,
             recompute=p.recompute,
             tensor_parallel_size=tensor_parallel_size(config, len(devices)),
+            data_parallel=processes,
         )
     elif kind == StrategyKind.PARAMETER_SERVER:
         strategy = parameter_server.from_config(config)
     elif kind == StrategyKind.HOROVOD:
-        try:
-            strategy = horovod.from_config(config)
-        except ImportError as error:
-            raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", kind.value) from None
+        strategy = _horovod(config)
     elif kind == StrategyKind.TENSOR_PARALLEL:
         devices = local_devices(config, gpus)
         check_tensor_parallel_devices(config, devices)
         strategy = TensorParallelStrategy(
-            devices, group_size=tensor_parallel_size(config, len(devices)), placement=placement_pairs(config)
+            devices, group_size=tensor_parallel_size(config, len(devices)), placement=placement_pairs(config),
+            data_parallel=_process_group(config),
         )
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
@@ -84,3 +87,20 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     check_batch_split(config, strategy.num_replicas_in_sync)
     precision.apply_policy(config.precision)
     return strategy
+
+
+def _process_group(config: Config) -> Optional[ProcessGroup]:
+    """The processes a pipeline or tensor-parallel job trains across (`strategy.data_parallel`), if any."""
+    data_parallel = config.strategy.data_parallel
+    if data_parallel == DataParallel.MULTI_WORKER:
+        return WorkerProcesses(multi_worker.from_config(config))
+    if data_parallel == DataParallel.HOROVOD:
+        return HorovodProcesses(_horovod(config))
+    return None
+
+
+def _horovod(config: Config) -> horovod.HorovodStrategy:
+    try:
+        return horovod.from_config(config)
+    except ImportError as error:
+        raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind.value) from None

@@ -58,7 +58,8 @@ from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
-from tfdist.strategies.devices import default_devices
+from tfdist.strategies.devices import default_devices, split_cpu
+from tfdist.strategies.process_group import make_process_group
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device
 
 __all__ = ["PipelineStrategy"]
@@ -90,6 +91,12 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         devices (the default). False leaves every variable on each replica's
         first device, which then must hold the whole model and sends each
         stage its weights every micro-batch; it is there to compare with.
+      data_parallel: `local` (this process's replicas only), or train the
+        replicas of every process of a multi-process job data parallel:
+        `multi_worker` (a cluster from TF_CONFIG, TensorFlow's collectives),
+        `horovod` (the ranks `horovodrun` started), or a
+        `MultiWorkerMirroredStrategy` / `HorovodStrategy` made with the options
+        wanted. Each process passes its own devices; all must have as many.
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
@@ -110,8 +117,12 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         verbose: bool = True,
         tensor_parallel_size: int = 1,
         place_variables: bool = True,
+        data_parallel: Union[str, tf.distribute.Strategy] = "local",
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
+        if devices is None:
+            split_cpu(num_stages * max(tensor_parallel_size, 1))
+        processes = make_process_group(data_parallel)  # joining a cluster must come before TensorFlow starts
         devices = list(devices or default_devices(num_stages * max(tensor_parallel_size, 1)))
         if tensor_parallel_size < 1:
             raise ValueError(f"`tensor_parallel_size` must be >= 1. Received: {tensor_parallel_size}")
@@ -142,7 +153,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         self._verbose = verbose
         self._sequence = schedules.global_order(self._orders)
         self._partitions: dict[int, partition_lib.Partition] = {}
-        super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)])
+        super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)],
+                         processes=processes)
         _compat.install_trainer_hooks()  # predictions find their model through `keras_hooks`
 
     @property
@@ -175,7 +187,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 fn = functools.partial(self._train_step, model, partition)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
-    def keras_hooks(self, model: keras.Model) -> dict:
+    def local_keras_hooks(self, model: keras.Model) -> dict:
         """Keras's predict function, preceded by cutting and placing the model if no step did yet
         (Keras hands `run` a closure for predictions, not the model's bound `predict_step`)."""
         predict = _compat.keras_step_function(model, "predict_function")
@@ -184,7 +196,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             self._prepare(model, _static_batch(data[0]) if data else None)
             return predict(data)
 
-        return {**super().keras_hooks(model), "predict_function": predict_function}
+        return {**super().local_keras_hooks(model), "predict_function": predict_function}
 
     @contextlib.contextmanager
     def stage_scope(self, stage_index: int):
@@ -246,8 +258,9 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         return self.stage_groups[0][stage_index].devices[position or 0]
 
     def _describe(self, model: keras.Model, partition: partition_lib.Partition) -> str:
+        processes = f"{self.processes.describe()} x " if self.processes else ""
         lines = [
-            f"tfdist pipeline: {len(self.stage_devices)} replica(s) x {self.num_stages} stages, "
+            f"tfdist pipeline: {processes}{len(self.stage_devices)} replica(s) x {self.num_stages} stages, "
             f"{self.num_micro_batches} micro-batches, {self.schedule}"
             f"{', recompute' if self.recompute else ''}; partition by {partition.basis}"
         ]
@@ -295,6 +308,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         """The pipeline's layout, partition and per-stage bytes, for the summary and `--metrics_out`."""
         partition = self.partition_of(model)
         report: dict[str, Any] = {
+            "layout": self.layout(self.num_stages, self.tensor_parallel_size),
             "pipeline": {
                 "num_stages": self.num_stages,
                 "num_micro_batches": self.num_micro_batches,

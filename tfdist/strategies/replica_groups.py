@@ -19,6 +19,14 @@ variable lives (MirroredStrategy's own `update`), so each device holds and
 updates only its own part. Gradients are all-reduced between the copies of
 one variable, that is between counterpart devices.
 
+With a `ProcessGroup` (`processes`), every process of a multi-worker or
+Horovod job runs such replicas on its own devices and all of them train data
+parallel: the replica count and ids span the processes, each process reads its
+own shard of every global batch, every variable starts from process 0's value,
+and each reduction is done in two steps: among this process's copies (as
+above), then across the processes on the device that holds the first copy,
+with the process group's collectives.
+
 Example:
 
     >>> strategy = ReplicaGroupsStrategy([["/cpu:0"]])
@@ -33,11 +41,13 @@ from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute import device_util, mirrored_strategy, values
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import device_util, distribute_utils, input_util, mirrored_strategy, values
 
 from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica
 from tfdist.strategies.data_parallel import MirroredStrategy
+from tfdist.strategies.process_group import ProcessGroup
 
 __all__ = ["ReplicaGroupsStrategy", "bytes_by_device"]
 
@@ -49,13 +59,132 @@ class _OnDevices:
         self._devices = tuple(devices)
 
 
+class _AcrossProcesses(tf.distribute.CrossDeviceOps):
+    """Reductions among this process's replicas (`local`), then across the processes on the
+    device that holds each result's first copy, then copied to the other local copies."""
+
+    def __init__(self, local: tf.distribute.CrossDeviceOps, processes: ProcessGroup):
+        super().__init__()
+        self.local = local
+        self.processes = processes
+
+    @property
+    def _num_between_graph_workers(self):
+        return self.processes.size  # never take TensorFlow's one-device shortcut
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        local = self.local.batch_reduce(reduce_op, value_destination_pairs, options)
+        # Dense: collectives take tensors. One local copy comes back as a plain tensor.
+        firsts = [tf.convert_to_tensor(getattr(value, "values", (value,))[0]) for value in local]
+        by_device: dict[str, list[int]] = {}
+        for i, tensor in enumerate(firsts):
+            by_device.setdefault(tensor.device, []).append(i)
+        reduced = [None] * len(firsts)
+        for device, indices in by_device.items():
+            for i, result in zip(indices, self.processes.all_reduce(reduce_op, [firsts[i] for i in indices], device)):
+                reduced[i] = result
+        return [
+            cross_device_ops_lib.simple_broadcast(result, destinations, always_mirrored=True)
+            for result, (_, destinations) in zip(reduced, value_destination_pairs)
+        ]
+
+
 class _ReplicaGroupsExtended(mirrored_strategy.MirroredExtended):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # (variable, the variable it was made beside): optimizer slots, found again by `move_variables`.
         self._made_beside: list[tuple[weakref.ref, weakref.ref]] = []
+        self._processes: Optional[ProcessGroup] = None  # set by the strategy for a multi-process job
+        self._across: dict[int, _AcrossProcesses] = {}
+
+    # What changes when the replicas span processes (`ReplicaGroupsStrategy(processes=...)`).
+
+    @property
+    def _num_replicas_in_sync(self):
+        return len(self._devices) * (self._processes.size if self._processes else 1)
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return replica_id + (self._processes.index * len(self._devices) if self._processes else 0)
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - (self._processes.index * len(self._devices) if self._processes else 0)
+
+    @property
+    def experimental_between_graph(self):
+        return self._processes is not None
+
+    @property
+    def should_checkpoint(self):
+        return self._processes is None or self._processes.index == 0
+
+    @property
+    def should_save_summary(self):
+        return self.should_checkpoint
+
+    def _get_cross_device_ops(self, value):
+        local = super()._get_cross_device_ops(value)
+        if self._processes is None:
+            return local
+        if id(local) not in self._across:
+            self._across[id(local)] = _AcrossProcesses(local, self._processes)
+        return self._across[id(local)]
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if self._processes is None:
+            return super()._reduce_to(reduce_op, value, destinations, options)
+        # MirroredStrategy reduces values bound for CPUs on its own, locally; these must cross processes.
+        if distribute_utils.is_mirrored(value) and reduce_op == tf.distribute.ReduceOp.MEAN:
+            return value
+
+        def reduce_one(v):
+            if not isinstance(v, values.DistributedValues):
+                return cross_device_ops_lib.reduce_non_distributed_value(
+                    reduce_op, v, destinations, self._num_replicas_in_sync)
+            return self._get_cross_device_ops(v).reduce(reduce_op, v, destinations, options)
+
+        return tf.nest.map_structure(reduce_one, value)
+
+    def _input_context(self) -> tf.distribute.InputContext:
+        return tf.distribute.InputContext(
+            num_input_pipelines=self._processes.size,
+            input_pipeline_id=self._processes.index,
+            num_replicas_in_sync=self._num_replicas_in_sync,
+        )
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if self._processes is None:
+            return super()._experimental_distribute_dataset(dataset, options)
+        return input_util.get_distributed_dataset(
+            dataset,
+            self._input_workers_with_options(options),
+            self._container_strategy(),
+            num_replicas_in_sync=self._num_replicas_in_sync,
+            input_context=self._input_context(),
+            options=options,
+        )
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if self._processes is None:
+            return super()._distribute_datasets_from_function(dataset_fn, options)
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn=dataset_fn,
+            input_workers=self._input_workers_with_options(options),
+            input_contexts=[self._input_context()],
+            strategy=self._container_strategy(),
+            options=options,
+        )
 
     def _create_variable(self, next_creator, **kwargs):
+        if self._processes is not None:
+            initial_value = kwargs["initial_value"]
+
+            def from_process_0():  # every process starts from the same value
+                return self._processes.broadcast(initial_value() if callable(initial_value) else initial_value)
+
+            kwargs["initial_value"] = from_process_0
         reference = kwargs.get("colocate_with")
         if reference is None:
             strategy = self._container_strategy()
@@ -91,7 +220,7 @@ class ReplicaGroupsStrategy(MirroredStrategy):
 
     _extended_type = _ReplicaGroupsExtended
 
-    def __init__(self, replica_devices: Sequence[Sequence[str]]):
+    def __init__(self, replica_devices: Sequence[Sequence[str]], processes: Optional[ProcessGroup] = None):
         sizes = {len(devices) for devices in replica_devices}
         if len(sizes) != 1:
             raise ValueError(
@@ -99,7 +228,62 @@ class ReplicaGroupsStrategy(MirroredStrategy):
             )
         DeviceGroup([d for devices in replica_devices for d in devices])  # one check for missing and repeated devices
         self.replicas = [DeviceGroup(devices) for devices in replica_devices]
-        super().__init__(devices=[group.devices[0] for group in self.replicas])
+        super().__init__(devices=[group.devices[0] for group in self.replicas],
+                         process_index=processes.index if processes else 0)
+        self.processes = processes
+        if processes is not None:
+            _check_same_layout(processes, len(self.replicas), len(self.replicas[0].devices))
+            self.extended._processes = processes
+
+    @property
+    def is_chief(self) -> bool:
+        """Process 0 of a multi-process job reports and checkpoints; a one-process job always."""
+        return self.processes is None or self.processes.index == 0
+
+    @property
+    def replicas_per_process(self) -> int:
+        return len(self.replicas)
+
+    def layout(self, stages: int = 1, tensor_parallel_size: int = 1) -> dict:
+        """How the devices are used: processes x replicas per process x stages x tensor-parallel size."""
+        processes = self.processes.size if self.processes else 1
+        return {
+            "processes": processes,
+            "data_parallel": self.processes.name if self.processes else "local",
+            "replicas_per_process": len(self.replicas),
+            "stages": stages,
+            "tensor_parallel_size": tensor_parallel_size,
+            "text": f"{processes} process(es) x {len(self.replicas)} replica(s) x {stages} stage(s) x "
+                    f"{tensor_parallel_size} tensor-parallel",
+        }
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is set in any process (every process must call it, in step)."""
+        return flag if self.processes is None else self.processes.any_process(flag)
+
+    def job_error(self, error: tf.errors.OpError):
+        """One line for a step that failed because another process is gone; None otherwise."""
+        return None if self.processes is None else self.processes.job_error(error)
+
+    def local_keras_hooks(self, model: keras.Model) -> dict:
+        """The step functions this process's replicas need (subclasses add theirs)."""
+        return super().keras_hooks(model)
+
+    def keras_hooks(self, model: keras.Model) -> dict:
+        """`local_keras_hooks`; across processes, every step function under the process group's
+        hang protection, and predictions gathered from every process (each returns the whole)."""
+        hooks = self.local_keras_hooks(model)
+        if self.processes is None:
+            return hooks
+        functions = {name: hooks.get(name) or _compat.keras_step_function(model, name)
+                     for name in ("train_function", "test_function", "predict_function")}
+        predict_here = functions["predict_function"]
+
+        def predict_function(data):
+            return tf.nest.map_structure(self.processes.all_gather, predict_here(data))
+
+        functions["predict_function"] = predict_function
+        return {name: self.processes.wrap_step(function) for name, function in functions.items()}
 
     @property
     def devices(self) -> list[str]:
@@ -143,6 +327,19 @@ class ReplicaGroupsStrategy(MirroredStrategy):
                 moves.append((slot, device_of[reference]))
         with tf.init_scope(), self.scope():
             _compat.remake_variables([(variable, tf.device(device)) for variable, device in moves], optimizer)
+
+
+def _check_same_layout(processes: ProcessGroup, replicas: int, devices_per_replica: int) -> None:
+    """Raises ValueError unless every process has as many replicas of as many devices as this one."""
+    mine = tf.constant([[replicas, devices_per_replica]], tf.int32)
+    with tf.device("/cpu:0"):
+        layouts = processes.all_gather(mine).numpy().tolist()
+    if any(layout != layouts[0] for layout in layouts):
+        described = ", ".join(f"process {i}: {r} x {d}" for i, (r, d) in enumerate(layouts))
+        raise ValueError(
+            "every process must run as many model replicas of as many devices; replicas x devices per "
+            f"replica differ ({described}). Give every process the same devices."
+        )
 
 
 def bytes_by_device(variables: Sequence[keras.Variable]) -> dict[str, int]:

@@ -31,16 +31,18 @@ Example:
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import keras
+import tensorflow as tf
 from tensorflow.python.framework import ops
 
 from tfdist import _compat
 from tfdist.errors import ConfigError
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.placement import balance_by_memory, device_for_scope, place_computation, unknown_layers
-from tfdist.strategies.devices import default_devices
+from tfdist.strategies.devices import default_devices, split_cpu
+from tfdist.strategies.process_group import make_process_group
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy
 
 __all__ = ["TensorParallelStrategy"]
@@ -58,6 +60,9 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
       placement: layer name -> device of the first group, for layers built in
         this strategy's scope (see `tfdist.parallel.placement`); the other
         groups place the same layers at the same positions.
+      data_parallel: `local`, `multi_worker`, `horovod` or a strategy for
+        them: train the groups of every process of a multi-process job data
+        parallel (see `PipelineStrategy`).
 
     Raises:
       ValueError: a device that does not exist or is named twice, a group size
@@ -71,7 +76,11 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         *,
         group_size: Optional[int] = None,
         placement: Optional[Mapping[str, str]] = None,
+        data_parallel: Union[str, tf.distribute.Strategy] = "local",
     ):
+        if devices is None:
+            split_cpu(group_size or 1)
+        processes = make_process_group(data_parallel)  # joining a cluster must come before TensorFlow starts
         devices = list(devices or default_devices(group_size or 1))
         size = group_size or len(devices)
         if size < 1 or len(devices) % size:
@@ -79,7 +88,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
                 f"`group_size` must divide the {len(devices)} devices into whole groups. Received: {group_size}"
             )
         self.groups = split_into_groups(devices, size)
-        super().__init__([group.devices for group in self.groups])
+        super().__init__([group.devices for group in self.groups], processes=processes)
         self.placement: dict[str, str] = {}
         self.place(placement or {})
 
@@ -122,7 +131,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The groups layers split over (when they hold more than one device) and where placed layers went."""
-        report: dict[str, Any] = {}
+        report: dict[str, Any] = {"layout": self.layout(tensor_parallel_size=self.groups[0].size)}
         if self.groups[0].size > 1:
             report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
         if self.placement:
@@ -130,7 +139,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
             report["placement"] = ", ".join(f"{n} layer(s) on {d}" for d, n in sorted(per_device.items()))
         return report
 
-    def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
+    def local_keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """Places the named layers' computation before Keras makes its step functions."""
         place_computation(model, self.placement, resolve=self.local_device)
-        return super().keras_hooks(model)
+        return super().local_keras_hooks(model)

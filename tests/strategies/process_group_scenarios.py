@@ -1,0 +1,74 @@
+"""One process of a 2-process pipeline or tensor-parallel job trained data parallel across processes.
+
+`python process_group_scenarios.py BACKEND LAYOUT OUT`: BACKEND is `multi_worker`
+(the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
+for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
+CPUs) or `tensor_parallel` (a group of 2). Process 0 saves the trained
+weights (unsharded) and the per-epoch loss to OUT (.npz). Every process
+trains on its shard of the same global batches as the one-device reference.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense  # noqa: E402
+from tfdist.parallel import DeviceGroup  # noqa: E402
+from tfdist.strategies import PipelineStrategy, TensorParallelStrategy  # noqa: E402
+
+GLOBAL_BATCH = 16
+
+
+def data():
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, 64)
+    return x, y
+
+
+def model(layout):
+    keras.utils.set_random_seed(0)
+    if layout == "pipeline":
+        hidden = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16, activation="relu"),
+                  keras.layers.Dense(16, activation="tanh")]
+    else:
+        hidden = [ColumnParallelDense(8, activation="relu"), RowParallelDense(8), ParallelMLP(16)]
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), *hidden,
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+def strategy_for(backend, layout):
+    if backend == "one_device":
+        return DeviceGroup(["/cpu:0"])
+    if layout == "pipeline":
+        return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=["/cpu:0", "/cpu:1"],
+                                balance_by="params", verbose=False, data_parallel=backend)
+    return TensorParallelStrategy(["/cpu:0", "/cpu:1"], data_parallel=backend)
+
+
+def train(backend, layout):
+    strategy = strategy_for(backend, layout)
+    with strategy.scope():
+        trained = model(layout)
+        trained.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    history = trained.fit(dataset, epochs=3, verbose=0)
+    weights = [w for layer in trained.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
+    return strategy, weights, history.history["loss"]
+
+
+if __name__ == "__main__":
+    backend, layout, out = sys.argv[1:4]
+    strategy, weights, loss = train(backend, layout)
+    if getattr(strategy, "is_chief", True):
+        np.savez(out, *weights, loss=np.array(loss), replicas=getattr(strategy, "num_replicas_in_sync", 1))
