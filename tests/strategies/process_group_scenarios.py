@@ -64,11 +64,30 @@ def train(backend, layout):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     history = trained.fit(dataset, epochs=3, verbose=0)
     weights = [w for layer in trained.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
-    return strategy, weights, history.history["loss"]
+    return strategy, trained, weights, history.history["loss"]
+
+
+def cross_process_reductions(strategy, trained):
+    """Devices of the step's cross-process all-reduces: TensorFlow collectives or Horovod ops."""
+    x, y = data()
+    batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+
+    @tf.function(autograph=False)  # the step as Keras builds it
+    def step(iterator):
+        return strategy.run(trained.train_step, args=(next(iterator),))
+
+    graph = step.get_concrete_function(iter(batches)).graph
+    ops = list(graph.get_operations())
+    for function in graph._functions.values():
+        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+    return sorted({op.device.split("device:")[-1] for op in ops
+                   if op.type == "CollectiveReduceV2" or op.type.startswith("HorovodGroupedAllreduce")})
 
 
 if __name__ == "__main__":
     backend, layout, out = sys.argv[1:4]
-    strategy, weights, loss = train(backend, layout)
+    strategy, trained, weights, loss = train(backend, layout)
+    devices = cross_process_reductions(strategy, trained) if backend != "one_device" else []
     if getattr(strategy, "is_chief", True):
-        np.savez(out, *weights, loss=np.array(loss), replicas=getattr(strategy, "num_replicas_in_sync", 1))
+        np.savez(out, *weights, loss=np.array(loss), replicas=getattr(strategy, "num_replicas_in_sync", 1),
+                 reduced_on=np.array(devices))

@@ -191,14 +191,14 @@ class PipelinedStep:
                 output_gradients=seeds,
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
+            # Sums over micro-batches stay on the stage too: a stage's gradients never gather elsewhere.
+            for t, g in zip(self._sources(stage_index), grads[: len(sources)]):
+                previous = self.out_grads[m].get(id(t))
+                self.out_grads[m][id(t)] = g if previous is None else previous + g
+            for v, g in zip(variables, grads[len(sources) :]):
+                previous = self.var_grads.get(id(v))
+                self.var_grads[id(v)] = g if previous is None else previous + g
         del self.records[(stage_index, m)]  # its activations may now be freed
-        source_tensors = self._sources(stage_index)
-        for t, g in zip(source_tensors, grads[: len(sources)]):
-            previous = self.out_grads[m].get(id(t))
-            self.out_grads[m][id(t)] = g if previous is None else previous + g
-        for v, g in zip(variables, grads[len(sources) :]):
-            previous = self.var_grads.get(id(v))
-            self.var_grads[id(v)] = g if previous is None else previous + g
         self.last_done[stage_index] = [tf.group(grads)]
 
     def add_regularization_gradients(self) -> None:
@@ -215,11 +215,12 @@ class PipelinedStep:
             variables = [v for v in stage.trainable_variables if v.regularizer is not None]
             if not variables:
                 continue
-            with self._on_stage(stage.index), tf.GradientTape() as tape:
-                penalty = tf.add_n([v.regularizer(v) for v in variables]) / replicas
-                scaled = self.model.optimizer.scale_loss(penalty)
-            for v, g in zip(variables, tape.gradient(scaled, variables)):
-                self.var_grads[id(v)] = self.var_grads[id(v)] + g if id(v) in self.var_grads else g
+            with self._on_stage(stage.index):
+                with tf.GradientTape() as tape:
+                    penalty = tf.add_n([v.regularizer(v) for v in variables]) / replicas
+                    scaled = self.model.optimizer.scale_loss(penalty)
+                for v, g in zip(variables, tape.gradient(scaled, variables)):
+                    self.var_grads[id(v)] = self.var_grads[id(v)] + g if id(v) in self.var_grads else g
 
     def variable_gradients(self) -> list:
         # A variable no stage computes with gets zeros made from its shape (not its value, which may be elsewhere).

@@ -60,12 +60,13 @@ class _OnDevices:
 
 
 class _AcrossProcesses(tf.distribute.CrossDeviceOps):
-    """Reductions among this process's replicas (`local`), then across the processes on the
-    device that holds each result's first copy, then copied to the other local copies."""
+    """Reductions among this process's copies of a value, on the device of its first copy (where
+    MirroredStrategy's collectives would use each replica's first device), then across the
+    processes on that device, then copied to the other local copies."""
 
-    def __init__(self, local: tf.distribute.CrossDeviceOps, processes: ProcessGroup):
+    def __init__(self, processes: ProcessGroup):
         super().__init__()
-        self.local = local
+        self.local = tf.distribute.ReductionToOneDevice()  # onto the destination's first device
         self.processes = processes
 
     @property
@@ -98,7 +99,6 @@ class _ReplicaGroupsExtended(mirrored_strategy.MirroredExtended):
         # (variable, the variable it was made beside): optimizer slots, found again by `move_variables`.
         self._made_beside: list[tuple[weakref.ref, weakref.ref]] = []
         self._processes: Optional[ProcessGroup] = None  # set by the strategy for a multi-process job
-        self._across: dict[int, _AcrossProcesses] = {}
 
     # What changes when the replicas span processes (`ReplicaGroupsStrategy(processes=...)`).
 
@@ -125,12 +125,7 @@ class _ReplicaGroupsExtended(mirrored_strategy.MirroredExtended):
         return self.should_checkpoint
 
     def _get_cross_device_ops(self, value):
-        local = super()._get_cross_device_ops(value)
-        if self._processes is None:
-            return local
-        if id(local) not in self._across:
-            self._across[id(local)] = _AcrossProcesses(local, self._processes)
-        return self._across[id(local)]
+        return self._across if self._processes is not None else super()._get_cross_device_ops(value)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         if self._processes is None:
@@ -234,6 +229,7 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         if processes is not None:
             _check_same_layout(processes, len(self.replicas), len(self.replicas[0].devices))
             self.extended._processes = processes
+            self.extended._across = _AcrossProcesses(processes)
 
     @property
     def is_chief(self) -> bool:
