@@ -23,7 +23,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -143,6 +143,7 @@ def split(
     boundaries: Optional[Sequence[Union[str, int]]] = None,
     balance_by: str = "time",
     micro_batch_size: int = 32,
+    agree: Optional[Callable[[list[int]], list[int]]] = None,
 ) -> Partition:
     """Cuts `model` into `num_stages` stages.
 
@@ -154,6 +155,9 @@ def split(
       balance_by: `time` (measured per-layer forward+backward time, falling
         back to parameters if shapes are not fully known) or `params`.
       micro_batch_size: batch of the sample used for timing.
+      agree: given the first layer index of each stage after the first,
+        returns the ones to use: in a multi-process job, process 0's, since
+        each process measures its own layer times.
 
     Raises:
       ValueError: more stages than layers, bad boundaries, a subclassed model,
@@ -182,6 +186,7 @@ def split(
             basis = "time" if costs is not None else "params"
             weights = costs if costs is not None else [_param_cost(op) for op in ops]
             starts = balance(weights, num_stages)
+        starts = agree(starts) if agree else starts
         stages = _build_stages(model, nodes, inputs, outputs, starts)
         if costs is not None:
             for stage, (lo, hi) in zip(stages, _ranges(starts, len(nodes))):

@@ -221,6 +221,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                     boundaries=self._boundaries,
                     balance_by=self._balance_by,
                     micro_batch_size=micro,
+                    agree=self._process_0s_starts if self.processes else None,
                 )
             if self.recompute:
                 _refuse_random_layers(partition)
@@ -230,9 +231,13 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 for operation in stage.operations:
                     call_in_context(operation, functools.partial(self.stage_scope, stage.index))
             self._partitions[key] = partition
-            if self._verbose:
+            if self._verbose and self.is_chief:
                 print(self._describe(model, partition), file=sys.stdout, flush=True)
         return self._partitions[key]
+
+    def _process_0s_starts(self, starts: list[int]) -> list[int]:
+        """The stage starts process 0 chose: every process must cut the model the same way."""
+        return [int(i) for i in self.processes.broadcast(tf.constant(starts, tf.int32)).numpy()]
 
     def _place_variables(self, model: keras.Model, partition: partition_lib.Partition) -> None:
         """Moves every stage's variables (weights, statistics, seeds) and their optimizer slots to its devices."""

@@ -75,7 +75,7 @@ class ProcessGroup:
         return function
 
     def describe(self) -> str:
-        return f"{self.size} {self.name} process(es)"
+        return f"{self.size} process(es) ({self.name})"
 
 
 class WorkerProcesses(ProcessGroup):
@@ -87,7 +87,7 @@ class WorkerProcesses(ProcessGroup):
         collectives. Its communication options (implementation, timeout) apply.
     """
 
-    name = "multi-worker"
+    name = "multi_worker"
 
     def __init__(self, strategy):
         super().__init__(strategy, strategy.extended._num_workers, strategy.extended._id_in_cluster)
@@ -140,7 +140,7 @@ class HorovodProcesses(ProcessGroup):
         step watchdog apply.
     """
 
-    name = "Horovod"
+    name = "horovod"
 
     def __init__(self, strategy):
         super().__init__(strategy, strategy.size, strategy.rank)
