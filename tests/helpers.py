@@ -102,3 +102,16 @@ def task_pid(marker, variable, value):
         if value.encode() in env.get(variable.encode(), b"") and b"tfdist.cli" in open(f"/proc/{pid}/cmdline", "rb").read():
             return pid
     raise AssertionError(f"no task with {variable}={value}")
+
+
+def horovod_rank_pid(rank):
+    """The PID of `tfdist train` rank `rank` under horovodrun (from its HOROVOD_RANK)."""
+    pids = subprocess.run(["pgrep", "-f", "tfdist.cli train"], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ") as f:
+                if f"HOROVOD_RANK={rank}\0" in f.read():
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no rank {rank} among {pids}")

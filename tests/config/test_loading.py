@@ -80,6 +80,18 @@ def test_unscaled_float16_with_opt_in():
     assert cfg.precision.loss_scale == "none"
 
 
+def test_data_parallel_pipelines_take_their_backends_settings():
+    # A pipeline or tensor-parallel job with data_parallel starts like that backend's jobs and takes its settings.
+    horovod = load_config(None, ["strategy.kind=pipeline", "strategy.data_parallel=horovod",
+                                 "horovod.fusion_threshold_bytes=0"])
+    assert horovod.strategy.launched_as == StrategyKind.HOROVOD
+    workers = load_config(None, ["strategy.kind=tensor_parallel", "model.name=transformer",
+                                 "strategy.data_parallel=multi_worker", "cluster.workers=[127.0.0.1:2222]",
+                                 "strategy.bytes_per_pack=1024"])
+    assert workers.strategy.launched_as == StrategyKind.MULTI_WORKER_MIRRORED
+    assert load_config(None, ["strategy.kind=pipeline"]).strategy.launched_as == StrategyKind.PIPELINE
+
+
 def test_loopback_cluster_and_explicit_opt_in():
     workers = "cluster.workers=[127.0.0.1:2222, 'localhost:2223']"
     cfg = load_config(None, ["strategy.kind=multi_worker_mirrored", workers])
@@ -166,6 +178,13 @@ BAD_OVERRIDES = [
     (["strategy.kind=horovod", "checkpoint.every_seconds=60"], "checkpoint.every_seconds",
      "saves at the same step in every process"),
     (["checkpoint.keep=0"], "checkpoint.keep", ">= 1"),
+    (["strategy.data_parallel=horovod"], "strategy.data_parallel", "applies to strategy.kind pipeline and tensor_parallel"),
+    (["strategy.data_parallel=everywhere"], "strategy.data_parallel", "one of"),
+    (["strategy.kind=pipeline", "strategy.data_parallel=horovod", "horovod.backward_passes_per_step=2"],
+     "horovod.backward_passes_per_step", "accumulates over pipeline.num_micro_batches"),
+    (["strategy.kind=pipeline", "horovod.fusion_threshold_bytes=0"], "horovod", "only applies with strategy.kind=horovod"),
+    (["strategy.kind=pipeline", "strategy.data_parallel=multi_worker", "checkpoint.every_seconds=60"],
+     "checkpoint.every_seconds", "saves at the same step in every process"),
     (["strategy.kind=tpu", "strategy.devices=[/cpu:0]"], "strategy.devices", "cannot be set"),
     (["train.epochs.max=3"], "train.epochs", "must be an integer"),
     (["epochs=3"], "--set", "section.key=value"),

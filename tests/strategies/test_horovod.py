@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, horovod_rank_pid
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scenarios.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -108,19 +108,6 @@ def test_uneven_data_gives_every_rank_the_same_steps(tmp_path):
     assert [r["iterations"] for r in results.values()] == [5, 5]
 
 
-def _rank_pid(rank):
-    """The PID of `tfdist train` rank `rank` under horovodrun (from its HOROVOD_RANK)."""
-    pids = subprocess.run(["pgrep", "-f", "tfdist.cli train"], capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/environ") as f:
-                if f"HOROVOD_RANK={rank}\0" in f.read():
-                    return int(pid)
-        except OSError:
-            continue
-    raise AssertionError(f"no rank {rank} among {pids}")
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault,expected", [
@@ -141,7 +128,7 @@ def test_a_rank_killed_terminated_or_stopped_ends_the_job_with_one_line_on_the_o
         for line in proc.stdout:
             lines.append(line)
             if "Epoch 3/" in line:
-                os.kill(_rank_pid(1), fault)
+                os.kill(horovod_rank_pid(1), fault)
                 faulted = time.monotonic()
                 break
         else:

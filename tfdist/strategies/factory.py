@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import tensorflow as tf
@@ -29,6 +30,7 @@ from tfdist.strategies import data_parallel, horovod, multi_worker, parameter_se
 from tfdist.strategies.devices import configure_runtime, local_devices
 from tfdist.strategies.pipeline import PipelineStrategy
 from tfdist.strategies.process_group import HorovodProcesses, ProcessGroup, WorkerProcesses
+from tfdist.strategies.replica_groups import ProcessLayoutError
 from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["make_strategy"]
@@ -56,19 +58,19 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     elif kind == StrategyKind.PIPELINE:
         devices = local_devices(config, gpus)
         check_pipeline_devices(config, devices)
-        processes = _process_group(config)
         p = config.pipeline
-        strategy = PipelineStrategy(
-            p.num_stages,
-            p.num_micro_batches,
-            schedule=p.schedule.value,
-            devices=devices,
-            boundaries=list(p.boundaries) or None,
-            balance_by=p.balance_by.value,
-            recompute=p.recompute,
-            tensor_parallel_size=tensor_parallel_size(config, len(devices)),
-            data_parallel=processes,
-        )
+        with _same_layout_in_every_process(config):
+            strategy = PipelineStrategy(
+                p.num_stages,
+                p.num_micro_batches,
+                schedule=p.schedule.value,
+                devices=devices,
+                boundaries=list(p.boundaries) or None,
+                balance_by=p.balance_by.value,
+                recompute=p.recompute,
+                tensor_parallel_size=tensor_parallel_size(config, len(devices)),
+                data_parallel=_process_group(config),
+            )
     elif kind == StrategyKind.PARAMETER_SERVER:
         strategy = parameter_server.from_config(config)
     elif kind == StrategyKind.HOROVOD:
@@ -76,10 +78,11 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     elif kind == StrategyKind.TENSOR_PARALLEL:
         devices = local_devices(config, gpus)
         check_tensor_parallel_devices(config, devices)
-        strategy = TensorParallelStrategy(
-            devices, group_size=tensor_parallel_size(config, len(devices)), placement=placement_pairs(config),
-            data_parallel=_process_group(config),
-        )
+        with _same_layout_in_every_process(config):
+            strategy = TensorParallelStrategy(
+                devices, group_size=tensor_parallel_size(config, len(devices)), placement=placement_pairs(config),
+                data_parallel=_process_group(config),
+            )
     elif kind == StrategyKind.TPU:
         strategy = data_parallel.make_tpu(config)
     else:  # config validation rejects kinds this version cannot build
@@ -97,6 +100,18 @@ def _process_group(config: Config) -> Optional[ProcessGroup]:
     if data_parallel == DataParallel.HOROVOD:
         return HorovodProcesses(_horovod(config))
     return None
+
+
+@contextlib.contextmanager
+def _same_layout_in_every_process(config: Config):
+    """A ProcessLayoutError as the ConfigError of the key that gave this process its devices."""
+    try:
+        yield
+    except ProcessLayoutError as error:
+        s = config.strategy
+        key = "strategy.devices" if s.devices else "strategy.logical_devices"
+        raise ConfigError(key, f"must give every process as many devices: {error}",
+                          list(s.devices) or s.logical_devices) from None
 
 
 def _horovod(config: Config) -> horovod.HorovodStrategy:

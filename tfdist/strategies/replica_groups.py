@@ -49,7 +49,7 @@ from tfdist.parallel.device_group import DeviceGroup, current_replica
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.process_group import ProcessGroup
 
-__all__ = ["ReplicaGroupsStrategy", "bytes_by_device"]
+__all__ = ["ProcessLayoutError", "ReplicaGroupsStrategy", "bytes_by_device"]
 
 
 class _OnDevices:
@@ -325,6 +325,10 @@ class ReplicaGroupsStrategy(MirroredStrategy):
             _compat.remake_variables([(variable, tf.device(device)) for variable, device in moves], optimizer)
 
 
+class ProcessLayoutError(ValueError):
+    """The processes of a job run different numbers of replicas or devices per replica."""
+
+
 def _check_same_layout(processes: ProcessGroup, replicas: int, devices_per_replica: int) -> None:
     """Raises ValueError unless every process has as many replicas of as many devices as this one."""
     mine = tf.constant([[replicas, devices_per_replica]], tf.int32)
@@ -332,7 +336,7 @@ def _check_same_layout(processes: ProcessGroup, replicas: int, devices_per_repli
         layouts = processes.all_gather(mine).numpy().tolist()
     if any(layout != layouts[0] for layout in layouts):
         described = ", ".join(f"process {i}: {r} x {d}" for i, (r, d) in enumerate(layouts))
-        raise ValueError(
+        raise ProcessLayoutError(
             "every process must run as many model replicas of as many devices; replicas x devices per "
             f"replica differ ({described}). Give every process the same devices."
         )

@@ -1,0 +1,182 @@
+"""Pipeline and tensor parallelism inside each process, data parallel across processes
+(`strategy.data_parallel`): real multi-worker tasks on loopback and real horovodrun ranks."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, free_ports, horovod_rank_pid, tfdist_command
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "process_group_scenarios.py")
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def _tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def _wait_all(procs, timeout):
+    try:
+        return [(proc.wait(timeout=timeout), proc) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def _run(backend, layout, out):
+    """The scenario on 2 processes of `backend`, or on one device; returns the chief's saved arrays."""
+    if backend == "one_device":
+        procs = [subprocess.Popen([sys.executable, SCENARIOS, backend, layout, out], cwd=ROOT, env=ENV,
+                                  stderr=subprocess.PIPE, text=True)]
+    elif backend == "horovod":
+        procs = [subprocess.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, SCENARIOS,
+                                   backend, layout, out], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
+    else:
+        ports = free_ports(2)
+        procs = [subprocess.Popen([sys.executable, SCENARIOS, backend, layout, out], cwd=ROOT,
+                                  env={**ENV, "TF_CONFIG": _tf_config(ports, i)}, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+    for code, proc in _wait_all(procs, timeout=300):
+        assert code == 0, proc.stderr.read()[-3000:]
+    return np.load(out)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("one_device")
+    return {layout: _run("one_device", layout, str(directory / f"{layout}.npz"))
+            for layout in ("pipeline", "tensor_parallel")}
+
+
+@pytest.mark.parametrize("layout", ["pipeline", "tensor_parallel"])
+@pytest.mark.parametrize("backend", ["multi_worker", "horovod"])
+def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, backend, layout):
+    result = _run(backend, layout, str(tmp_path / "chief.npz"))
+    reference = one_device[layout]
+    weights = sorted(k for k in result.files if k.startswith("arr_"))
+    assert weights == sorted(k for k in reference.files if k.startswith("arr_"))
+    for key in weights:
+        np.testing.assert_allclose(result[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
+    np.testing.assert_allclose(result["loss"], reference["loss"], atol=1e-5)
+    assert int(result["replicas"]) == 2
+    # Each gradient crosses processes on the device that holds its variable: stage 1's (or shard 1's)
+    # on /cpu:1, never gathered on the first device.
+    assert list(result["reduced_on"]) == ["CPU:0", "CPU:1"]
+
+
+def _workers(tmp_path, overrides_per_task, *common):
+    ports = free_ports(len(overrides_per_task))
+    workers = ", ".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for index, own in enumerate(overrides_per_task):
+        command = tfdist_command(
+            "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=multi_worker",
+            "--set", f"cluster.workers=[{workers}]", "--set", f"cluster.task_index={index}",
+            "--metrics_out", str(tmp_path / f"metrics{index}.json"), *common, *own)
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def test_processes_with_different_device_counts_are_a_config_error(tmp_path):
+    procs = _workers(tmp_path, [["--set", "strategy.logical_devices=2"], ["--set", "strategy.logical_devices=4"]])
+    for code, proc in _wait_all(procs, timeout=180):
+        err = proc.stderr.read()
+        assert code == 2, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("tfdist: error: `strategy.logical_devices` must give every process as many devices"), last
+        assert "process 0: 1 x 2, process 1: 2 x 2" in last
+
+
+def test_a_killed_process_ends_the_job_with_one_line(tmp_path):
+    common = ["--set", "strategy.logical_devices=2", "--set", "train.epochs=1000", "--set", "train.verbose=2",
+              "--set", "cluster.heartbeat_timeout_seconds=10"]
+    chief, worker = procs = _workers(tmp_path, [[], []], *common)
+    try:
+        for line in chief.stdout:
+            if line.startswith("Epoch 2/"):
+                break
+        else:
+            pytest.fail(f"the chief stopped before training: {chief.stderr.read()[-3000:]}")
+        worker.kill()
+        killed = time.monotonic()
+        _, err = chief.communicate(timeout=120)
+        assert chief.returncode == 1, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith(
+            "tfdist: error: lost contact with /job:worker/replica:0/task:1 during training"), err[-3000:]
+        assert time.monotonic() - killed < 90
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def test_a_killed_horovod_rank_ends_the_job_with_one_line(tmp_path):
+    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(
+        "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
+        "--set", "strategy.logical_devices=2", "--set", "train.epochs=1000", "--set", "train.verbose=2")]
+    job = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if "Epoch 2/" in line:
+                os.kill(horovod_rank_pid(1), 9)
+                killed = time.monotonic()
+                break
+        else:
+            pytest.fail("".join(lines)[-3000:])
+        lines += job.stdout.readlines()
+        job.wait(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode != 0 and time.monotonic() - killed < 90
+    rank0 = [line.split(":", 1)[1].strip() for line in lines if line.startswith("[0]<stderr>:") and line[12:].strip()]
+    errors = [line for line in rank0 if line.startswith("tfdist: error:")]
+    assert len(errors) == 1 and "Horovod stopped: another rank failed or exited" in errors[0], "".join(lines)[-4000:]
+
+
+@pytest.mark.slow
+def test_digits_train_to_095_under_horovodrun(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(
+        "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
+        "--set", "strategy.logical_devices=2", "--metrics_out", str(metrics))]
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["final"]["val_accuracy"] >= 0.95
+    assert result["layout"]["text"] == "2 process(es) x 1 replica(s) x 2 stage(s) x 1 tensor-parallel"
+    assert result["num_replicas"] == 2 and result["micro_batch_size"] == 64 // 2 // 4
+    assert "  layout          2 process(es) x 1 replica(s) x 2 stage(s) x 1 tensor-parallel" in done.stdout
+    # Only rank 0 reports the partition and the summary.
+    assert done.stdout.count("tfdist pipeline: 2 process(es) (horovod) x 1 replica(s) x 2 stages") == 1
+    assert done.stdout.count("tfdist summary") == 1
+
+
+@pytest.mark.slow
+def test_digits_train_to_095_under_the_launcher_and_resume_from_the_chiefs_checkpoint(tmp_path):
+    metrics, ckpt = tmp_path / "metrics.json", tmp_path / "ckpt"
+    launch = ["launch", "--workers", "2", "--config", "configs/pipeline.yaml", "--set",
+              "strategy.data_parallel=multi_worker", "--set", "strategy.logical_devices=2",
+              "--set", f"checkpoint.dir={ckpt}", "--metrics_out", str(metrics)]
+    first = subprocess.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = sorted(os.listdir(ckpt))
+    second = subprocess.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["final"]["val_accuracy"] >= 0.95
+    assert result["resumed_from_step"] == 2 * result["steps_per_epoch"]
+    assert re.fullmatch(r"step-0*%d" % (2 * result["steps_per_epoch"]), saved[-1])  # the chief's, in checkpoint.dir
+    assert result["layout"]["processes"] == 2 and result["layout"]["data_parallel"] == "multi_worker"
