@@ -58,6 +58,7 @@ bench: setup
 	OMP_NUM_THREADS=1 tfdist bench parameter_server --json results/parameter_server.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench ps_worker_loss --json results/ps_worker_loss.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench horovod --json results/horovod.json --repeats 5
+	OMP_NUM_THREADS=1 tfdist bench data_parallel_pipeline --json results/data_parallel_pipeline.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench tensor_parallel --json results/tensor_parallel.json --repeats 5
 	tfdist bench input_pipeline --json results/input_pipeline.json --repeats 5
 	tfdist bench scaling --config configs/default.yaml --json results/scaling.json --plot results/scaling.png --repeats 3

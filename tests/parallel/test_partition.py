@@ -55,6 +55,19 @@ def test_balanced_by_time_measures_every_stage():
     assert sum(len(s["layers"]) for s in report["stages"]) == 4
 
 
+def test_a_balanced_cut_is_replaced_by_the_one_agreed_on():
+    # In a multi-process job every process cuts where process 0 did, whatever its own measurements say.
+    proposed = []
+
+    def process_0s(starts):
+        proposed.append(list(starts))
+        return [3]
+
+    partition = split(_sequential(), 2, balance_by="params", agree=process_0s)
+    assert proposed == [[2]]
+    assert [s.layer_names for s in partition.stages] == [["d0", "d1", "d2"], ["d3"]]
+
+
 def test_functional_cut_carries_every_crossing_tensor():
     partition = split(_branchy(), 3, boundaries=["b2", "e"])
     first, middle, last = partition.stages

@@ -59,7 +59,7 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["pipeline", "tensor_parallel"])
-@pytest.mark.parametrize("backend", ["multi_worker", "horovod"])
+@pytest.mark.parametrize("backend", ["multi_worker", pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, backend, layout):
     result = _run(backend, layout, str(tmp_path / "chief.npz"))
     reference = one_device[layout]
@@ -120,6 +120,7 @@ def test_a_killed_process_ends_the_job_with_one_line(tmp_path):
             proc.kill()
 
 
+@pytest.mark.horovod
 def test_a_killed_horovod_rank_ends_the_job_with_one_line(tmp_path):
     command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(
         "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
@@ -146,6 +147,7 @@ def test_a_killed_horovod_rank_ends_the_job_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.horovod
 def test_digits_train_to_095_under_horovodrun(tmp_path):
     metrics = tmp_path / "metrics.json"
     command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(

@@ -18,6 +18,7 @@ __all__ = ["BENCHMARKS", "one_line", "run"]
 
 BENCHMARKS = {
     "checkpoint": "tfdist.bench.checkpoint",
+    "data_parallel_pipeline": "tfdist.bench.data_parallel_pipeline",
     "horovod": "tfdist.bench.horovod",
     "input_pipeline": "tfdist.bench.input_pipeline",
     "overhead": "tfdist.bench.overhead",
