@@ -12,7 +12,7 @@ in (the README says so under Tests):
 
 Each block runs in a fresh interpreter, in a scratch directory that sees the
 repository's `configs/`. The parameter-server block runs as the chief of a
-local cluster (TF_CONFIG names it); the Horovod block as a single rank.
+local cluster (TF_CONFIG names it); the Horovod blocks as a single rank.
 """
 
 import json
@@ -68,7 +68,8 @@ def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
 
 def _cases():
     for index, block in enumerate(_blocks()):
-        marks = [pytest.mark.slow] * ("fit(" in block) + [pytest.mark.horovod] * ("HorovodStrategy" in block)
+        horovod = "HorovodStrategy" in block or 'data_parallel="horovod"' in block
+        marks = [pytest.mark.slow] * ("fit(" in block) + [pytest.mark.horovod] * horovod
         yield pytest.param(index, block, id=f"block{index}", marks=marks)
 
 
