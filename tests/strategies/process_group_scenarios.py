@@ -4,7 +4,8 @@
 (the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
 CPUs) or `tensor_parallel` (a group of 2). Process 0 saves the trained
-weights (unsharded) and the per-epoch loss to OUT (.npz). Every process
+weights (unsharded), the per-epoch loss, and the predictions and evaluation
+loss over the training data to OUT (.npz). Every process
 trains on its shard of the same global batches as the one-device reference.
 """
 
@@ -64,7 +65,10 @@ def train(backend, layout):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     history = trained.fit(dataset, epochs=3, verbose=0)
     weights = [w for layer in trained.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
-    return strategy, trained, weights, history.history["loss"]
+    predictions = trained.predict(dataset, verbose=0)
+    evaluated = trained.evaluate(dataset, verbose=0)
+    return strategy, trained, weights, {"loss": history.history["loss"], "predictions": predictions,
+                                        "evaluated": evaluated}
 
 
 def cross_process_reductions(strategy, trained):
@@ -86,8 +90,8 @@ def cross_process_reductions(strategy, trained):
 
 if __name__ == "__main__":
     backend, layout, out = sys.argv[1:4]
-    strategy, trained, weights, loss = train(backend, layout)
+    strategy, trained, weights, results = train(backend, layout)
     devices = cross_process_reductions(strategy, trained) if backend != "one_device" else []
     if getattr(strategy, "is_chief", True):
-        np.savez(out, *weights, loss=np.array(loss), replicas=getattr(strategy, "num_replicas_in_sync", 1),
+        np.savez(out, *weights, **results, replicas=getattr(strategy, "num_replicas_in_sync", 1),
                  reduced_on=np.array(devices))

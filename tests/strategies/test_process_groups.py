@@ -68,6 +68,9 @@ def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, bac
     for key in weights:
         np.testing.assert_allclose(result[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
     np.testing.assert_allclose(result["loss"], reference["loss"], atol=1e-5)
+    # Evaluation covers every process's examples; predict returns all of them, in order, on each process.
+    np.testing.assert_allclose(result["evaluated"], reference["evaluated"], atol=1e-5)
+    np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
     assert int(result["replicas"]) == 2
     # Each gradient crosses processes on the device that holds its variable: stage 1's (or shard 1's)
     # on /cpu:1, never gathered on the first device.
