@@ -89,6 +89,21 @@ def test_horovod_is_an_mpi_job_whose_launcher_runs_horovodrun(tmp_path):
     assert containers["worker"]["resources"]["limits"] == {"nvidia.com/gpu": 4}
 
 
+def test_a_data_parallel_pipeline_runs_as_its_backends_job(tmp_path):
+    # One pod per process: the multi-worker backend's indexed job, or Horovod's MPIJob.
+    workers = _by_kind(_write(tmp_path / "a", "configs/pipeline.yaml", "--workers", "2",
+                              sets=["strategy.data_parallel=multi_worker"]))
+    assert set(workers) == {("ConfigMap", "tfdist-config"), ("Service", "tfdist"), ("Job", "tfdist-worker")}
+    pod_config = yaml.safe_load(workers["ConfigMap", "tfdist-config"]["data"]["config.yaml"])
+    assert pod_config["strategy"]["kind"] == "pipeline" and pod_config["cluster"]["resolver"] == "kubernetes"
+    mpi_job = _write(tmp_path / "b", "configs/pipeline.yaml", "--workers", "2", "--gpus-per-worker", "4",
+                     sets=["strategy.data_parallel=horovod"])[-1]
+    # One rank per pod: each process runs its pipeline over its pod's 4 GPUs.
+    assert mpi_job["kind"] == "MPIJob" and mpi_job["spec"]["slotsPerWorker"] == 1
+    assert _containers(mpi_job)["launcher"]["command"][:3] == ["horovodrun", "-np", "2"]
+    assert _containers(mpi_job)["worker"]["resources"]["limits"] == {"nvidia.com/gpu": 4}
+
+
 def test_tfjob_pods_take_their_cluster_from_the_operators_tf_config(tmp_path):
     config_map, tf_job = _write(tmp_path, "configs/parameter_server.yaml", "--workers", "2", "--flavor", "tfjob")
     assert yaml.safe_load(config_map["data"]["config.yaml"])["cluster"]["resolver"] == "config"

@@ -97,7 +97,7 @@ def manifests(config: Config, job: Job) -> list[dict]:
     """
     _check(config, job)
     if config.strategy.launched_as == StrategyKind.HOROVOD:
-        return [_config_map(config, job), _mpi_job(job)]
+        return [_config_map(config, job), _mpi_job(job, rank_per_gpu=config.strategy.kind == StrategyKind.HOROVOD)]
     if job.flavor == "tfjob":
         return [_config_map(config, job), _tf_job(config, job)]
     if job.flavor == "jobset":
@@ -322,10 +322,11 @@ def _tf_job(config: Config, job: Job) -> dict:
             "spec": {"runPolicy": _run_policy(job), "tfReplicaSpecs": replica_specs}}
 
 
-def _mpi_job(job: Job) -> dict:
+def _mpi_job(job: Job, *, rank_per_gpu: bool = True) -> dict:
     """horovodrun on the launcher reaches the workers by ssh (the MPI operator gives it their hostfile and
-    keys), so the image runs sshd on the workers."""
-    slots = max(1, job.gpus_per_worker)
+    keys), so the image runs sshd on the workers. One rank per GPU, or (a pipeline or tensor-parallel job,
+    whose process spans its pod's GPUs) one per pod."""
+    slots = max(1, job.gpus_per_worker) if rank_per_gpu else 1
     ranks = job.workers * slots
     launch = ["horovodrun", "-np", str(ranks), "--hostfile", "/etc/mpi/hostfile", "--gloo",
               *_train_command(job)]
