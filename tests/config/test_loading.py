@@ -83,7 +83,7 @@ def test_unscaled_float16_with_opt_in():
 def test_data_parallel_pipelines_take_their_backends_settings():
     # A pipeline or tensor-parallel job with data_parallel starts like that backend's jobs and takes its settings.
     horovod = load_config(None, ["strategy.kind=pipeline", "strategy.data_parallel=horovod",
-                                 "horovod.fusion_threshold_bytes=0"])
+                                 "horovod.fusion_threshold_bytes=0", "pipeline.num_micro_batches=8"])
     assert horovod.strategy.launched_as == StrategyKind.HOROVOD
     workers = load_config(None, ["strategy.kind=tensor_parallel", "model.name=transformer",
                                  "strategy.data_parallel=multi_worker", "cluster.workers=[127.0.0.1:2222]",

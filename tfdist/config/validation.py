@@ -289,7 +289,8 @@ def _check_data_parallel(config: Config) -> None:
 
 
 def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:
-    if config.strategy.launched_as != kind and getattr(config, section) != type(getattr(config, section))():
+    s = config.strategy
+    if kind not in (s.kind, s.launched_as) and getattr(config, section) != type(getattr(config, section))():
         raise ConfigError(
             section,
             f"only applies with strategy.kind={kind.value}; strategy.kind is {config.strategy.kind.value}.",
