@@ -16,8 +16,9 @@ from tfdist.checkpoint_store import CheckpointStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-# One device keeps each of the many restarts short; 4 epochs of 22 steps.
-JOB = ["--config", "configs/default.yaml", "--set", "strategy.kind=one_device", "--set", "train.epochs=4",
+# One device keeps each of the many restarts short. 10 epochs of 22 steps: 20 kills, each up to ~6 saved steps
+# after the last, must all land before the end.
+JOB = ["--config", "configs/default.yaml", "--set", "strategy.kind=one_device", "--set", "train.epochs=10",
        "--set", "train.verbose=0", "--set", "callbacks.throughput_warmup_steps=1"]
 
 

@@ -57,7 +57,7 @@ _LAZY = {
 
 
 _SUBPACKAGES = (
-    "bench", "callbacks", "data", "horovod_keras", "layers", "models", "optimizers", "parallel",
+    "bench", "callbacks", "data", "horovod", "horovod_keras", "layers", "models", "optimizers", "parallel",
     "precision", "strategies", "training",
 )
 

@@ -1,0 +1,67 @@
+"""A `horovod.tensorflow` custom training loop, written the way Horovod's TF2 examples are, on Keras 3.
+
+`python horovod_custom_loop.py OUT [seed_by_rank] [partial]` under `horovodrun -np N`
+(or alone: one rank, the reference). Each rank trains on its share of every
+global batch of 32 digits with `DistributedGradientTape`, broadcasts the model
+and optimizer variables after its first step, and writes its final weights
+and their checksum to OUT.rank<R>.npz. `seed_by_rank` starts each rank from
+other weights (so only the broadcast can make them equal); `partial` keeps the
+last layer's gradients rank-local (`PartialDistributedGradientTape`).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import hashlib  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+import tfdist.horovod.tensorflow as hvd  # noqa: E402  (was: import horovod.tensorflow as hvd)
+
+GLOBAL_BATCH = 32
+STEPS = 12
+
+
+def main(out, seed_by_rank=False, partial=False):
+    hvd.init()
+    digits = load_digits()
+    x, y = (digits.data / 16.0).astype("float32"), digits.target.astype("int64")
+    per_rank = GLOBAL_BATCH // hvd.size()
+
+    keras.utils.set_random_seed(hvd.rank() if seed_by_rank else 0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax", name="head")])
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+
+    @tf.function
+    def training_step(images, labels, first_batch):
+        with tf.GradientTape() as tape:
+            loss_value = loss_fn(labels, model(images, training=True))
+        if partial:
+            tape = hvd.PartialDistributedGradientTape(tape, local_layers=[model.get_layer("head")])
+        else:
+            tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss_value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:  # after the first step, when the optimizer's variables exist
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)  # Keras 3: a property, not opt.variables()
+        return loss_value
+
+    for step in range(STEPS):
+        start = step * GLOBAL_BATCH + hvd.rank() * per_rank
+        training_step(x[start:start + per_rank], y[start:start + per_rank], step == 0)
+
+    weights = model.get_weights()
+    checksum = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
+    np.savez(f"{out}.rank{hvd.rank()}.npz", *weights, checksum=checksum, size=hvd.size())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "seed_by_rank" in sys.argv[2:], "partial" in sys.argv[2:])
