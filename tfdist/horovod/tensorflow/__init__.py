@@ -68,6 +68,7 @@ from horovod.tensorflow import (  # noqa: E402
     stop_timeline,
 )
 
+from tfdist.horovod.tensorflow import elastic  # noqa: E402
 from tfdist.horovod.tensorflow.optimizer import DistributedOptimizer  # noqa: E402
 from tfdist.horovod.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
 from tfdist.horovod.tensorflow.variables import broadcast_variables  # noqa: E402
@@ -92,6 +93,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "broadcast_variables",
+    "elastic",
     "cross_rank",
     "cross_size",
     "global_process_set",

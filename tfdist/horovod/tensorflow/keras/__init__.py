@@ -48,7 +48,7 @@ from horovod.tensorflow import (  # noqa: E402
     stop_timeline,
 )
 
-from tfdist.horovod.tensorflow.keras import callbacks  # noqa: E402
+from tfdist.horovod.tensorflow.keras import callbacks, elastic  # noqa: E402
 from tfdist.horovod.tensorflow.keras.callbacks import (  # noqa: E402
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
@@ -83,6 +83,7 @@ __all__ = [
     "allreduce",
     "broadcast",
     "callbacks",
+    "elastic",
     "init",
     "is_initialized",
     "join",
