@@ -2,7 +2,7 @@
 
 Written for `horovod.tensorflow.keras`; on Keras 3 only its import line changed:
 
-    import horovod.tensorflow.keras as hvd   ->   import tfdist.horovod_keras as hvd
+    import horovod.tensorflow.keras as hvd   ->   import tfdist.horovod.tensorflow.keras as hvd
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_keras_digits.py
 """
@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
 
-import tfdist.horovod_keras as hvd  # was: import horovod.tensorflow.keras as hvd
+import tfdist.horovod.tensorflow.keras as hvd  # was: import horovod.tensorflow.keras as hvd
 
 _EPOCHS = flags.DEFINE_integer("epochs", 24, "Passes over this rank's shard.")
 _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", "", "Rank 0 saves a checkpoint here every epoch.")

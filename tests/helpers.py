@@ -11,6 +11,16 @@ import sys
 from tfdist.strategies.cluster import free_loopback_ports as free_ports  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
+    """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root."""
+    return subprocess.run(
+        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *command],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+    )
 
 
 def free_port_block(count, low=20000, high=32000):

@@ -10,21 +10,11 @@ import time
 
 import pytest
 
-from helpers import ROOT, horovod_rank_pid
+from helpers import HOROVODRUN, ROOT, horovod_rank_pid, horovodrun
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scenarios.py")
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 pytestmark = pytest.mark.horovod
-
-
-def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
-    """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root."""
-    return subprocess.run(
-        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *command],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
-    )
 
 
 def _scenario(tmp_path, name, *options, np=2, expect_ok=True, controller="--gloo"):
@@ -85,7 +75,7 @@ def test_a_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
         for alias in node.names
         if "tfdist" in (getattr(node, "module", None) or alias.name)
     ]
-    assert imports == ["tfdist.horovod_keras"]  # the one changed line; the rest is Horovod's API
+    assert imports == ["tfdist.horovod.tensorflow.keras"]  # the one changed line; the rest is Horovod's API
     proc = horovodrun([sys.executable, script, "--epochs", "12", "--checkpoint_dir", str(tmp_path),
                        "--result", str(tmp_path / "accuracy.txt")], timeout=360)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -93,7 +83,7 @@ def test_a_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
     assert "finished gradual learning rate warmup to 0.002" in proc.stdout
     assert len(list(tmp_path.glob("checkpoint-*.keras"))) == 12  # rank 0 only, once per epoch
 
-    from tfdist.horovod_keras import DistributedOptimizer, load_model
+    from tfdist.horovod.tensorflow.keras import DistributedOptimizer, load_model
 
     model = load_model(str(tmp_path / "checkpoint-12.keras"))
     assert isinstance(model.optimizer, DistributedOptimizer)

@@ -11,12 +11,11 @@ import time
 
 import pytest
 
-from helpers import ROOT
+from helpers import HOROVODRUN, ROOT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_elastic_fit.py")
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 EPOCHS, STEPS = 6, 15  # as in the script
 
 

@@ -1,27 +1,24 @@
-"""`tfdist.horovod.tensorflow`: Horovod's custom-loop surface on Keras 3, under horovodrun."""
+"""`tfdist.horovod.tensorflow`: Horovod's custom-loop surface on Keras 3, and Horovod's kinds of example
+scripts with only their import line changed, under horovodrun."""
 
+import ast
+import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, horovodrun
 
 pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 CUSTOM_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_custom_loop.py")
 
 
 def _custom_loop(tmp_path, *options, np=2):
     out = str(tmp_path / f"loop{np}")
-    command = [sys.executable, CUSTOM_LOOP, out, *options]
-    if np > 1:
-        command = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", *command]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    done = horovodrun([sys.executable, CUSTOM_LOOP, out, *options], np=np)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return [np_load(f"{out}.rank{r}.npz") for r in range(np)]
 
@@ -55,3 +52,51 @@ def test_a_partial_tape_keeps_the_local_layers_gradients_on_their_rank(tmp_path)
     np.testing.assert_array_equal(first[0], second[0])
     np.testing.assert_array_equal(first[1], second[1])
     assert np.abs(first[2] - second[2]).max() > 1e-4
+
+
+def _tfdist_imports(script):
+    """The modules of tfdist a script imports: its one changed line."""
+    return [alias.name for node in ast.walk(ast.parse(open(script).read()))
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
+            if "tfdist" in (getattr(node, "module", None) or alias.name)]
+
+
+def _example(name):
+    return os.path.join(ROOT, "examples", name)
+
+
+@pytest.mark.slow
+def test_a_custom_loop_script_trains_digits_with_only_its_import_changed(tmp_path):
+    script = _example("horovod_tensorflow_digits.py")
+    assert _tfdist_imports(script) == ["tfdist.horovod.tensorflow"]
+    done = horovodrun([sys.executable, script, "--checkpoint_dir", str(tmp_path), "--result",
+                       str(tmp_path / "accuracy.txt")])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert float((tmp_path / "accuracy.txt").read_text()) >= 0.95
+    assert "[0]<stdout>:Step #250" in done.stdout and "[1]<stdout>:Step" not in done.stdout  # local rank 0 logs
+    assert (tmp_path / "checkpoint").exists()  # rank 0 saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,module", [
+    ("horovod_synthetic_benchmark.py", "tfdist.horovod.tensorflow"),
+    ("horovod_keras_synthetic_benchmark.py", "tfdist.horovod.tensorflow.keras"),
+])
+def test_the_synthetic_benchmarks_run_a_keras_applications_model(tmp_path, name, module):
+    script = _example(name)
+    assert _tfdist_imports(script) == [module]
+    done = horovodrun([sys.executable, script, "--model", "MobileNetV2", "--image_size", "32", "--batch_size", "8",
+                       "--num_warmup_batches", "1", "--num_batches_per_iter", "2", "--num_iters", "3",
+                       "--result", str(tmp_path / "result.json")])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ranks"] == 2 and result["images_per_sec_per_rank"] > 0
+    assert done.stdout.count("img/sec per rank") == 3 and "Total img/sec on 2 rank(s)" in done.stdout
+
+
+def test_the_old_module_name_is_the_same_module():
+    import tfdist.horovod.tensorflow.keras as keras_surface
+    import tfdist.horovod_keras as old
+    from tfdist.horovod_keras import callbacks
+
+    assert old is keras_surface and callbacks is keras_surface.callbacks
