@@ -20,6 +20,12 @@ def test_measure_compares_one_and_two_ranks_and_counts_fused_calls():
     assert figures["allreduce_calls_per_step_unfused"] == 8
     assert 1 <= figures["allreduce_calls_per_step_fused"] <= figures["allreduce_calls_bound"]
     assert figures["allreduce_calls_bound"] == -(-result["gradient_bytes"] // 4096) + 1
+    # The custom loops: one timing of each per repeat, the ratio of their medians.
+    custom = result["custom_loop_samples_per_sec"]
+    assert {name: len(values) for name, values in result["custom_loop_samples"].items()} == {
+        "tape": 1, "grouped_allreduce": 1}
+    assert figures["custom_loop_ratio"] == pytest.approx(custom["tape"] / custom["grouped_allreduce"])
+    assert figures["custom_loop_meets_target"] == (figures["custom_loop_ratio"] >= 0.98)
 
 
 def test_counting_reads_only_the_optimizers_all_reduces():

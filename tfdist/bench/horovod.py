@@ -11,13 +11,22 @@ tensor fusion at `fusion_threshold_bytes` and once with fusion off (threshold 0)
 Every fused all-reduce Horovod performs is one response in its "Sending ready
 responses" lines; the gradient responses divided by the training steps are the
 calls per step. `allreduce_calls_bound` = ceil(gradient bytes / threshold) + 1.
+
+Custom loops: in one 2-rank job, `tfdist.horovod.tensorflow`'s
+`DistributedGradientTape` loop and a hand-written loop calling Horovod's
+`grouped_allreduce` on the gradients take turns on the same model and images
+(`tfdist.bench.horovod_custom_loop`). `custom_loop_ratio` = samples/sec(tape) /
+samples/sec(grouped_allreduce), medians.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import statistics
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -25,12 +34,13 @@ from typing import Any
 from tfdist.bench.jobs import described, run_train, train_job
 from tfdist.bench.timing import alternate, medians
 
-__all__ = ["available", "count_gradient_allreduces", "launcher", "measure"]
+__all__ = ["available", "count_gradient_allreduces", "custom_loops", "launcher", "measure"]
 
 # `tfdist bench` refuses a config for this benchmark, saying why.
 CONFIG_UNUSED = "it sets its jobs itself."
 
 TARGET_EFFICIENCY = 0.92
+TARGET_CUSTOM_LOOP_RATIO = 0.98
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 # Runs the rest of its command line pinned to the core of its local rank
 # (Horovod's one process per device, on CPUs); the pinning survives exec.
@@ -65,6 +75,10 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
     unfused = count_gradient_allreduces(count_job + ["horovod.fusion_threshold_bytes=0"], steps)
     gradient_bytes = _gradient_bytes(image_size, width)
     bound = math.ceil(gradient_bytes / fusion_threshold_bytes) + 1
+    custom = custom_loops(repeats=repeats, steps=epochs * steps_per_epoch, per_rank_batch=per_rank_batch,
+                          image_size=image_size, width=width)
+    custom_rate = {name: statistics.median(values) for name, values in custom.items()}
+    custom_ratio = custom_rate["tape"] / custom_rate["grouped_allreduce"]
     return {
         "benchmark": "horovod",
         "jobs": described(jobs),
@@ -72,6 +86,8 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
         "repeats": repeats,
         "samples_per_sec": rate,
         "samples": samples,
+        "custom_loop_samples_per_sec": custom_rate,
+        "custom_loop_samples": custom,
         "gradient_bytes": gradient_bytes,
         "gradient_tensors": unfused["tensors_per_step"],
         "fusion_threshold_bytes": fusion_threshold_bytes,
@@ -82,6 +98,9 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
             "allreduce_calls_bound": bound,
             "target_efficiency": TARGET_EFFICIENCY,
             "meets_target": efficiency >= TARGET_EFFICIENCY and fused["calls_per_step"] <= bound,
+            "custom_loop_ratio": custom_ratio,
+            "target_custom_loop_ratio": TARGET_CUSTOM_LOOP_RATIO,
+            "custom_loop_meets_target": custom_ratio >= TARGET_CUSTOM_LOOP_RATIO,
         },
     }
 
@@ -94,6 +113,21 @@ def available() -> bool:
 def launcher(np: int) -> list[str]:
     """`horovodrun -np NP` on localhost over Gloo, each rank pinned to its own core."""
     return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-c", _PIN_TO_CORE]
+
+
+def custom_loops(*, repeats: int, steps: int, per_rank_batch: int, image_size: int,
+                 width: int) -> dict[str, list[float]]:
+    """Samples/sec of each timing of the two custom loops, from one 2-rank job (pinned like the Keras jobs)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "custom_loops.json")
+        arguments = [out, repeats, steps, per_rank_batch, image_size, width]
+        done = subprocess.run([*launcher(2), sys.executable, "-m", "tfdist.bench.horovod_custom_loop",
+                               *map(str, arguments)], capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        if done.returncode != 0:
+            raise RuntimeError(f"the custom-loop job failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
 
 
 def count_gradient_allreduces(overrides: list[str], steps: int) -> dict[str, float]:
