@@ -12,7 +12,8 @@ in (the README says so under Tests):
 
 Each block runs in a fresh interpreter, in a scratch directory that sees the
 repository's `configs/`. The parameter-server block runs as the chief of a
-local cluster (TF_CONFIG names it); the Horovod blocks as a single rank.
+local cluster (TF_CONFIG names it); the Horovod blocks as a single rank, the
+elastic Horovod one under an elastic horovodrun of one slot.
 """
 
 import json
@@ -23,7 +24,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import HOROVODRUN, ROOT
 
 README_LAYERS = (
     '[keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]'
@@ -59,16 +60,24 @@ def _blocks() -> list[str]:
 def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
     (tmp_path / "configs").symlink_to(os.path.join(ROOT, "configs"))
     prelude = DATA + ("" if block.lstrip().startswith("import") else FRAGMENT)
-    script = prelude + block.replace("[...]", README_LAYERS)
+    script = tmp_path / "block.py"
+    script.write_text(prelude + block.replace("[...]", README_LAYERS))
+    command = [sys.executable, str(script)]
+    if "hvd.elastic.run" in block:
+        discover = tmp_path / "hosts.sh"
+        discover.write_text("#!/bin/sh\necho localhost:1\n")
+        discover.chmod(0o755)
+        command = [HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "1", "--network-interface", "lo",
+                   "--host-discovery-script", str(discover), *command]
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        command, capture_output=True, text=True, timeout=400, cwd=tmp_path,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
 
 
 def _cases():
     for index, block in enumerate(_blocks()):
-        horovod = "HorovodStrategy" in block or 'data_parallel="horovod"' in block
+        horovod = any(word in block for word in ("HorovodStrategy", 'data_parallel="horovod"', "tfdist.horovod"))
         marks = [pytest.mark.slow] * ("fit(" in block) + [pytest.mark.horovod] * horovod
         yield pytest.param(index, block, id=f"block{index}", marks=marks)
 
@@ -88,4 +97,4 @@ def test_readme_block_runs(index, block, tmp_path):
             proc = _run(block, tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
     else:
         proc = _run(block, tmp_path)
-    assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{(proc.stdout + proc.stderr)[-3000:]}"

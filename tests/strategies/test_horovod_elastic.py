@@ -36,8 +36,8 @@ def _elastic_job(tmp_path):
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(0o755)
-    command = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
-               sys.executable, SCRIPT, str(tmp_path)]
+    command = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+               "--host-discovery-script", str(discover), sys.executable, SCRIPT, str(tmp_path)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
