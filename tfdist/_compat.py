@@ -23,6 +23,7 @@ __all__ = [
     "TESTED_VERSIONS",
     "check_versions",
     "configure_coordination_service",
+    "forget_step_functions",
     "graph_nodes",
     "horovod",
     "install_clipping_after_all_reduce",
@@ -250,6 +251,13 @@ def training_epoch_iterator():
     `_tfdist_batches` counts the batches read from the current iterator.
     """
     return _LATEST_EPOCH_ITERATOR() if _LATEST_EPOCH_ITERATOR is not None else None
+
+
+def forget_step_functions(model) -> None:
+    """Has the next `fit`/`evaluate`/`predict` make `model`'s step functions again (Keras's, or a strategy's
+    hooks): they bake in what they were traced with, such as the number of replicas."""
+    model.__dict__.pop("_tfdist_hooks", None)
+    model.train_function = model.test_function = model.predict_function = None
 
 
 def keras_step_function(model, attribute: str):

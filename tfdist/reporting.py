@@ -59,6 +59,8 @@ def format_summary(result: Mapping[str, Any]) -> str:
         f"  strategy        {result['strategy']} ({replicas} replica(s))",
         *([f"  cluster         {result['cluster']}"] if "cluster" in result else []),
         *([f"  layout          {result['layout']['text']}"] if "layout" in result else []),
+        *([f"  elastic         {result['elastic']['resets']} reset(s), {result['elastic']['ranks']} rank(s) at the end"]
+          if "elastic" in result else []),
         *([f"  sharded tables  {result['sharded_tables']}"] if "sharded_tables" in result else []),
         *([f"  tensor groups   {_groups(result['tensor_parallel_groups'])}"] if "tensor_parallel_groups" in result else []),
         *([f"  placement       {result['placement']}"] if "placement" in result else []),

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Any, Optional, TextIO
 
@@ -26,7 +27,7 @@ from tfdist.callbacks import Checkpoint, DeviceMetrics, InputStalls, RestoreOnly
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies import make_strategy, parameter_server
+from tfdist.strategies import horovod_elastic, make_strategy, parameter_server
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
 
@@ -174,22 +175,27 @@ def run(
     job = prepare(config)
     throughput, stalls, checkpoint, callbacks = _callbacks(job)
     chief = is_chief(job.strategy)
+    fit = functools.partial(
+        job.model.fit,
+        job.train_data,
+        steps_per_epoch=job.steps_per_epoch,
+        validation_data=job.val_data,
+        shuffle=False,  # the dataset shuffles itself
+        verbose=config.train.verbose if chief else 0,
+    )
     try:
-        history = job.model.fit(
-            job.train_data,
-            epochs=config.train.epochs,
-            steps_per_epoch=job.steps_per_epoch,
-            validation_data=job.val_data,
-            shuffle=False,  # the dataset shuffles itself
-            callbacks=callbacks,
-            verbose=config.train.verbose if chief else 0,
-        )
+        if config.horovod.elastic:
+            history = horovod_elastic.fit(job.model, fit, epochs=config.train.epochs, callbacks=callbacks,
+                                          batches_per_commit=config.horovod.elastic_commit_batches)
+        else:
+            history = fit(epochs=config.train.epochs, callbacks=callbacks)
     except tf.errors.OpError as e:
         # A strategy that can tell a lost peer from other failures says so in one line.
         lost = getattr(job.strategy, "job_error", lambda error: None)(e)
         if lost is not None:
             raise lost from e
         raise
+    chief = is_chief(job.strategy)  # after an elastic reset, rank 0 may be another process
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
         "strategy": config.strategy.kind.value,
@@ -205,6 +211,9 @@ def run(
         "resumed_from_step": checkpoint.resumed_from_step if checkpoint else 0,
         "final_weights_digest": weights_digest(job.model),
     }
+    if config.horovod.elastic:
+        result["elastic"] = {"resets": history.resets, "ranks": job.strategy.size,
+                             "optimizer_steps": int(job.model.optimizer.iterations.numpy())}
     if stalls is not None and stalls.report:
         result["input_wait_share"] = stalls.input_wait_share
         result["input_stalls"] = stalls.report

@@ -1,5 +1,6 @@
-"""Elastic Horovod on Keras 3 (`tfdist.horovod.tensorflow.keras.elastic`): a real elastic horovodrun job
-loses a rank in the middle of an epoch and finishes with the survivor, from its last commit."""
+"""Elastic Horovod on Keras 3 (`tfdist.horovod.tensorflow.keras.elastic`, and `horovod.elastic: true` for
+`tfdist train`): a real elastic horovodrun job loses a rank in the middle of an epoch and finishes with the
+survivor, from its last commit."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT
+from helpers import HOROVODRUN, ROOT, horovod_rank_pid, run_tfdist, tfdist_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
 
@@ -28,7 +29,8 @@ def _events(out_dir):
     return sorted(events, key=lambda e: e["time"])
 
 
-def _elastic_job(tmp_path):
+def _elastic_job(tmp_path, command):
+    """`command` under an elastic horovodrun of 2 ranks (at least 1) on loopback."""
     # Two host names for loopback, one slot each: Horovod blacklists the host of a failed rank,
     # and with one name for both slots the survivor would go with it.
     hosts = tmp_path / "hosts"
@@ -37,14 +39,14 @@ def _elastic_job(tmp_path):
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(0o755)
     command = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
-               "--host-discovery-script", str(discover), sys.executable, SCRIPT, str(tmp_path)]
+               "--host-discovery-script", str(discover), *command]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 @pytest.mark.timeout(400)
 def test_a_rank_killed_mid_epoch_loses_no_committed_step(tmp_path):
-    job = _elastic_job(tmp_path)
+    job = _elastic_job(tmp_path, [sys.executable, SCRIPT, str(tmp_path)])
     try:
         # Kill rank 1 a few batches into epoch 3: rank 0 has committed a step in it.
         kill_after = 2 * STEPS + random.Random(20).randint(2, 8)
@@ -79,3 +81,40 @@ def test_a_rank_killed_mid_epoch_loses_no_committed_step(tmp_path):
     assert result["final_step"] == EPOCHS * STEPS and result["size"] == 1
     assert result["val_accuracy"] >= 0.9
     assert figures["recovery_seconds"] < 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_tfdist_train_with_horovod_elastic_goes_on_without_a_lost_rank(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    job = _elastic_job(tmp_path, tfdist_command(
+        "train", "--config", "configs/horovod.yaml", "--set", "horovod.elastic=true", "--set", "train.epochs=6",
+        "--set", "train.verbose=2", "--metrics_out", str(metrics)))
+    try:
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("[0]<stdout>:Epoch 3/"):
+                time.sleep(0.3)  # into the epoch
+                os.kill(horovod_rank_pid(1), signal.SIGKILL)
+                break
+        else:
+            pytest.fail("".join(lines)[-4000:])
+        output = "".join(lines) + job.communicate(timeout=240)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-4000:]
+    result = json.loads(metrics.read_text())
+    # One reset, one rank left, and exactly the planned optimizer steps (22 per epoch): none lost, none twice.
+    assert result["elastic"] == {"resets": 1, "ranks": 1, "optimizer_steps": 6 * 22}
+    assert result["final"]["val_accuracy"] >= 0.9
+    assert "[0]<stdout>:  elastic         1 reset(s), 1 rank(s) at the end" in output
+
+
+def test_horovod_elastic_outside_an_elastic_horovodrun_is_one_line():
+    done = run_tfdist("train", "--config", "configs/horovod.yaml", "--set", "horovod.elastic=true",
+                      "--set", "train.epochs=1")
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tfdist: error: horovod.elastic needs an elastic horovodrun: add --min-np, --max-np and "
+        "--host-discovery-script (and --network-interface lo on one machine).")

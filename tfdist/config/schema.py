@@ -289,6 +289,12 @@ class HorovodConfig:
         with an error (tfdist's step watchdog; Horovod's stall inspector
         shuts down after it too); 0 turns both off. A dead rank fails the
         others at once.
+      elastic: train with Horovod's elastic mode (under `horovodrun
+        --min-np/--max-np/--host-discovery-script`): when ranks are lost or
+        added, the others go on from their last commit instead of failing.
+      elastic_commit_batches: commit the training state every this many
+        batches (and at every epoch's end); a lost rank costs at most these
+        batches of work, never a committed one.
     """
 
     op: HorovodOp = HorovodOp.AVERAGE
@@ -299,6 +305,8 @@ class HorovodConfig:
     timeline: Optional[str] = None
     stall_check_seconds: float = bounded(30.0, low=1)
     stall_shutdown_seconds: float = bounded(600.0, low=0)
+    elastic: bool = False
+    elastic_commit_batches: int = bounded(1, low=1)
 
 
 @dataclasses.dataclass(frozen=True)

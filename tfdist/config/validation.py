@@ -15,6 +15,7 @@ from tfdist.config.schema import (
     ClusterResolverKind,
     Config,
     DataParallel,
+    HorovodConfig,
     ModelName,
     PrecisionPolicy,
     StrategyKind,
@@ -283,6 +284,14 @@ def _check_data_parallel(config: Config) -> None:
         raise ConfigError("strategy.data_parallel", "applies to strategy.kind pipeline and tensor_parallel (the "
                           f"other kinds are their own data parallelism); strategy.kind is {s.kind.value}.",
                           s.data_parallel.value)
+    if config.horovod.elastic and config.horovod.cycle_time_ms != HorovodConfig.cycle_time_ms:
+        raise ConfigError("horovod.cycle_time_ms", "cannot be set with horovod.elastic: Horovod 0.28 crashes "
+                          "(segmentation fault) re-forming its ranks when both the fusion threshold and the cycle "
+                          "time are fixed, so an elastic job keeps Horovod's default, 1 ms.",
+                          config.horovod.cycle_time_ms)
+    if s.data_parallel == DataParallel.HOROVOD and config.horovod.elastic:
+        raise ConfigError("horovod.elastic", "applies to strategy.kind=horovod only; a pipeline or "
+                          "tensor-parallel job over Horovod ranks is not elastic.", True)
     if s.data_parallel == DataParallel.HOROVOD and config.horovod.backward_passes_per_step != 1:
         raise ConfigError("horovod.backward_passes_per_step", "applies to strategy.kind=horovod only; a pipeline "
                           "accumulates over pipeline.num_micro_batches.", config.horovod.backward_passes_per_step)

@@ -387,7 +387,8 @@ def from_config(config: Config) -> HorovodStrategy:
             op=h.op.value,
             fp16_compression=h.fp16_compression,
             fusion_threshold_bytes=h.fusion_threshold_bytes,
-            cycle_time_ms=h.cycle_time_ms,
+            # Horovod 0.28 crashes re-forming an elastic job when both of these are fixed (validation).
+            cycle_time_ms=None if h.elastic else h.cycle_time_ms,
             timeline=h.timeline,
             stall_check_seconds=h.stall_check_seconds,
             stall_shutdown_seconds=h.stall_shutdown_seconds,

@@ -78,7 +78,8 @@ class TensorFlowKerasState(ObjectState):
         if self.optimizer is None:
             raise ValueError("no optimizer: pass one, or compile the model with it")
         if not self.optimizer.built:
-            self.optimizer.build(model.trainable_variables)
+            with model.distribute_strategy.scope():  # where the model's variables are
+                self.optimizer.build(model.trainable_variables)
         self._save_model()
         super().__init__(bcast_object=_hvd.broadcast_object, get_rank=_hvd.rank, **kwargs)
 
