@@ -1,5 +1,6 @@
 """Helpers for tests that run tfdist in subprocesses."""
 
+import ast
 import collections
 import json
 import os
@@ -37,6 +38,14 @@ def free_port_block(count, low=20000, high=32000):
         except OSError:
             continue
     raise RuntimeError(f"no {count} consecutive free ports in {low}-{high}")
+
+
+def tfdist_imports(script):
+    """The tfdist modules a script imports (for an example that changed only its import line)."""
+    with open(script) as f:
+        tree = ast.parse(f.read())
+    return [alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names if "tfdist" in (getattr(node, "module", None) or alias.name)]
 
 
 def tfdist_command(*args):

@@ -1,6 +1,5 @@
 """HorovodStrategy under horovodrun: real ranks on loopback, Gloo controller."""
 
-import ast
 import json
 import os
 import signal
@@ -10,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, horovod_rank_pid, horovodrun
+from helpers import HOROVODRUN, ROOT, horovod_rank_pid, horovodrun, tfdist_imports
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scenarios.py")
 
@@ -68,14 +67,7 @@ def test_horovod_keras_api_matches_one_process(tmp_path, accumulation):
 @pytest.mark.timeout(400)
 def test_a_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
     script = os.path.join(ROOT, "examples", "horovod_keras_digits.py")
-    imports = [
-        alias.name
-        for node in ast.walk(ast.parse(open(script).read()))
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-        if "tfdist" in (getattr(node, "module", None) or alias.name)
-    ]
-    assert imports == ["tfdist.horovod.tensorflow.keras"]  # the one changed line; the rest is Horovod's API
+    assert tfdist_imports(script) == ["tfdist.horovod.tensorflow.keras"]  # the one changed line; the rest is Horovod's API
     proc = horovodrun([sys.executable, script, "--epochs", "12", "--checkpoint_dir", str(tmp_path),
                        "--result", str(tmp_path / "accuracy.txt")], timeout=360)
     assert proc.returncode == 0, proc.stdout[-4000:]

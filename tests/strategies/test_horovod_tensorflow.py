@@ -1,7 +1,6 @@
 """`tfdist.horovod.tensorflow`: Horovod's custom-loop surface on Keras 3, and Horovod's kinds of example
 scripts with only their import line changed, under horovodrun."""
 
-import ast
 import json
 import os
 import sys
@@ -9,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, horovodrun
+from helpers import ROOT, horovodrun, tfdist_imports
 
 pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -54,13 +53,6 @@ def test_a_partial_tape_keeps_the_local_layers_gradients_on_their_rank(tmp_path)
     assert np.abs(first[2] - second[2]).max() > 1e-4
 
 
-def _tfdist_imports(script):
-    """The modules of tfdist a script imports: its one changed line."""
-    return [alias.name for node in ast.walk(ast.parse(open(script).read()))
-            if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
-            if "tfdist" in (getattr(node, "module", None) or alias.name)]
-
-
 def _example(name):
     return os.path.join(ROOT, "examples", name)
 
@@ -68,7 +60,7 @@ def _example(name):
 @pytest.mark.slow
 def test_a_custom_loop_script_trains_digits_with_only_its_import_changed(tmp_path):
     script = _example("horovod_tensorflow_digits.py")
-    assert _tfdist_imports(script) == ["tfdist.horovod.tensorflow"]
+    assert tfdist_imports(script) == ["tfdist.horovod.tensorflow"]
     done = horovodrun([sys.executable, script, "--checkpoint_dir", str(tmp_path), "--result",
                        str(tmp_path / "accuracy.txt")])
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -84,7 +76,7 @@ def test_a_custom_loop_script_trains_digits_with_only_its_import_changed(tmp_pat
 ])
 def test_the_synthetic_benchmarks_run_a_keras_applications_model(tmp_path, name, module):
     script = _example(name)
-    assert _tfdist_imports(script) == [module]
+    assert tfdist_imports(script) == [module]
     done = horovodrun([sys.executable, script, "--model", "MobileNetV2", "--image_size", "32", "--batch_size", "8",
                        "--num_warmup_batches", "1", "--num_batches_per_iter", "2", "--num_iters", "3",
                        "--result", str(tmp_path / "result.json")])
