@@ -1,12 +1,16 @@
 """A `horovod.tensorflow` custom training loop, written the way Horovod's TF2 examples are, on Keras 3.
 
-`python horovod_custom_loop.py OUT [seed_by_rank] [partial]` under `horovodrun -np N`
+`python horovod_custom_loop.py OUT [MODE ...]` under `horovodrun -np N`
 (or alone: one rank, the reference). Each rank trains on its share of every
 global batch of 32 digits with `DistributedGradientTape`, broadcasts the model
-and optimizer variables after its first step, and writes its final weights
-and their checksum to OUT.rank<R>.npz. `seed_by_rank` starts each rank from
-other weights (so only the broadcast can make them equal); `partial` keeps the
-last layer's gradients rank-local (`PartialDistributedGradientTape`).
+and optimizer variables after its first step, and writes its final weights,
+their checksum and what Horovod's tensor functions returned to
+OUT.rank<R>.npz. Modes: `seed_by_rank` starts each rank from other weights (so
+only the broadcast can make them equal); `partial` keeps the last layer's
+gradients rank-local (`PartialDistributedGradientTape`); `tape_options` gives
+the tape fp16 compression, a gradient predivide factor and explicit groups of
+Keras variables; `optimizer` all-reduces in `hvd.DistributedOptimizer` instead
+of the tape.
 """
 
 import os
@@ -27,25 +31,31 @@ GLOBAL_BATCH = 32
 STEPS = 12
 
 
-def main(out, seed_by_rank=False, partial=False):
+def main(out, modes):
     hvd.init()
     digits = load_digits()
     x, y = (digits.data / 16.0).astype("float32"), digits.target.astype("int64")
     per_rank = GLOBAL_BATCH // hvd.size()
 
-    keras.utils.set_random_seed(hvd.rank() if seed_by_rank else 0)
+    keras.utils.set_random_seed(hvd.rank() if "seed_by_rank" in modes else 0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(10, activation="softmax", name="head")])
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
     opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    if "optimizer" in modes:
+        opt = hvd.DistributedOptimizer(opt)
 
     @tf.function
     def training_step(images, labels, first_batch):
         with tf.GradientTape() as tape:
             loss_value = loss_fn(labels, model(images, training=True))
-        if partial:
+        if "partial" in modes:
             tape = hvd.PartialDistributedGradientTape(tape, local_layers=[model.get_layer("head")])
-        else:
+        elif "tape_options" in modes:
+            hidden, head = model.layers
+            tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16, gradient_predivide_factor=2.0,
+                                               groups=[hidden.trainable_weights, head.trainable_weights])
+        elif "optimizer" not in modes:
             tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss_value, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
@@ -60,8 +70,12 @@ def main(out, seed_by_rank=False, partial=False):
 
     weights = model.get_weights()
     checksum = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
-    np.savez(f"{out}.rank{hvd.rank()}.npz", *weights, checksum=checksum, size=hvd.size())
+    rank = tf.constant([hvd.rank()] * hvd.size())
+    np.savez(f"{out}.rank{hvd.rank()}.npz", *weights, checksum=checksum, size=hvd.size(),
+             allgather=hvd.allgather(rank[:1]).numpy(), broadcast=hvd.broadcast(rank, root_rank=0).numpy(),
+             alltoall=hvd.alltoall(rank).numpy(), allreduce=hvd.allreduce(rank, op=hvd.Sum).numpy(),
+             join=hvd.join())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "seed_by_rank" in sys.argv[2:], "partial" in sys.argv[2:])
+    main(sys.argv[1], set(sys.argv[2:]))

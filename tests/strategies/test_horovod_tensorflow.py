@@ -37,6 +37,22 @@ def test_a_custom_loop_matches_one_process_on_the_whole_batches(tmp_path):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # every rank ends with the same weights
     for a, b in zip(_weights(ranks[0]), _weights(reference)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    # Horovod's own tensor functions, on each rank:
+    for result in ranks:
+        np.testing.assert_array_equal(result["allgather"], [0, 1])
+        np.testing.assert_array_equal(result["broadcast"], [0, 0])
+        np.testing.assert_array_equal(result["alltoall"], [0, 1])  # element r of every rank goes to rank r
+        np.testing.assert_array_equal(result["allreduce"], [1, 1])
+        assert int(result["join"]) in (0, 1)  # the last rank to join
+
+
+@pytest.mark.parametrize("mode,tolerance", [("tape_options", 1e-3), ("optimizer", 1e-5)])
+def test_tape_options_and_the_distributed_optimizer_match_one_process(tmp_path, mode, tolerance):
+    ranks = _custom_loop(tmp_path, mode)
+    (reference,) = _custom_loop(tmp_path, np=1)
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    for a, b in zip(_weights(ranks[0]), _weights(reference)):  # fp16 compression: to 1e-3
+        np.testing.assert_allclose(a, b, atol=tolerance, rtol=0)
 
 
 def test_broadcast_variables_makes_ranks_that_started_apart_equal(tmp_path):
