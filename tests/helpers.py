@@ -5,6 +5,7 @@ import collections
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -13,6 +14,14 @@ from tfdist.strategies.cluster import free_loopback_ports as free_ports  # noqa:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+# What TensorFlow prints at import before its logging starts, whatever TF_CPP_MIN_LOG_LEVEL says
+# (on some CPUs: "oneDNN custom operations are on"): info lines, and the warning that precedes them.
+_TENSORFLOW_STARTUP = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} \d\d:\d\d:\d\d)")
+
+
+def user_lines(stderr):
+    """The lines of `stderr` a user reads, without TensorFlow's start-up info lines."""
+    return [line for line in stderr.strip().splitlines() if not _TENSORFLOW_STARTUP.match(line)]
 
 
 def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, run_tfdist, tfdist_command
+from helpers import ROOT, run_tfdist, tfdist_command, user_lines
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -161,7 +161,7 @@ def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_checkpoint(tmp_p
         first.kill()
     assert first.returncode == 1, err[-3000:]
     # The user's screen ends with one line, not the coordinator's 70-150 lines of gRPC detail.
-    lines = err.strip().splitlines()
+    lines = user_lines(err)
     assert lines[-1].startswith("tfdist: error: lost a parameter server"), err[-3000:]
     assert "checkpoint.dir" in lines[-1] and len(lines) <= 3, err[-3000:]
 
