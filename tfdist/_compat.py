@@ -497,3 +497,27 @@ def check_versions(installed: Optional[Mapping[str, str]] = None) -> list[str]:
 
 
 check_versions()
+
+
+def input_workers(strategy) -> tuple[int, Optional[int]]:
+    """(input pipelines of the job, this process's index among them, or None where the chief feeds every worker).
+
+    Read from the strategy's own input context (tfdist's Horovod and process-group
+    strategies), TensorFlow's multi-worker strategy, or a parameter-server
+    strategy's worker count; 1 and 0 for a one-process strategy.
+    """
+    extended = strategy.extended
+    context = getattr(extended, "_input_context", None)
+    if callable(context) and getattr(extended, "_processes", True) is not None:
+        context = context()
+        return context.num_input_pipelines, context.input_pipeline_id
+    if hasattr(strategy, "coordinator"):  # parameter servers: the chief builds what every worker reads
+        return strategy.num_workers, None
+    return getattr(extended, "_num_workers", 1), getattr(extended, "_id_in_cluster", 0)
+
+
+def auto_shard(dataset, num_shards: int, index):
+    """TensorFlow's auto-sharding of `dataset` by its own `auto_shard_policy` (what tf.distribute applies)."""
+    from tensorflow.python.distribute import input_ops
+
+    return input_ops.auto_shard_dataset(dataset, num_shards, index, num_shards)

@@ -1,7 +1,10 @@
 """The models `tfdist train` can build from config.
 
-Each ends in a float32 softmax so that mixed-precision policies keep the loss in
-float32 (the Keras mixed-precision guide's advice).
+`model.name` is one of tfdist's built-in models, each ending in a float32
+softmax so that mixed-precision policies keep the loss in float32 (the Keras
+mixed-precision guide's advice); or a model of `keras.applications` (no
+weights: nothing is downloaded), a saved `.keras` file, or the user's own
+function. Whatever the source, the model must output one score per class.
 
 Example:
 
@@ -14,12 +17,15 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 
 import keras
 
-from tfdist.config.schema import ModelConfig, ModelName
 import tensorflow as tf
 
+from tfdist.config.schema import ModelConfig, ModelName
+from tfdist.config.sources import ModelSource, model_source
+from tfdist.errors import ConfigError
 from tfdist.layers import ParallelMLP, ParallelMultiHeadAttention, ShardedEmbedding
 from tfdist.parallel import DeviceGroup, current_group
 
@@ -65,7 +71,96 @@ class PositionEmbedding(keras.layers.Layer):
 
 
 def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
-    """Builds the configured model (call under a strategy's scope)."""
+    """Builds (or loads) the configured model, uncompiled; call under a strategy's scope.
+
+    Raises:
+      ConfigError: on `model.name`: an unknown keras.applications model, a
+        missing or unreadable file, a function that cannot be imported or does
+        not return a Keras model, a model Keras cannot build for the data's
+        input shape, or one whose output is not one score per class.
+    """
+    source, reference = model_source(config.name)
+    if source == ModelSource.BUILTIN:
+        model = _builtin(config, input_shape, num_classes)
+    elif source == ModelSource.KERAS_APPLICATIONS:
+        model = _keras_application(reference, input_shape, num_classes)
+    elif source == ModelSource.FILE:
+        model = _saved(reference)
+    else:
+        model = _from_function(reference, input_shape, num_classes)
+    _check_output(model, config.name, input_shape, num_classes)
+    return model
+
+
+def _keras_application(name: str, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+    constructor = getattr(keras.applications, name, None)
+    if not callable(constructor) or name[0].islower():
+        raise ConfigError("model.name", "must name a model of keras.applications (e.g. ResNet50, MobileNetV2).",
+                          f"keras.applications.{name}")
+    try:  # weights=None: randomly initialised, nothing downloaded
+        return constructor(weights=None, input_shape=input_shape, classes=num_classes)
+    except ValueError as e:
+        raise ConfigError("model.name", f"cannot be built for inputs of shape {input_shape} ({e}).",
+                          f"keras.applications.{name}") from None
+
+
+def _saved(path: str) -> keras.Model:
+    if not os.path.isfile(path):
+        raise ConfigError("model.name", "must name an existing .keras file after `file:`.", f"file:{path}")
+    try:  # compiled again from the config, so the saved optimizer is not restored
+        model = keras.models.load_model(path, compile=False)
+    except (ValueError, OSError, TypeError) as e:
+        raise ConfigError("model.name", f"names a file Keras cannot load ({e}).", f"file:{path}") from None
+    return _with_global_policy(model, f"file:{path}")
+
+
+def _with_global_policy(model: keras.Model, name: str) -> keras.Model:
+    """The model again, its layers computing in the global dtype policy (its outputs stay as saved).
+
+    A saved model keeps the policy it was trained with in each layer's config;
+    `precision.policy` decides here, as for a model built from code.
+    """
+    policy = keras.mixed_precision.global_policy()
+    if all(layer.dtype_policy.name == policy.name for layer in model.layers):
+        return model
+    outputs = {id(layer) for layer in model.layers if any(layer.output is o for o in model.outputs)}
+
+    def with_policy(layer):
+        if id(layer) in outputs or isinstance(layer, keras.layers.InputLayer):
+            return layer.__class__.from_config(layer.get_config())
+        return layer.__class__.from_config({**layer.get_config(), "dtype": policy.name})
+
+    try:
+        clone = keras.models.clone_model(model, clone_function=with_policy)
+    except ValueError as e:  # a subclassed model has no layer graph to rebuild
+        raise ConfigError("precision.policy", f"{policy.name} needs a functional or Sequential model to apply to a "
+                                              f"saved one ({e}).", name) from None
+    clone.set_weights(model.get_weights())
+    return clone
+
+
+def _from_function(reference: str, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+    from tfdist.user_code import import_function
+
+    model = import_function(reference, "model.name")(input_shape=input_shape, num_classes=num_classes)
+    if not isinstance(model, keras.Model):
+        raise ConfigError("model.name", f"must return a keras.Model; it returned a {type(model).__name__}.",
+                          reference)
+    return model
+
+
+def _check_output(model: keras.Model, name: str, input_shape: tuple[int, ...], num_classes: int) -> None:
+    if getattr(model, "outputs", None):  # functional or Sequential
+        outputs = model.outputs
+    else:  # subclassed: trace its call on a symbolic batch (which also builds it)
+        outputs = keras.tree.flatten(model.compute_output_spec(keras.KerasTensor((None, *input_shape))))
+    shape = tuple(outputs[0].shape) if len(outputs) == 1 else tuple(tuple(o.shape) for o in outputs)
+    if len(outputs) != 1 or len(shape) != 2 or shape[-1] != num_classes:
+        raise ConfigError("model.name", f"must output one score per class, shape (batch, {num_classes}), for "
+                                        f"the data's {num_classes} classes; its output is {shape}.", name)
+
+
+def _builtin(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
     layers = keras.layers
     if ModelName(config.name) == ModelName.TRANSFORMER:
         return _transformer(config, input_shape, num_classes)

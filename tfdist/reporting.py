@@ -68,6 +68,7 @@ def format_summary(result: Mapping[str, Any]) -> str:
         f"  global batch    {result['global_batch_size']} ({per_replica} per replica"
         + (f", micro-batches of {result['micro_batch_size']})" if "micro_batch_size" in result else ")"),
         f"  precision       {result['precision']}",
+        *([f"  input sharding  {result['input_sharding']}"] if "input_sharding" in result else []),
         "  samples/sec     "
         + (
             f"{result['samples_per_sec']:.1f} (median step {result['step_time_ms']:.2f} ms)"

@@ -22,7 +22,7 @@ from typing import Any, Optional, TextIO
 import keras
 import tensorflow as tf
 
-from tfdist import data, models, precision
+from tfdist import _compat, data, models, precision
 from tfdist.callbacks import Checkpoint, DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput, weights_digest
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
@@ -43,26 +43,35 @@ class Job:
       train_data: repeated training batches of `global_batch_size`.
       val_data: the validation batches.
       steps_per_epoch: training steps per epoch.
+      input_sharding: how a multi-process job splits the input: `file`,
+        `record`, or `none` (one process).
     """
 
     config: Config
     strategy: tf.distribute.Strategy
     model: keras.Model
     train_data: tf.data.Dataset
-    val_data: tf.data.Dataset
+    val_data: Optional[tf.data.Dataset]
     steps_per_epoch: int
+    input_sharding: str = "none"
 
 
 def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -> Job:
-    """Builds the strategy (unless given), data and compiled model from config."""
+    """Builds the strategy (unless given), data and compiled model from config.
+
+    Raises:
+      ConfigError: the data or model the config names cannot be read, imported
+        or built, or do not fit each other.
+    """
     strategy = strategy or make_strategy(config)
     train = config.train
     keras.utils.set_random_seed(train.seed)
-    split = data.load(config.data, seed=train.seed)
-    steps = train.steps_per_epoch or data.steps_per_epoch(len(split.x_train), train.global_batch_size)
+    source = data.load_source(config.data, seed=train.seed,
+                              need_count=not (train.steps_per_epoch and config.data.shuffle_buffer))
+    steps = train.steps_per_epoch or data.steps_per_epoch(source.train.count, train.global_batch_size)
 
     def build_model():
-        return models.build(config.model, input_shape=split.input_shape, num_classes=split.num_classes)
+        return models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes)
 
     # What a strategy needs before the model is built, and the config errors it can see in the model.
     if hasattr(strategy, "before_build"):
@@ -80,16 +89,29 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
             auto_scale_loss=False,  # wrap_optimizer already decided on loss scaling
             steps_per_execution=_steps_per_execution(config),
         )
-    return Job(
-        config=config,
-        strategy=strategy,
-        model=model,
-        train_data=data.training_dataset(
-            split.x_train, split.y_train, train.global_batch_size, seed=train.seed, config=config.data
-        ),
-        val_data=data.validation_dataset(split.x_val, split.y_val, train.global_batch_size, config=config.data),
-        steps_per_epoch=steps,
-    )
+    train_data, val_data, sharding = _input(config, strategy, source)
+    return Job(config=config, strategy=strategy, model=model, train_data=train_data, val_data=val_data,
+               steps_per_epoch=steps, input_sharding=sharding)
+
+
+def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source):
+    """The training and validation batches, and how a multi-process job splits them."""
+    workers, index = _compat.input_workers(strategy)
+    if config.horovod.elastic:
+        index = None  # the ranks change: shard what tf.distribute shards at each distribution
+    train_examples, sharding = data.shard(source.train, workers, index)
+    pipeline = config.data
+    if not pipeline.shuffle_buffer and source.train.count:  # shuffle over the whole training set
+        pipeline = dataclasses.replace(pipeline, shuffle_buffer=source.train.count)
+    batch = config.train.global_batch_size
+    train_data = data.input_pipeline(train_examples, pipeline, batch_size=batch, training=True,
+                                     seed=config.train.seed)
+    val_data = None
+    if source.validation is not None:
+        val_examples, _ = data.shard(source.validation, workers, index)
+        val_data = data.input_pipeline(val_examples, pipeline, batch_size=batch, training=False)
+    described = f"{sharding} ({workers} input pipelines, {source.train.files} files)" if workers > 1 else sharding
+    return train_data, val_data, described
 
 
 def _accumulation_steps(config: Config) -> int:
@@ -207,6 +229,7 @@ def run(
         "step_time_ms": throughput.step_time_ms,
         "epochs": config.train.epochs,
         "steps_per_epoch": job.steps_per_epoch,
+        "input_sharding": job.input_sharding,
         "final": final,
         "resumed_from_step": checkpoint.resumed_from_step if checkpoint else 0,
         "final_weights_digest": weights_digest(job.model),

@@ -98,7 +98,7 @@ def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
     # The hand-written side is this one job; other settings have no twin there.
     required = {
         "strategy.kind": (s.kind.value, "mirrored"),
-        "model.name": (config.model.name.value, "digits_cnn"),
+        "model.name": (config.model.name, "digits_cnn"),
         "train.optimizer": (t.optimizer.value, "adam"),
         "train.scale_learning_rate": (t.scale_learning_rate, False),
         "precision.policy": (config.precision.policy.value, "float32"),

@@ -224,7 +224,7 @@ def _memory_held(num_stages: int) -> dict[str, dict[str, int]]:
     )
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        config = ModelConfig(name=ModelName.TRANSFORMER, width=128, depth=4, heads=4)
+        config = ModelConfig(name=ModelName.TRANSFORMER.value, width=128, depth=4, heads=4)
         model = models.build(config, input_shape=(8, 8, 1), num_classes=10)
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     x = np.random.default_rng(0).random((32, 8, 8, 1), dtype="float32")

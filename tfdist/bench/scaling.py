@@ -98,7 +98,7 @@ def measure(config: Config, *, repeats: int = 3, max_devices: Optional[int] = No
     largest = {backend: rows[-1] for backend, rows in table.items()}
     return {
         "benchmark": "scaling",
-        "model": config.model.name.value,
+        "model": config.model.name,
         "batch_per_device": batch,
         "gpus": gpus,
         "steps": epochs * steps_per_epoch,

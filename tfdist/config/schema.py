@@ -25,6 +25,8 @@ __all__ = [
     "Config",
     "DataConfig",
     "Dataset",
+    "FeatureConfig",
+    "FeatureDtype",
     "ModelConfig",
     "HorovodConfig",
     "HorovodOp",
@@ -124,11 +126,21 @@ class ClusterResolverKind(str, enum.Enum):
 
 
 class Dataset(str, enum.Enum):
+    """The built-in datasets; `data.dataset` also takes sources (`npz:PATH`, ..., see DataConfig)."""
+
     DIGITS = "digits"
     SYNTHETIC = "synthetic"
 
 
+class FeatureDtype(str, enum.Enum):
+    FLOAT32 = "float32"
+    INT64 = "int64"
+    IMAGE = "image"  # encoded PNG, JPEG, GIF or BMP bytes, decoded to the feature's shape, scaled to [0, 1]
+
+
 class ModelName(str, enum.Enum):
+    """The built-in models; `model.name` also takes other models (`keras.applications.NAME`, ..., see ModelConfig)."""
+
     DIGITS_CNN = "digits_cnn"
     MLP = "mlp"
     PIXEL_EMBEDDING = "pixel_embedding"
@@ -359,16 +371,48 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+    """One feature of the TFRecord examples (`data.dataset: tfrecord:GLOB`).
+
+    Attributes:
+      name: the feature's key in each `tf.train.Example`.
+      dtype: `float32`, `int64`, or `image` (encoded PNG/JPEG/GIF/BMP bytes,
+        decoded to `shape` and scaled to [0, 1]).
+      shape: the feature's shape (`[]` for a scalar); for `image`, height,
+        width and channels.
+    """
+
+    name: str = ""
+    dtype: FeatureDtype = FeatureDtype.FLOAT32
+    shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The input data.
 
     Attributes:
-      dataset: `digits` (scikit-learn's 8x8 digits, ships with scikit-learn) or
-        `synthetic` (random images and labels, for benchmarks).
+      dataset: where the examples come from: `digits` (scikit-learn's 8x8
+        digits, ships with scikit-learn), `synthetic` (random images and
+        labels, for benchmarks), `npz:PATH` (arrays `x` and `y`, optionally
+        `x_val` and `y_val`), `tfrecord:GLOB` (`tf.train.Example` records
+        described by `features`), `images:DIR` (one folder of images per
+        class), or `MODULE:FUNCTION` (a function of yours returning the
+        training `tf.data.Dataset` of unbatched `(x, y)`, or a pair of it and
+        the validation one).
+      validation: where the validation examples come from, in the same forms
+        as `dataset`; empty holds out `validation_fraction` of the training
+        source (npz's `x_val`/`y_val` and a function's second dataset come first).
+      features: the TFRecord features: each a `name`, `dtype` and `shape`.
+      label: the feature (of `features`) that is the label; the others are the input.
       validation_fraction: share of the examples held out for validation.
       synthetic_examples: number of examples of the synthetic dataset.
-      image_size: side of the synthetic dataset's square images.
-      num_classes: classes of the synthetic dataset.
+      image_size: side of the synthetic dataset's square images, and the size
+        image folders are resized to.
+      channels: channels of the synthetic images and of images read from
+        folders (1 grayscale, 3 RGB, 4 RGBA).
+      num_classes: classes of the synthetic dataset, of TFRecords and of a
+        function's datasets (npz and image folders count their own).
       map_parallelism: examples the preprocessing map works on at once; -1
         lets tf.data tune it (AUTOTUNE), 0 runs it inline, one at a time.
       cache: keep the preprocessed examples in memory after the first pass,
@@ -382,10 +426,14 @@ class DataConfig:
         inter-op threads with the step.
     """
 
-    dataset: Dataset = Dataset.DIGITS
+    dataset: str = Dataset.DIGITS.value
+    validation: str = ""
+    features: tuple[FeatureConfig, ...] = ()
+    label: str = "label"
     validation_fraction: float = bounded(0.2, low=0, high=0.9, low_open=True)
     synthetic_examples: int = bounded(2048, low=1)
     image_size: int = bounded(8, low=4, high=512)
+    channels: int = bounded(1, low=1, high=4)
     num_classes: int = bounded(10, low=2)
     map_parallelism: int = bounded(-1, low=-1)
     cache: bool = True
@@ -405,7 +453,12 @@ class ModelConfig:
         vectors concatenated, then a hidden layer of 2 x width), or
         `transformer` (image rows as a sequence; pre-norm blocks of
         `tfdist.layers.ParallelMultiHeadAttention` and `ParallelMLP`, which
-        split over the devices of strategy.kind=tensor_parallel).
+        split over the devices of strategy.kind=tensor_parallel); or
+        `keras.applications.NAME` (built with `weights=None`, the data's
+        input shape and classes), `file:PATH` (a saved `.keras` model,
+        compiled again from this config), or `MODULE:FUNCTION` (your function,
+        called as `FUNCTION(input_shape=..., num_classes=...)`, returning an
+        uncompiled Keras model; this runs your code).
       width: filters of the first conv layer, units of each MLP layer, the
         embedding width, or the transformer's model width.
       depth: number of hidden MLP layers, or transformer blocks.
@@ -413,7 +466,7 @@ class ModelConfig:
       dropout: dropout rate before the classifier.
     """
 
-    name: ModelName = ModelName.DIGITS_CNN
+    name: str = ModelName.DIGITS_CNN.value
     width: int = bounded(32, low=1)
     depth: int = bounded(2, low=1, high=64)
     heads: int = bounded(4, low=1, high=256)

@@ -15,11 +15,13 @@ from tfdist.config.schema import (
     ClusterResolverKind,
     Config,
     DataParallel,
+    FeatureDtype,
     HorovodConfig,
     ModelName,
     PrecisionPolicy,
     StrategyKind,
 )
+from tfdist.config.sources import DataSource, data_source, model_source
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -87,6 +89,7 @@ def check(config: Config) -> None:
         raise ConfigError("checkpoint.dir", "and callbacks.backup_dir both resume a job; keep one (checkpoint.dir "
                           "resumes mid-epoch and exactly).", config.checkpoint.dir)
     _check_callbacks(config)
+    _check_sources(config)
 
 
 def _check_strategy(config: Config) -> None:
@@ -222,7 +225,7 @@ def _check_tensor_parallel(config: Config) -> None:
             f"must be transformer with strategy.kind={s.kind.value}"
             f"{'' if s.kind == StrategyKind.TENSOR_PARALLEL else ' and strategy.tensor_parallel_size > 1'}: "
             "the other models have no tensor-parallel layers, so nothing would be split.",
-            m.name.value,
+            m.name,
         )
     if m.name == ModelName.TRANSFORMER and m.width % m.heads:
         raise ConfigError("model.width", f"must divide by model.heads ({m.heads}) for transformer.", m.width)
@@ -443,3 +446,38 @@ def check_pipeline_devices(config: Config, devices: list[str]) -> None:
         )
     if size > 1:
         check_tensor_parallel_devices(config, devices[: stages * size])
+
+
+def _check_sources(config: Config) -> None:
+    """`model.name` and the data sources parse; TFRecords have a feature spec with a label and an input."""
+    model_source(config.model.name)
+    d = config.data
+    kinds = [data_source(d.dataset)[0]]
+    if d.validation:
+        kinds.append(data_source(d.validation, "data.validation")[0])
+        if kinds[-1] == DataSource.BUILTIN:
+            raise ConfigError("data.validation", "must be npz:PATH, tfrecord:GLOB, images:DIR or MODULE:FUNCTION; "
+                                                 "a built-in dataset holds out data.validation_fraction itself.",
+                              d.validation)
+    if DataSource.TFRECORD not in kinds:
+        if d.features:
+            raise ConfigError("data.features", "only applies to a tfrecord:GLOB source.", [f.name for f in d.features])
+        return
+    names = [f.name for f in d.features]
+    if not names:
+        raise ConfigError("data.features", "must describe the records of a tfrecord:GLOB source: a list of "
+                                            "{name, dtype, shape}, one of them named by data.label.", [])
+    for i, feature in enumerate(d.features):
+        if not feature.name:
+            raise ConfigError(f"data.features[{i}].name", "must be the feature's key in the records.", feature.name)
+        if feature.dtype == FeatureDtype.IMAGE and len(feature.shape) != 3:
+            raise ConfigError(f"data.features[{i}].shape", "must be [height, width, channels] for an image feature.",
+                              list(feature.shape))
+        if any(n < 1 for n in feature.shape):
+            raise ConfigError(f"data.features[{i}].shape", "must list sizes of at least 1.", list(feature.shape))
+    if len(set(names)) != len(names):
+        raise ConfigError("data.features", "must not name a feature twice.", names)
+    if d.label not in names:
+        raise ConfigError("data.label", f"must name one of data.features ({', '.join(names)}).", d.label)
+    if len(names) < 2:
+        raise ConfigError("data.features", "must hold an input feature besides the label.", names)

@@ -1,13 +1,18 @@
 """Datasets and input pipelines."""
 
+from tfdist.data.files import Examples
 from tfdist.data.pipeline import dataset_fn, input_pipeline, steps_per_epoch, training_dataset, validation_dataset
-from tfdist.data.sources import Split, load
+from tfdist.data.sources import Source, Split, load, load_source, shard
 
 __all__ = [
+    "Examples",
+    "Source",
     "Split",
     "dataset_fn",
     "input_pipeline",
     "load",
+    "load_source",
+    "shard",
     "steps_per_epoch",
     "training_dataset",
     "validation_dataset",

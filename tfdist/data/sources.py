@@ -1,4 +1,11 @@
-"""Datasets that need no download: scikit-learn's digits and synthetic images.
+"""Where `tfdist train`'s examples come from: `data.dataset` and `data.validation`.
+
+Built in, needing no download: scikit-learn's digits and synthetic images. The
+user's own: `npz:PATH` arrays, `tfrecord:GLOB` records and `images:DIR` folders
+(`tfdist.data.files`), or `MODULE:FUNCTION` returning `tf.data.Dataset`s. Each
+becomes a `Source` of unbatched examples for `tfdist.data.input_pipeline`, and
+`shard` decides how a multi-process job splits them: by file where there are at
+least as many files as workers, else by record.
 
 Example:
 
@@ -11,12 +18,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Optional
 
 import numpy as np
+import tensorflow as tf
 
 from tfdist.config.schema import DataConfig, Dataset
+from tfdist.config.sources import DataSource, data_source
+from tfdist.data import files
+from tfdist.data.files import Examples
+from tfdist.errors import ConfigError
 
-__all__ = ["Split", "load"]
+__all__ = ["Source", "Split", "load", "load_source", "shard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +57,183 @@ class Split:
 
 
 def load(config: DataConfig, *, seed: int) -> Split:
-    """Loads the configured dataset and splits off the validation share."""
+    """Loads a built-in dataset and splits off the validation share."""
     if Dataset(config.dataset) == Dataset.DIGITS:
         x, y, classes = _digits()
     else:
         x, y, classes = _synthetic(config, seed)
+    return _split(x, y, classes, config, seed)
+
+
+def _split(x: np.ndarray, y: np.ndarray, classes: int, config: DataConfig, seed: int) -> Split:
     order = np.random.default_rng(seed).permutation(len(x))
     x, y = x[order], y[order]
     n_val = max(1, int(round(len(x) * config.validation_fraction)))
     return Split(x[n_val:], y[n_val:], x[:n_val], y[:n_val], classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The training and validation examples of a job.
+
+    Attributes:
+      train: the training examples.
+      validation: the validation examples, or None (a function that returned
+        only training data, with no data.validation).
+      num_classes: the number of classes the model must score.
+    """
+
+    train: Examples
+    validation: Optional[Examples]
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.train.input_shape
+
+
+def load_source(config: DataConfig, *, seed: int, need_count: bool = True) -> Source:
+    """The examples `data.dataset` (and `data.validation`) name.
+
+    Args:
+      config: the data section.
+      seed: the job's seed (synthetic data, validation splits).
+      need_count: count the training examples when the source does not know
+        them (a pass over TFRecords), for steps per epoch and the shuffle buffer.
+
+    Raises:
+      ConfigError: on the key at fault: a missing file or folder, a glob that
+        matches nothing, a module or function that cannot be imported, arrays
+        or datasets of the wrong form, records that do not fit data.features.
+    """
+    kind, reference = data_source(config.dataset)
+    held_out = not config.validation  # the validation examples come from the training source
+    if kind == DataSource.BUILTIN:
+        source = _arrays(load(config, seed=seed))
+    elif kind == DataSource.NPZ:
+        source = _npz(reference, config, seed, "data.dataset", split=held_out)
+    elif kind == DataSource.TFRECORD:
+        train = files.tfrecords(reference, config, part="training" if held_out else "all", key="data.dataset")
+        validation = files.tfrecords(reference, config, part="validation", key="data.dataset") if held_out else None
+        source = Source(train, validation, config.num_classes)
+    elif kind == DataSource.IMAGES:
+        train, classes = files.image_folder(reference, config, seed=seed, part="training" if held_out else "all",
+                                            key="data.dataset")
+        validation = (files.image_folder(reference, config, seed=seed, part="validation", key="data.dataset")[0]
+                      if held_out else None)
+        source = Source(train, validation, len(classes))
+    else:
+        source = _from_function(reference, "data.dataset", config)
+    if config.validation:
+        source = dataclasses.replace(source, validation=_validation(config, seed))
+    if need_count and source.train.count is None:
+        source = dataclasses.replace(source, train=_counted(source.train, config))
+    return source
+
+
+def _validation(config: DataConfig, seed: int) -> Examples:
+    kind, reference = data_source(config.validation, "data.validation")
+    if kind == DataSource.NPZ:
+        return _npz(reference, config, seed, "data.validation", split=False).train
+    if kind == DataSource.TFRECORD:
+        return files.tfrecords(reference, config, part="all", key="data.validation")
+    if kind == DataSource.IMAGES:
+        return files.image_folder(reference, config, seed=seed, part="all", key="data.validation")[0]
+    return _from_function(reference, "data.validation", config).train
+
+
+def _counted(examples: Examples, config: DataConfig) -> Examples:
+    if examples.files:  # records in files: one pass over them
+        return dataclasses.replace(examples, count=files.count(examples.dataset))
+    raise ConfigError("train.steps_per_epoch", "must be set when the number of training examples is unknown "
+                      "(a dataset whose cardinality TensorFlow cannot tell), and so must data.shuffle_buffer.",
+                      None)
+
+
+def _from_arrays(x: np.ndarray, y: np.ndarray) -> Examples:
+    return Examples(tf.data.Dataset.from_tensor_slices((x, y)), tuple(x.shape[1:]), len(x))
+
+
+def _arrays(split: Split) -> Source:
+    return Source(_from_arrays(split.x_train, split.y_train), _from_arrays(split.x_val, split.y_val),
+                  split.num_classes)
+
+
+def _npz(path: str, config: DataConfig, seed: int, key: str, *, split: bool) -> Source:
+    """Arrays `x` and `y` (and `x_val`, `y_val`) of an .npz file; classes counted from the labels."""
+    if not os.path.isfile(path):
+        raise ConfigError(key, "must name an existing .npz file after `npz:`.", f"npz:{path}")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            arrays = dict(arrays)
+    except (OSError, ValueError) as e:
+        raise ConfigError(key, f"names a file numpy cannot load as .npz ({e}).", f"npz:{path}") from None
+    missing = [name for name in ("x", "y") if name not in arrays]
+    if missing or ("x_val" in arrays) != ("y_val" in arrays):
+        raise ConfigError(key, f"must hold arrays x and y (and optionally both x_val and y_val); it holds "
+                               f"{', '.join(sorted(arrays)) or 'none'}.", f"npz:{path}")
+    pairs = [("x", "y")] + ([("x_val", "y_val")] if "x_val" in arrays else [])
+    for xs, ys in pairs:
+        if len(arrays[xs]) != len(arrays[ys]) or arrays[ys].ndim != 1 or not np.issubdtype(arrays[ys].dtype, np.integer):
+            raise ConfigError(key, f"must hold {ys} as one integer class per row of {xs}; {xs} has shape "
+                                   f"{arrays[xs].shape}, {ys} {arrays[ys].shape} of {arrays[ys].dtype}.",
+                              f"npz:{path}")
+    x, y = arrays["x"].astype(np.float32), arrays["y"].astype(np.int32)
+    classes = int(max(int(arrays[ys].max()) for _, ys in pairs)) + 1
+    if "x_val" in arrays:
+        return _arrays(Split(x, y, arrays["x_val"].astype(np.float32), arrays["y_val"].astype(np.int32), classes))
+    if split:
+        return _arrays(_split(x, y, classes, config, seed))
+    return Source(_from_arrays(x, y), None, classes)
+
+
+def _from_function(reference: str, key: str, config: DataConfig) -> Source:
+    """`FUNCTION()` returns the training dataset, or (training, validation), of unbatched (x, y)."""
+    from tfdist.user_code import import_function
+
+    returned = import_function(reference, key)()
+    datasets = returned if isinstance(returned, (tuple, list)) else (returned,)
+    if not 1 <= len(datasets) <= 2 or not all(isinstance(d, tf.data.Dataset) for d in datasets):
+        raise ConfigError(key, "must return a tf.data.Dataset, or a pair of them (training, validation); it "
+                               f"returned {type(returned).__name__}.", reference)
+    examples = []
+    for dataset in datasets:
+        spec = dataset.element_spec
+        if not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[0], tf.TensorSpec):
+            raise ConfigError(key, f"must return datasets of (x, y) pairs; its elements are {spec}.", reference)
+        if spec[0].shape.rank is None or None in spec[0].shape.as_list() or spec[1].shape.rank != 0:
+            raise ConfigError(key, "must return unbatched examples: x of a fixed shape and y one class each; "
+                                   f"its x is {spec[0].shape} and y {spec[1].shape} (batched? tfdist batches).",
+                              reference)
+        count = int(dataset.cardinality())
+        examples.append(Examples(dataset.map(lambda x, y: (tf.cast(x, tf.float32), tf.cast(y, tf.int32))),
+                                 tuple(spec[0].shape.as_list()), count if count >= 0 else None))
+    return Source(examples[0], examples[1] if len(examples) == 2 else None, config.num_classes)
+
+
+def shard(examples: Examples, workers: int, index: Optional[int]) -> tuple[tf.data.Dataset, str]:
+    """`examples` set up to be split over `workers` input pipelines, and how: `file`, `record` or `none`.
+
+    By file (TensorFlow's `AutoShardPolicy.FILE`, or tfdist's own split of an
+    image folder's paths where this process's index is known) when there are at
+    least as many files as workers; otherwise by record (`AutoShardPolicy.DATA`).
+    """
+    policy = tf.data.experimental.AutoShardPolicy
+    options = tf.data.Options()
+    dataset, how = examples.dataset, "record"
+    if workers <= 1:
+        how = "none"
+        options.experimental_distribute.auto_shard_policy = policy.DATA
+    elif examples.files >= workers and examples.shard_by == "file":
+        how = "file"
+        options.experimental_distribute.auto_shard_policy = policy.FILE
+    elif examples.files >= workers and examples.shard_by == "paths" and index is not None:
+        how = "file"
+        dataset = examples.make(workers, index)
+        options.experimental_distribute.auto_shard_policy = policy.OFF  # already this worker's share
+    else:
+        options.experimental_distribute.auto_shard_policy = policy.DATA
+    return dataset.with_options(options), how
 
 
 def _digits():
@@ -64,7 +246,7 @@ def _digits():
 
 def _synthetic(config: DataConfig, seed: int):
     rng = np.random.default_rng(seed)
-    shape = (config.synthetic_examples, config.image_size, config.image_size, 1)
+    shape = (config.synthetic_examples, config.image_size, config.image_size, config.channels)
     x = rng.standard_normal(shape, dtype=np.float32)
     y = rng.integers(0, config.num_classes, config.synthetic_examples, dtype=np.int32)
     return x, y, config.num_classes

@@ -150,10 +150,16 @@ class CoordinatedDataset:
                 strip_device_assignment=True,
             )
 
+            options = self.dataset.options()
+            by_file = options.experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.FILE
+
             def shard(_context):
                 dataset = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
                 index = tf.distribute.coordinator.experimental_get_current_worker_index()
-                shard = dataset.shard(num_workers, index)
+                if by_file:  # each worker opens only its own files (TensorFlow's FILE auto-sharding)
+                    shard = _compat.auto_shard(dataset.with_options(options), num_workers, index)
+                else:  # each worker takes every n-th batch
+                    shard = dataset.shard(num_workers, index)
                 # With fewer batches than workers a shard is empty, and repeating it gives nothing:
                 # such a worker trains on the whole dataset instead.
                 empty = shard.take(1).reduce(True, lambda empty, _: False)
