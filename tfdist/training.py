@@ -108,7 +108,11 @@ def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source
                                      seed=config.train.seed)
     val_data = None
     if source.validation is not None:
-        val_examples, _ = data.shard(source.validation, workers, index)
+        validation = source.validation
+        if hasattr(strategy, "coordinator") and validation.count is None:
+            # Parameter servers evaluate on the chief, which reads it whole and must know its size.
+            validation = data.with_count(validation)
+        val_examples, _ = data.shard(validation, workers, index)
         val_data = data.input_pipeline(val_examples, pipeline, batch_size=batch, training=False)
     described = f"{sharding} ({workers} input pipelines, {source.train.files} files)" if workers > 1 else sharding
     return train_data, val_data, described

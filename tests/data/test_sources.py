@@ -5,48 +5,20 @@ directory; nothing is downloaded.
 """
 
 import os
-import sys
 import textwrap
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 from tfdist import _compat, training
 from tfdist.config import load_config
 from tfdist.data import load_source, shard
 from tfdist.errors import ConfigError
 
-FEATURES = "[{name: image, dtype: float32, shape: [8, 8, 1]}, {name: label, dtype: int64, shape: []}]"
-
-
-def _digits():
-    digits = load_digits()
-    return (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int64)
-
-
-def _write_tfrecords(directory, shards, x, y):
-    directory.mkdir(exist_ok=True)
-    for shard_index in range(shards):
-        with tf.io.TFRecordWriter(str(directory / f"digits-{shard_index}.tfrecord")) as writer:
-            for image, label in zip(x[shard_index::shards], y[shard_index::shards]):
-                example = tf.train.Example(features=tf.train.Features(feature={
-                    "image": tf.train.Feature(float_list=tf.train.FloatList(value=image.ravel())),
-                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
-                }))
-                writer.write(example.SerializeToString())
-    return str(directory / "digits-*.tfrecord")
-
-
-def _write_image_folder(directory, x, y, classes=(0, 1, 2), per_class=60):
-    for c in classes:
-        (directory / f"class_{c}").mkdir(parents=True)
-        for i, image in enumerate(x[y == c][:per_class]):
-            png = tf.io.encode_png(tf.constant((image * 255).astype(np.uint8)))
-            tf.io.write_file(str(directory / f"class_{c}" / f"{i}.png"), png)
-    return str(directory)
+from sample_files import FEATURES, digits as _digits, write_image_folder as _write_image_folder
+from sample_files import write_tfrecords as _write_tfrecords
 
 
 def _config(*overrides):
@@ -103,8 +75,7 @@ def test_a_function_of_the_users_gives_the_data_and_another_the_model(tmp_path, 
         import keras
         import numpy as np
         import tensorflow as tf
-        from sklearn.datasets import load_digits
-
+        
         def digits():
             d = load_digits()
             x, y = (d.images / 16.0).astype(np.float32)[..., None], d.target

@@ -2,7 +2,7 @@
 
 from tfdist.data.files import Examples
 from tfdist.data.pipeline import dataset_fn, input_pipeline, steps_per_epoch, training_dataset, validation_dataset
-from tfdist.data.sources import Source, Split, load, load_source, shard
+from tfdist.data.sources import Source, Split, load, load_source, shard, with_count
 
 __all__ = [
     "Examples",
@@ -16,4 +16,5 @@ __all__ = [
     "steps_per_epoch",
     "training_dataset",
     "validation_dataset",
+    "with_count",
 ]

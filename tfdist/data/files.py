@@ -97,8 +97,12 @@ def tfrecords(pattern: str, config: DataConfig, *, part: str, key: str) -> Examp
     if part != "all":
         # A record is held out by a hash of its bytes: the same split on every worker and for any sharding.
         held_out = round(config.validation_fraction * _HASH_BUCKETS)
-        keep = (lambda bucket: bucket < held_out) if part == "validation" else (lambda bucket: bucket >= held_out)
-        records = records.filter(lambda r: keep(tf.strings.to_hash_bucket_fast(r, _HASH_BUCKETS)))
+
+        def keep(record):
+            in_validation = tf.strings.to_hash_bucket_fast(record, _HASH_BUCKETS) < held_out
+            return in_validation if part == "validation" else tf.logical_not(in_validation)
+
+        records = records.filter(keep)
     _check_records(records, parse, pattern, key)
     examples = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     first = features[inputs[0]]

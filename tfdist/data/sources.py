@@ -30,7 +30,7 @@ from tfdist.data import files
 from tfdist.data.files import Examples
 from tfdist.errors import ConfigError
 
-__all__ = ["Source", "Split", "load", "load_source", "shard"]
+__all__ = ["Source", "Split", "load", "load_source", "shard", "with_count"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +140,13 @@ def _validation(config: DataConfig, seed: int) -> Examples:
     if kind == DataSource.IMAGES:
         return files.image_folder(reference, config, seed=seed, part="all", key="data.validation")[0]
     return _from_function(reference, "data.validation", config).train
+
+
+def with_count(examples: Examples) -> Examples:
+    """`examples` counted in one pass, their dataset stating its size (for consumers that need it)."""
+    count = files.count(examples.dataset)
+    return dataclasses.replace(examples, count=count,
+                               dataset=examples.dataset.apply(tf.data.experimental.assert_cardinality(count)))
 
 
 def _counted(examples: Examples, config: DataConfig) -> Examples:
