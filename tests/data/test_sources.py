@@ -75,7 +75,8 @@ def test_a_function_of_the_users_gives_the_data_and_another_the_model(tmp_path, 
         import keras
         import numpy as np
         import tensorflow as tf
-        
+        from sklearn.datasets import load_digits
+
         def digits():
             d = load_digits()
             x, y = (d.images / 16.0).astype(np.float32)[..., None], d.target
