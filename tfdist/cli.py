@@ -3,6 +3,7 @@
     tfdist train --config configs/default.yaml [--set train.epochs=5] [--metrics_out m.json]
     tfdist config --config configs/default.yaml [--set ...]
     tfdist bench overhead --json overhead.json
+    tfdist bench synthetic --model keras.applications.MobileNetV2 --image_size 64 --json s.json --plot s.png
     tfdist launch --workers 2 [--ps 1] [--chief] --config configs/horovod.yaml [--set ...]
     tfdist slurm --tasks 4 --config configs/parameter_server.yaml | sbatch --wait
     tfdist k8s --image REPO/tfdist:0.1 --workers 2 --config configs/parameter_server.yaml --out k8s/
@@ -28,6 +29,11 @@ _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "train: write the result
 _JSON = flags.DEFINE_string("json", None, "bench: write the benchmark's JSON here.")
 _PLOT = flags.DEFINE_string("plot", None, "bench scaling: write the speed-up plot (PNG) here.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (median taken).", lower_bound=1)
+_MODEL = flags.DEFINE_string("model", None, "bench synthetic: the model (a model.name, e.g. keras.applications.ResNet50).")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "bench synthetic: side of the square images (default 64).",
+                                   lower_bound=4)
+_BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "bench synthetic: images per device per step "
+                                         "(default 32).", lower_bound=1)
 _WORKERS = flags.DEFINE_integer("workers", 1, "launch: worker processes (Horovod: ranks).")
 _PS = flags.DEFINE_integer("ps", 0, "launch: parameter servers (default: parameter_server.num_ps).", lower_bound=0)
 _CHIEF = flags.DEFINE_bool("chief", False, "launch: add a chief task to a multi-worker job.")
@@ -62,7 +68,8 @@ commands:
                  train's flags)
   k8s            write validated Kubernetes manifests for the job (--image, --workers, --ps, --out, --flavor,
                  --gpus-per-worker, --cpu, --memory, --queue, --namespace, --priority-class, --name)
-  bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling); NAME is one of:
+  bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling and synthetic;
+                 --model, --image_size, --batch_per_device for synthetic); NAME is one of:
                  {benches}
 """
 
@@ -109,7 +116,10 @@ def _bench_command(args) -> None:
             f"Received: {' '.join(args) or 'nothing'}"
         )
     config = _load() if (_CONFIG.value or _SET.value) else None
-    result = bench.run(args[0], config=config, repeats=_REPEATS.value, plot_path=_PLOT.value)
+    options = {name: flag.value for name, flag in
+               (("model", _MODEL), ("image_size", _IMAGE_SIZE), ("batch_per_device", _BATCH_PER_DEVICE))
+               if flag.value is not None}
+    result = bench.run(args[0], config=config, repeats=_REPEATS.value, plot_path=_PLOT.value, **options)
     if _JSON.value:
         from tfdist.reporting import write_json
 

@@ -26,26 +26,35 @@ BENCHMARKS = {
     "pipeline": "tfdist.bench.pipeline",
     "ps_worker_loss": "tfdist.bench.ps_worker_loss",
     "scaling": "tfdist.bench.scaling",
+    "synthetic": "tfdist.bench.synthetic",
     "tensor_parallel": "tfdist.bench.tensor_parallel",
 }
 
 
-def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_path: Optional[str] = None) -> dict[str, Any]:
-    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (scaling only) gets its plot.
+_PLOTTED = ("scaling", "synthetic")
+
+
+def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_path: Optional[str] = None,
+        **options) -> dict[str, Any]:
+    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (scaling, synthetic) gets its plot.
 
     A benchmark that fixes its own setting says why in `CONFIG_UNUSED` and is
-    run through its `measure`; the others take the config in `run`.
+    run through its `measure`; the others take the config in `run`. `options`
+    are the synthetic benchmark's (`model`, `image_size`, `batch_per_device`).
     """
     module = importlib.import_module(BENCHMARKS[name])
-    if plot_path and name != "scaling":
-        raise ConfigError("plot", f"only applies to `bench scaling`; {name} draws no plot.", plot_path)
+    if plot_path and name not in _PLOTTED:
+        raise ConfigError("plot", f"only applies to `bench {' or '.join(_PLOTTED)}`; {name} draws no plot.",
+                          plot_path)
+    if options and name != "synthetic":
+        raise ConfigError(next(iter(options)), "only applies to `bench synthetic`.", next(iter(options.values())))
     unused = getattr(module, "CONFIG_UNUSED", None)
     if unused:
         if config is not None:
             raise ConfigError("config", f"is not used by the {name} benchmark: {unused}", "given")
         result = module.measure(repeats=repeats)
-    elif name == "scaling":
-        result = module.run(config=config, repeats=repeats, plot_path=plot_path)
+    elif name in _PLOTTED:
+        result = module.run(config=config, repeats=repeats, plot_path=plot_path, **options)
     else:
         result = module.run(config=config, repeats=repeats)
     return {**result, "machine": machine.describe()}

@@ -15,13 +15,16 @@ JOB_TIMEOUT_SECONDS = 600
 
 
 def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = (),
-              env: dict | None = None, config: str | None = None) -> subprocess.CompletedProcess:
+              env: dict | None = None, config: str | None = None,
+              command: Sequence[str] = ("train",)) -> subprocess.CompletedProcess:
     """Runs `tfdist train [--config CONFIG] --metrics_out METRICS --set ...` (under `launcher`, e.g. horovodrun).
+
+    `command` replaces `train`, e.g. `("launch", "--workers", "2")` for a multi-worker job.
 
     Raises:
       RuntimeError: the job failed (with the end of its output).
     """
-    command = [*launcher, sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
+    command = [*launcher, sys.executable, "-m", "tfdist.cli", *command, "--metrics_out", metrics]
     command += ["--config", config] if config else []
     for override in overrides:
         command += ["--set", override]
@@ -32,13 +35,14 @@ def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = 
     return done
 
 
-def train_job(overrides: Sequence[str], launcher: Sequence[str] = (), config: str | None = None) -> Callable[[], float]:
-    """A benchmark round: one `tfdist train` job; returns its samples/sec."""
+def train_job(overrides: Sequence[str], launcher: Sequence[str] = (), config: str | None = None,
+              command: Sequence[str] = ("train",)) -> Callable[[], float]:
+    """A benchmark round: one `tfdist train` (or `command`) job; returns its samples/sec."""
 
     def one_round() -> float:
         with tempfile.TemporaryDirectory() as scratch:
             metrics = os.path.join(scratch, "metrics.json")
-            run_train(overrides, metrics, launcher, config=config)
+            run_train(overrides, metrics, launcher, config=config, command=command)
             with open(metrics) as f:
                 return json.load(f)["samples_per_sec"]
 
