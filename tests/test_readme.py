@@ -98,3 +98,15 @@ def test_readme_block_runs(index, block, tmp_path):
     else:
         proc = _run(block, tmp_path)
     assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{(proc.stdout + proc.stderr)[-3000:]}"
+
+
+def test_every_yaml_block_is_a_valid_config():
+    import yaml
+
+    from tfdist.config.loading import from_dict
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+    assert blocks
+    for block in blocks:
+        from_dict(yaml.safe_load(block))  # raises ConfigError naming the key

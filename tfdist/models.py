@@ -80,6 +80,10 @@ def build(config: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int
         input shape, or one whose output is not one score per class.
     """
     source, reference = model_source(config.name)
+    if isinstance(input_shape, dict) and source != ModelSource.FUNCTION:
+        raise ConfigError("model.name", f"takes one input, and the data has several ({', '.join(input_shape)}): "
+                                        "give a model of your own (MODULE:FUNCTION), called with a dict of shapes.",
+                          config.name)
     if source == ModelSource.BUILTIN:
         model = _builtin(config, input_shape, num_classes)
     elif source == ModelSource.KERAS_APPLICATIONS:
@@ -153,7 +157,9 @@ def _check_output(model: keras.Model, name: str, input_shape: tuple[int, ...], n
     if getattr(model, "outputs", None):  # functional or Sequential
         outputs = model.outputs
     else:  # subclassed: trace its call on a symbolic batch (which also builds it)
-        outputs = keras.tree.flatten(model.compute_output_spec(keras.KerasTensor((None, *input_shape))))
+        batch = ({name: keras.KerasTensor((None, *shape)) for name, shape in input_shape.items()}
+                 if isinstance(input_shape, dict) else keras.KerasTensor((None, *input_shape)))
+        outputs = keras.tree.flatten(model.compute_output_spec(batch))
     shape = tuple(outputs[0].shape) if len(outputs) == 1 else tuple(tuple(o.shape) for o in outputs)
     if len(outputs) != 1 or len(shape) != 2 or shape[-1] != num_classes:
         raise ConfigError("model.name", f"must output one score per class, shape (batch, {num_classes}), for "

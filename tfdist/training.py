@@ -66,8 +66,7 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     strategy = strategy or make_strategy(config)
     train = config.train
     keras.utils.set_random_seed(train.seed)
-    source = data.load_source(config.data, seed=train.seed,
-                              need_count=not (train.steps_per_epoch and config.data.shuffle_buffer))
+    source = data.load_source(config.data, seed=train.seed, steps_per_epoch_set=bool(train.steps_per_epoch))
     steps = train.steps_per_epoch or data.steps_per_epoch(source.train.count, train.global_batch_size)
 
     def build_model():

@@ -222,3 +222,34 @@ def test_the_summary_names_the_input_sharding():
               "precision": "float32", "samples_per_sec": 1.0, "step_time_ms": 1.0, "final": {},
               "input_sharding": "file (2 input pipelines, 3 files)"}
     assert "  input sharding  file (2 input pipelines, 3 files)" in format_summary(result)
+
+
+def test_records_with_several_inputs_reach_a_model_of_ones_own_as_a_dict(tmp_path, monkeypatch):
+    x, y = _digits()
+    directory = tmp_path / "records"
+    directory.mkdir()
+    with tf.io.TFRecordWriter(str(directory / "two-inputs.tfrecord")) as writer:
+        for image, label in zip(x, y):
+            writer.write(tf.train.Example(features=tf.train.Features(feature={
+                "pixels": tf.train.Feature(float_list=tf.train.FloatList(value=image.ravel())),
+                "brightness": tf.train.Feature(float_list=tf.train.FloatList(value=[image.mean()])),
+                "digit": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
+            })).SerializeToString())
+    (tmp_path / "two_inputs.py").write_text(textwrap.dedent("""
+        import keras
+
+        def model(input_shape, num_classes):
+            pixels = keras.Input(input_shape["pixels"], name="pixels")
+            brightness = keras.Input(input_shape["brightness"], name="brightness")
+            hidden = keras.layers.Dense(32, activation="relu")(keras.layers.Concatenate()([pixels, brightness]))
+            return keras.Model({"pixels": pixels, "brightness": brightness},
+                               keras.layers.Dense(num_classes, activation="softmax")(hidden))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    features = ("[{name: pixels, shape: [64]}, {name: brightness, shape: [1]}, "
+                "{name: digit, dtype: int64, shape: []}]")
+    data = [f"data.dataset=tfrecord:{directory}/*.tfrecord", f"data.features={features}", "data.label=digit"]
+    result = _trained(_config(*data, "model.name=two_inputs:model"))
+    assert result["final"]["val_accuracy"] > 0.85
+    with pytest.raises(ConfigError, match=r"takes one input, and the data has several \(pixels, brightness\)"):
+        training.prepare(_config(*data))

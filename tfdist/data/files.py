@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import keras
 import numpy as np
@@ -40,7 +40,7 @@ class Examples:
 
     Attributes:
       dataset: the examples.
-      input_shape: the shape of one `x` (None for several named inputs).
+      input_shape: the shape of one `x`, or a dict of shapes by name for several inputs.
       count: the number of examples, or None when unknown.
       files: the files they are read from (0 for in-memory data).
       shard_by: `file` when TensorFlow's `AutoShardPolicy.FILE` can split them by
@@ -49,7 +49,7 @@ class Examples:
     """
 
     dataset: tf.data.Dataset
-    input_shape: Optional[tuple[int, ...]]
+    input_shape: Union[tuple[int, ...], dict[str, tuple[int, ...]]]
     count: Optional[int]
     files: int = 0
     shard_by: str = "record"
@@ -105,8 +105,8 @@ def tfrecords(pattern: str, config: DataConfig, *, part: str, key: str) -> Examp
         records = records.filter(keep)
     _check_records(records, parse, pattern, key)
     examples = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    first = features[inputs[0]]
-    input_shape = tuple(first.shape) if len(inputs) == 1 else None
+    shapes = {name: tuple(features[name].shape) for name in inputs}
+    input_shape = shapes[inputs[0]] if len(inputs) == 1 else shapes
     return Examples(examples, input_shape, None, files=len(files), shard_by="file")
 
 

@@ -92,14 +92,15 @@ class Source:
         return self.train.input_shape
 
 
-def load_source(config: DataConfig, *, seed: int, need_count: bool = True) -> Source:
+def load_source(config: DataConfig, *, seed: int, steps_per_epoch_set: bool = False) -> Source:
     """The examples `data.dataset` (and `data.validation`) name.
 
     Args:
       config: the data section.
       seed: the job's seed (synthetic data, validation splits).
-      need_count: count the training examples when the source does not know
-        them (a pass over TFRecords), for steps per epoch and the shuffle buffer.
+      steps_per_epoch_set: train.steps_per_epoch is given; with a
+        data.shuffle_buffer too, training examples of unknown number are not
+        counted (counting TFRecords is a pass over the files).
 
     Raises:
       ConfigError: on the key at fault: a missing file or folder, a glob that
@@ -126,8 +127,8 @@ def load_source(config: DataConfig, *, seed: int, need_count: bool = True) -> So
         source = _from_function(reference, "data.dataset", config)
     if config.validation:
         source = dataclasses.replace(source, validation=_validation(config, seed))
-    if need_count and source.train.count is None:
-        source = dataclasses.replace(source, train=_counted(source.train, config))
+    if source.train.count is None and not (steps_per_epoch_set and config.shuffle_buffer):
+        source = dataclasses.replace(source, train=_counted(source.train, steps_per_epoch_set))
     return source
 
 
@@ -149,12 +150,13 @@ def with_count(examples: Examples) -> Examples:
                                dataset=examples.dataset.apply(tf.data.experimental.assert_cardinality(count)))
 
 
-def _counted(examples: Examples, config: DataConfig) -> Examples:
+def _counted(examples: Examples, steps_per_epoch_set: bool) -> Examples:
     if examples.files:  # records in files: one pass over them
         return dataclasses.replace(examples, count=files.count(examples.dataset))
-    raise ConfigError("train.steps_per_epoch", "must be set when the number of training examples is unknown "
-                      "(a dataset whose cardinality TensorFlow cannot tell), and so must data.shuffle_buffer.",
-                      None)
+    key = "data.shuffle_buffer" if steps_per_epoch_set else "train.steps_per_epoch"
+    raise ConfigError(key, "must be set when the number of training examples is unknown (a dataset whose "
+                           "cardinality TensorFlow cannot tell): set train.steps_per_epoch and data.shuffle_buffer.",
+                      0 if steps_per_epoch_set else None)
 
 
 def _from_arrays(x: np.ndarray, y: np.ndarray) -> Examples:
