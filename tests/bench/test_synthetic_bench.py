@@ -39,6 +39,7 @@ def test_each_job_keeps_the_batch_per_device():
         assert int(sets["train.global_batch_size"]) == 64 * per_step_devices
         assert sets["model.name"] == "keras.applications.ResNet50" and sets["data.image_size"] == "224"
     assert planned["multi_worker_2"]["command"] == ("launch", "--workers", "2")
+    assert "sched_setaffinity(0, {0})" in " ".join(planned["one_device"]["launcher"])  # one device, one core
 
 
 @pytest.mark.parametrize("args, message", [

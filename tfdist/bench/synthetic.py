@@ -14,7 +14,8 @@ everywhere (weak scaling), each job a whole `tfdist train` run in fresh processe
 - `parameter_server`: 1 parameter server and 2 workers, each step one batch
   on whichever worker is free.
 
-Every process runs one intra-op thread (one core per device). Rounds alternate
+Every process runs one intra-op thread, and the one-device job is pinned to one
+core (one core per device; the 2-device jobs get the machine's 2). Rounds alternate
 over the jobs; medians are kept. `images_per_sec` is the job's total;
 `per_device` divides it by its devices; `speedup` is over `one_device`;
 `efficiency` = speedup / devices.
@@ -26,6 +27,7 @@ it overstates that row until the throughput measurement is fixed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from tfdist.bench import horovod as horovod_bench
@@ -37,6 +39,10 @@ from tfdist.config.sources import model_source
 from tfdist.errors import ConfigError
 
 __all__ = ["jobs", "markdown_table", "measure", "run"]
+
+# Runs the rest of its command line on core 0 only (the pinning survives exec): one device is one core,
+# as each Horovod rank is; unpinned, its inter-op threads would run independent ops on a second core.
+ONE_CORE = (sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {0}); os.execv(sys.argv[1], sys.argv[1:])")
 
 # What Horovod's docs ("Benchmarks") publish for this benchmark on GPUs, for comparison.
 PUBLISHED = ("Horovod, tf_cnn_benchmarks on synthetic data, 128 servers x 4 Pascal GPUs over 25 Gbit/s RoCE: "
@@ -71,7 +77,7 @@ def jobs(*, model: str, image_size: int, batch_per_device: int, steps: int,
     ]
     b = batch_per_device
     table = {
-        "one_device": (1, ("train",), (), ["strategy.kind=one_device", f"train.global_batch_size={b}"]),
+        "one_device": (1, ("train",), ONE_CORE, ["strategy.kind=one_device", f"train.global_batch_size={b}"]),
         "mirrored_2": (2, ("train",), (), ["strategy.kind=mirrored", "strategy.logical_devices=2",
                                            f"train.global_batch_size={2 * b}"]),
         "mirrored_4": (4, ("train",), (), ["strategy.kind=mirrored", "strategy.logical_devices=4",
@@ -144,5 +150,6 @@ def plot(result: dict[str, Any], path: str):
         by_kind.setdefault(kind, []).append({"devices": row["devices"], "speedup": row["speedup"]})
     one = {"devices": 1, "speedup": 1.0}
     table = {kind: ([one] if kind != "one_device" else []) + rows for kind, rows in by_kind.items()}
-    return scaling_plot({"table": table, "model": result["model"],
+    size = result["image_size"]
+    return scaling_plot({"table": table, "model": f"{result['model'].split('.')[-1]}, {size}x{size} synthetic",
                          "batch_per_device": result["batch_per_device"]}, path)

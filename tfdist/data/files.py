@@ -103,14 +103,14 @@ def tfrecords(pattern: str, config: DataConfig, *, part: str, key: str) -> Examp
             return in_validation if part == "validation" else tf.logical_not(in_validation)
 
         records = records.filter(keep)
-    _check_records(records, parse, pattern, key)
+    _check_records(records, parse, pattern, key, part)
     examples = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     shapes = {name: tuple(features[name].shape) for name in inputs}
     input_shape = shapes[inputs[0]] if len(inputs) == 1 else shapes
     return Examples(examples, input_shape, None, files=len(files), shard_by="file")
 
 
-def _check_records(records: tf.data.Dataset, parse, pattern: str, key: str) -> None:
+def _check_records(records: tf.data.Dataset, parse, pattern: str, key: str, part: str) -> None:
     """The first record parses with the feature spec, or one line naming data.features."""
     try:
         for record in records.take(1):
@@ -120,6 +120,9 @@ def _check_records(records: tf.data.Dataset, parse, pattern: str, key: str) -> N
         reason = e.message.splitlines()[0]
         raise ConfigError("data.features", f"does not match the records of {pattern} ({reason}).",
                           f"tfrecord:{pattern}") from None
+    if part == "validation":
+        raise ConfigError(key, "holds too few records to hold out data.validation_fraction of them for "
+                               "validation; name others in data.validation.", f"tfrecord:{pattern}")
     raise ConfigError(key, "holds no records.", f"tfrecord:{pattern}")
 
 
