@@ -157,7 +157,7 @@ def _check_output(model: keras.Model, name: str, input_shape: tuple[int, ...], n
     if getattr(model, "outputs", None):  # functional or Sequential
         outputs = model.outputs
     else:  # subclassed: trace its call on a symbolic batch (which also builds it)
-        batch = ({name: keras.KerasTensor((None, *shape)) for name, shape in input_shape.items()}
+        batch = ({feature: keras.KerasTensor((None, *shape)) for feature, shape in input_shape.items()}
                  if isinstance(input_shape, dict) else keras.KerasTensor((None, *input_shape)))
         outputs = keras.tree.flatten(model.compute_output_spec(batch))
     shape = tuple(outputs[0].shape) if len(outputs) == 1 else tuple(tuple(o.shape) for o in outputs)
