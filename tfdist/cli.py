@@ -27,7 +27,7 @@ _CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in de
 _SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (repeatable).")
 _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "train: write the results as JSON here.")
 _JSON = flags.DEFINE_string("json", None, "bench: write the benchmark's JSON here.")
-_PLOT = flags.DEFINE_string("plot", None, "bench scaling: write the speed-up plot (PNG) here.")
+_PLOT = flags.DEFINE_string("plot", None, "bench scaling, synthetic: write the speed-up plot (PNG) here.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (median taken).", lower_bound=1)
 _MODEL = flags.DEFINE_string("model", None, "bench synthetic: the model (a model.name, e.g. keras.applications.ResNet50).")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "bench synthetic: side of the square images (default 64).",

@@ -208,6 +208,7 @@ def test_an_image_folder_is_split_by_path_before_reading(tmp_path):
     (["data.dataset=tfrecord:/d/*", f"data.features={FEATURES}", "data.label=y"], "data.label",
      "must name one of data.features"),
     (["data.validation=digits"], "data.validation", "must be npz:PATH, tfrecord:GLOB"),
+    (["data.channels=2"], "data.channels", r"must be 1 \(grayscale\), 3 \(RGB\) or 4 \(RGBA\)"),
 ])
 def test_source_names_are_checked_at_load(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as raised:

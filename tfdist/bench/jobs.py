@@ -24,12 +24,12 @@ def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = 
     Raises:
       RuntimeError: the job failed (with the end of its output).
     """
-    command = [*launcher, sys.executable, "-m", "tfdist.cli", *command, "--metrics_out", metrics]
-    command += ["--config", config] if config else []
+    argv = [*launcher, sys.executable, "-m", "tfdist.cli", *command, "--metrics_out", metrics]
+    argv += ["--config", config] if config else []
     for override in overrides:
-        command += ["--set", override]
+        argv += ["--set", override]
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
-    done = subprocess.run(command, capture_output=True, text=True, env=job_env, timeout=JOB_TIMEOUT_SECONDS)
+    done = subprocess.run(argv, capture_output=True, text=True, env=job_env, timeout=JOB_TIMEOUT_SECONDS)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark job failed: {' '.join(overrides)}\n{(done.stdout + done.stderr)[-2000:]}")
     return done

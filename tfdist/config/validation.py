@@ -452,6 +452,8 @@ def _check_sources(config: Config) -> None:
     """`model.name` and the data sources parse; TFRecords have a feature spec with a label and an input."""
     model_source(config.model.name)
     d = config.data
+    if d.channels == 2:  # the image modes Keras reads
+        raise ConfigError("data.channels", "must be 1 (grayscale), 3 (RGB) or 4 (RGBA).", d.channels)
     kinds = [data_source(d.dataset)[0]]
     if d.validation:
         kinds.append(data_source(d.validation, "data.validation")[0])

@@ -131,11 +131,12 @@ def count(examples: tf.data.Dataset) -> int:
     return int(examples.reduce(np.int64(0), lambda n, _: n + 1))
 
 
-def image_folder(directory: str, config: DataConfig, *, seed: int, part: str, key: str) -> tuple[Examples, list[str]]:
-    """The images under `directory`, one sub-folder per class, and the class names.
+def image_folder(directory: str, config: DataConfig, *, seed: int, split: bool,
+                 key: str) -> tuple[Examples, Optional[Examples], list[str]]:
+    """The images under `directory`, one sub-folder per class: (training, validation or None, class names).
 
-    `part` is `all`, `training` or `validation` (Keras's `validation_split` of
-    `data.validation_fraction`, with the job's seed).
+    With `split`, one listing is split by Keras's `validation_split` of
+    `data.validation_fraction`, with the job's seed; without, all are training.
 
     Raises:
       ConfigError: no such folder, or no images in it.
@@ -143,15 +144,21 @@ def image_folder(directory: str, config: DataConfig, *, seed: int, part: str, ke
     if not os.path.isdir(directory):
         raise ConfigError(key, "must name an existing folder with one sub-folder of images per class.",
                           f"images:{directory}")
-    split = {} if part == "all" else {"validation_split": config.validation_fraction, "subset": part, "seed": seed}
+    options = {"validation_split": config.validation_fraction, "subset": "both", "seed": seed} if split else {}
     try:
-        listing = keras.utils.image_dataset_from_directory(
-            directory, batch_size=None, shuffle=part != "all", image_size=(config.image_size, config.image_size),
-            color_mode={1: "grayscale", 3: "rgb", 4: "rgba"}[config.channels], **split)
+        listings = keras.utils.image_dataset_from_directory(
+            directory, batch_size=None, shuffle=split, image_size=(config.image_size, config.image_size),
+            color_mode={1: "grayscale", 3: "rgb", 4: "rgba"}[config.channels], **options)
     except ValueError as e:  # no images, or too few for the split
         raise ConfigError(key, f"holds no images Keras can use ({e}).", f"images:{directory}") from None
-    paths = list(listing.file_paths)
-    classes = list(listing.class_names)
+    listings = listings if split else [listings]
+    classes = list(listings[0].class_names)
+    parts = [_images(list(listing.file_paths), classes, directory, config) for listing in listings]
+    return parts[0], parts[1] if split else None, classes
+
+
+def _images(paths: list[str], classes: list[str], directory: str, config: DataConfig) -> Examples:
+    """The listed images, each labelled by its class folder, decoded and resized as Keras does."""
     root = os.path.abspath(directory)
     labels = [classes.index(os.path.relpath(os.path.abspath(p), root).split(os.sep)[0]) for p in paths]
     size, channels = config.image_size, config.channels
@@ -167,5 +174,4 @@ def image_folder(directory: str, config: DataConfig, *, seed: int, part: str, ke
             listed = listed.shard(num_shards, index)
         return listed.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-    examples = Examples(make(), (size, size, channels), len(paths), files=len(paths), shard_by="paths", make=make)
-    return examples, classes
+    return Examples(make(), (size, size, channels), len(paths), files=len(paths), shard_by="paths", make=make)

@@ -118,10 +118,8 @@ def load_source(config: DataConfig, *, seed: int, steps_per_epoch_set: bool = Fa
         validation = files.tfrecords(reference, config, part="validation", key="data.dataset") if held_out else None
         source = Source(train, validation, config.num_classes)
     elif kind == DataSource.IMAGES:
-        train, classes = files.image_folder(reference, config, seed=seed, part="training" if held_out else "all",
-                                            key="data.dataset")
-        validation = (files.image_folder(reference, config, seed=seed, part="validation", key="data.dataset")[0]
-                      if held_out else None)
+        train, validation, classes = files.image_folder(reference, config, seed=seed, split=held_out,
+                                                        key="data.dataset")
         source = Source(train, validation, len(classes))
     else:
         source = _from_function(reference, "data.dataset", config)
@@ -139,7 +137,7 @@ def _validation(config: DataConfig, seed: int) -> Examples:
     if kind == DataSource.TFRECORD:
         return files.tfrecords(reference, config, part="all", key="data.validation")
     if kind == DataSource.IMAGES:
-        return files.image_folder(reference, config, seed=seed, part="all", key="data.validation")[0]
+        return files.image_folder(reference, config, seed=seed, split=False, key="data.validation")[0]
     return _from_function(reference, "data.validation", config).train
 
 
@@ -228,20 +226,18 @@ def shard(examples: Examples, workers: int, index: Optional[int]) -> tuple[tf.da
     least as many files as workers; otherwise by record (`AutoShardPolicy.DATA`).
     """
     policy = tf.data.experimental.AutoShardPolicy
-    options = tf.data.Options()
-    dataset, how = examples.dataset, "record"
+    # DATA also for one process: OFF there broke the split of batches over several local replicas.
+    dataset, how, chosen = examples.dataset, "record", policy.DATA
+    enough_files = examples.files >= workers
     if workers <= 1:
         how = "none"
-        options.experimental_distribute.auto_shard_policy = policy.DATA
-    elif examples.files >= workers and examples.shard_by == "file":
-        how = "file"
-        options.experimental_distribute.auto_shard_policy = policy.FILE
-    elif examples.files >= workers and examples.shard_by == "paths" and index is not None:
-        how = "file"
+    elif enough_files and examples.shard_by == "file":
+        how, chosen = "file", policy.FILE
+    elif enough_files and examples.shard_by == "paths" and index is not None:
+        how, chosen = "file", policy.OFF  # the dataset below is already this worker's share
         dataset = examples.make(workers, index)
-        options.experimental_distribute.auto_shard_policy = policy.OFF  # already this worker's share
-    else:
-        options.experimental_distribute.auto_shard_policy = policy.DATA
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = chosen
     return dataset.with_options(options), how
 
 
