@@ -71,7 +71,7 @@ def format_summary(result: Mapping[str, Any]) -> str:
         *([f"  input sharding  {result['input_sharding']}"] if "input_sharding" in result else []),
         "  samples/sec     "
         + (
-            f"{result['samples_per_sec']:.1f} (median step {result['step_time_ms']:.2f} ms)"
+            f"{result['samples_per_sec']:.1f} ({result['step_time_ms']:.2f} ms a step)"
             if result["samples_per_sec"]
             else "not measured (no steps after callbacks.throughput_warmup_steps)"
         ),

@@ -1,10 +1,13 @@
-"""Throughput: warm-up excluded, per-epoch logs, steps_per_execution."""
+"""Throughput: warm-up excluded, per-epoch logs, steps_per_execution, queued steps timed when finished."""
+
+import types
 
 import keras
 import numpy as np
 import pytest
 
 from tfdist.callbacks import Throughput, throughput as throughput_module
+from tfdist.callbacks.throughput import Window
 
 
 class FakeClock:
@@ -22,9 +25,11 @@ def clock(monkeypatch):
     return fake
 
 
-def _epoch(callback, clock, step_seconds, logs, first_batch=0, stride=1):
+def _epoch(callback, clock, step_seconds, logs, stride=1):
+    """One epoch of len(step_seconds) calls of `stride` steps; Keras's params name its steps."""
+    callback.set_params({"steps": len(step_seconds) * stride})
     callback.on_epoch_begin(0)
-    batch = first_batch
+    batch = 0
     for seconds in step_seconds:
         clock.now += seconds
         callback.on_train_batch_end(batch + stride - 1)
@@ -32,20 +37,21 @@ def _epoch(callback, clock, step_seconds, logs, first_batch=0, stride=1):
     callback.on_epoch_end(0, logs)
 
 
-def test_warmup_steps_and_first_step_of_each_epoch_are_excluded(clock):
+def test_warmup_steps_are_excluded_and_later_epochs_are_timed_from_their_start(clock):
     callback = Throughput(global_batch_size=100, warmup_steps=2)
     callback.on_train_begin()
     logs = {}
-    # Steps 1-2 are warm-up; step 3's interval starts after step 2: measured.
+    # Steps 1-2 are warm-up; the window opens when step 2 has finished.
     _epoch(callback, clock, [5.0, 5.0, 0.1, 0.1, 0.2], logs)
-    assert callback.step_times == pytest.approx([0.1, 0.1, 0.2])
+    assert callback.windows == [Window(10.0, pytest.approx(10.4), 3)]
     assert logs["samples_per_sec"] == pytest.approx(300 / 0.4)
-    assert logs["step_time_ms"] == pytest.approx(100)
-    # Next epoch: the first step has no previous batch end in this epoch.
+    assert logs["step_time_ms"] == pytest.approx(400 / 3)
+    # The next epoch's window opens when it begins: its first step is wall time too.
     logs = {}
     _epoch(callback, clock, [9.0, 0.5, 0.5], logs)
-    assert logs["samples_per_sec"] == pytest.approx(200 / 1.0)
-    assert callback.samples_per_sec == pytest.approx(500 / 1.4)
+    assert logs["samples_per_sec"] == pytest.approx(300 / 10.0)
+    assert callback.samples_per_sec == pytest.approx(600 / 10.4)
+    assert callback.step_time_ms == pytest.approx(1000 * 10.4 / 6)
 
 
 def test_steps_per_execution_counts_every_step(clock):
@@ -53,8 +59,43 @@ def test_steps_per_execution_counts_every_step(clock):
     callback.on_train_begin()
     logs = {}
     _epoch(callback, clock, [1.0, 0.4, 0.4], logs, stride=4)
-    assert callback.step_times == pytest.approx([0.1] * 8)
-    assert logs["samples_per_sec"] == pytest.approx(100.0)
+    assert callback.measured_steps == 12
+    assert logs["samples_per_sec"] == pytest.approx(120 / 1.8)
+
+
+class QueuedSteps:
+    """A strategy whose step calls return at once and whose steps run later, one after another
+    (ClusterCoordinator.schedule): `wait_for_steps` returns when the last one has run."""
+
+    def __init__(self, clock, seconds_per_step):
+        self.clock, self.seconds_per_step, self.done_at = clock, seconds_per_step, 0.0
+
+    def queue(self):
+        self.done_at = max(self.done_at, self.clock.now) + self.seconds_per_step
+
+    def wait_for_steps(self):
+        self.clock.now = max(self.clock.now, self.done_at)
+
+
+def test_queued_steps_count_when_they_have_finished_not_when_queued(clock):
+    strategy = QueuedSteps(clock, seconds_per_step=1.0)
+    callback = Throughput(global_batch_size=10, warmup_steps=2)
+    callback.set_model(types.SimpleNamespace(distribute_strategy=strategy))
+    callback.on_train_begin()
+    callback.set_params({"steps": 10})
+    logs = {}
+    callback.on_epoch_begin(0)
+    for batch in range(10):
+        clock.now += 0.01  # the call that queues the step
+        strategy.queue()
+        callback.on_train_batch_end(batch)
+    callback.on_epoch_end(0, logs)
+    # Warm-up ends when step 2 has run (t = 2.01); step 3 is queued after that, and the
+    # epoch ends when step 10 has run (t = 10.02): 8 steps in 8.01 s, where the calls took 0.08.
+    [window] = callback.windows
+    assert (window.start, window.end, window.steps) == (pytest.approx(2.01), pytest.approx(10.02), 8)
+    assert logs["samples_per_sec"] == pytest.approx(80 / 8.01)
+    assert callback.step_time_ms == pytest.approx(8010 / 8)
 
 
 def test_nothing_measured_reports_zero(clock):
@@ -63,7 +104,7 @@ def test_nothing_measured_reports_zero(clock):
     logs = {}
     _epoch(callback, clock, [1.0, 1.0], logs)
     assert "samples_per_sec" not in logs
-    assert callback.samples_per_sec == 0.0
+    assert callback.samples_per_sec == 0.0 and callback.step_time_ms == 0.0
 
 
 @pytest.mark.parametrize("args", [dict(global_batch_size=0), dict(global_batch_size=8, warmup_steps=-1)])
@@ -78,6 +119,6 @@ def test_in_a_real_fit_the_figures_reach_the_history():
     callback = Throughput(global_batch_size=8, warmup_steps=1)
     x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
     history = model.fit(x, y, batch_size=8, epochs=2, callbacks=[callback], verbose=0)
-    assert len(callback.step_times) == 7 + 7  # epoch 1: steps 2..8 (1 is warm-up); epoch 2: 2..8
+    assert [w.steps for w in callback.windows] == [7, 8]  # epoch 1: steps 2..8 (1 is warm-up); epoch 2: all
     assert all(v > 0 for v in history.history["samples_per_sec"])
     assert all(v > 0 for v in history.history["step_time_ms"])

@@ -71,7 +71,7 @@ class _Rounds:
                 self.checkpoint_bytes = max(self.checkpoint_bytes, _bytes_under(directory))
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            return 1000 * batch / timer.samples_per_sec  # mean step time (ms)
+            return timer.step_time_ms  # wall time per step (ms)
 
         return one_round
 

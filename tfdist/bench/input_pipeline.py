@@ -141,9 +141,9 @@ def measure(
             step.join()
 
     # Mean step times, like the producer's time per batch: a stall is a slow step, not an outlier.
-    rounds = {name: fit_round(model, ds, batch=batch, steps=steps_per_round, mean=True)
+    rounds = {name: fit_round(model, ds, batch=batch, steps=steps_per_round)
               for name, ds in datasets.items()}
-    rounds["consumer"] = fit_round(model, in_memory, batch=batch, steps=steps_per_round, mean=True)
+    rounds["consumer"] = fit_round(model, in_memory, batch=batch, steps=steps_per_round)
     rounds["producer"] = producer_round
     rounds["producer_loaded"] = loaded_producer_round
     samples = alternate(rounds, repeats=repeats)

@@ -45,17 +45,14 @@ def medians(samples: Mapping[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def fit_round(model, dataset, *, batch: int, steps: int, mean: bool = False) -> Callable[[], float]:
-    """A round for `alternate`: `model.fit` for `steps` steps; returns its median step time (ms).
-
-    With `mean`, the mean step time instead: input stalls make some steps slow,
-    and a median would hide them.
-    """
+def fit_round(model, dataset, *, batch: int, steps: int) -> Callable[[], float]:
+    """A round for `alternate`: `model.fit` for `steps` steps; returns its wall time per step (ms),
+    the first step (warm-up) left out. Slow steps (input stalls) count in full."""
     from tfdist.callbacks import Throughput  # Keras: only for the benchmarks that train
 
     def one_round() -> float:
         timer = Throughput(batch, warmup_steps=1)
         model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False, callbacks=[timer])
-        return 1000 * batch / timer.samples_per_sec if mean else timer.step_time_ms
+        return timer.step_time_ms
 
     return one_round

@@ -1,9 +1,19 @@
-"""Samples per second and step time, measured inside `model.fit`.
+"""Samples per second and step time: completed work over wall time, inside `model.fit`.
 
-Keras reports neither. The clock runs between consecutive batch ends inside an
-epoch, so the figure covers everything the training loop does per step (input,
-step, callbacks) but not validation or epoch set-up, and the first
-`warmup_steps` steps of training (tracing, autotuning) are left out.
+Keras reports neither. Each epoch's figure is the steps that finished in a
+window of wall time divided by that window. The window opens when the epoch
+begins, or, in the epoch where warm-up ends, when the first `warmup_steps`
+steps (tracing, autotuning) have finished. It closes when the epoch's last step
+has finished. So the figure covers everything the training loop does per step
+(input, step, callbacks) but not validation.
+
+Most strategies finish a step before Keras's step call returns. A
+parameter-server job's step call only queues the step on a worker
+(`ClusterCoordinator.schedule`), so a clock read there counts queued steps as
+done. Such a strategy has a `wait_for_steps()` (tfdist's
+ParameterServerStrategy: the coordinator's join), and the window's ends wait
+for it: once when warm-up ends and once at each epoch's last step, where the
+epoch's logs would wait anyway.
 
 Example:
 
@@ -14,12 +24,26 @@ Example:
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 import time
+from typing import Callable
 
 import keras
 
-__all__ = ["Throughput"]
+__all__ = ["Throughput", "Window"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One epoch's measured window: `steps` finished between `start` and `end` (perf_counter seconds)."""
+
+    start: float
+    end: float
+    steps: int
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
 
 
 class Throughput(keras.callbacks.Callback):
@@ -30,7 +54,7 @@ class Throughput(keras.callbacks.Callback):
       warmup_steps: steps at the start of training left out of the figures.
 
     Attributes:
-      step_times: seconds of each measured step, in order.
+      windows: the measured window of each epoch that has one, in order.
     """
 
     def __init__(self, global_batch_size: int, *, warmup_steps: int = 5):
@@ -41,41 +65,75 @@ class Throughput(keras.callbacks.Callback):
             raise ValueError(f"`warmup_steps` must be >= 0. Received: {warmup_steps}")
         self.global_batch_size = global_batch_size
         self.warmup_steps = warmup_steps
-        self.step_times: list[float] = []
+        self.windows: list[Window] = []
         self._steps_seen = 0
+        self._wait_for_steps: Callable[[], None] = _nothing
 
     def on_train_begin(self, logs=None):
-        self.step_times = []
+        self.windows = []
         self._steps_seen = 0
+        self._wait_for_steps = _completion_wait(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._last_end = None
         self._last_batch = -1
-        self._epoch_first = len(self.step_times)
+        self._steps = 0
+        # Nothing is queued between epochs: the last one's logs waited for all its steps.
+        self._start = time.perf_counter() if self._steps_seen >= self.warmup_steps else None
+        self._end = self._start
 
     def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
         steps = batch - self._last_batch  # > 1 with steps_per_execution
         self._last_batch = batch
         self._steps_seen += steps
-        if self._last_end is not None and self._steps_seen - steps >= self.warmup_steps:
-            self.step_times.extend([(now - self._last_end) / steps] * steps)
-        self._last_end = now
+        epoch_steps = (self.params or {}).get("steps")
+        last_of_epoch = bool(epoch_steps) and batch + 1 >= epoch_steps
+        warmup_ends = self._start is None and self._steps_seen >= self.warmup_steps
+        if warmup_ends or last_of_epoch:
+            self._wait_for_steps()
+        now = time.perf_counter()
+        if warmup_ends:
+            self._start = now
+        elif self._start is not None:
+            self._steps += steps
+        self._end = now
 
     def on_epoch_end(self, epoch, logs=None):
-        epoch_times = self.step_times[self._epoch_first :]
-        if logs is not None and epoch_times:
-            logs["samples_per_sec"] = self.global_batch_size * len(epoch_times) / sum(epoch_times)
-            logs["step_time_ms"] = 1000 * statistics.median(epoch_times)
+        if not self._steps:
+            return
+        window = Window(self._start, self._end, self._steps)
+        self.windows.append(window)
+        if logs is not None:
+            logs["samples_per_sec"] = self.global_batch_size * window.steps / window.seconds
+            logs["step_time_ms"] = 1000 * window.seconds / window.steps
+
+    @property
+    def measured_steps(self) -> int:
+        return sum(w.steps for w in self.windows)
+
+    @property
+    def measured_seconds(self) -> float:
+        return sum(w.seconds for w in self.windows)
 
     @property
     def samples_per_sec(self) -> float:
-        """Mean throughput over every measured step so far (0 before any)."""
-        if not self.step_times:
+        """Samples of every measured step over the measured wall time (0 before any)."""
+        if not self.windows:
             return 0.0
-        return self.global_batch_size * len(self.step_times) / sum(self.step_times)
+        return self.global_batch_size * self.measured_steps / self.measured_seconds
 
     @property
     def step_time_ms(self) -> float:
-        """Median measured step time in milliseconds (0 before any)."""
-        return 1000 * statistics.median(self.step_times) if self.step_times else 0.0
+        """Measured wall time per measured step, in milliseconds (0 before any)."""
+        return 1000 * self.measured_seconds / self.measured_steps if self.windows else 0.0
+
+
+def _nothing() -> None:
+    pass
+
+
+def _completion_wait(model) -> Callable[[], None]:
+    """What waits until every step Keras has called has finished: the strategy's
+    `wait_for_steps` where it schedules steps asynchronously; with any other
+    strategy a step has finished when its call returns."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return getattr(strategy, "wait_for_steps", None) or _nothing

@@ -90,6 +90,14 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
     def coordinator(self) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
         return self._coordinator
 
+    def wait_for_steps(self) -> None:
+        """Returns once every scheduled step has finished (`Throughput` times completed steps with it).
+
+        Raises:
+          ClusterError: a parameter server was lost.
+        """
+        _with_cluster_errors(self._coordinator.join, self.cluster_jobs.get("ps", []))()
+
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The cluster, and where sharded embedding tables went, for the summary and `--metrics_out`."""
         local = " (local processes)" if self.local_cluster else ""
