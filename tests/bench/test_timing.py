@@ -38,3 +38,6 @@ def test_machine_reads_the_cpu_model_count_and_flags(tmp_path):
     assert described["cpu_model"] == "Test CPU 9000"
     assert described["cpu_flags"] == ["avx2", "fma", "avx512f", "amx_bf16"]
     assert described["cpu_count"] >= 1
+    versions = described["versions"]
+    assert versions["tensorflow"].startswith("2.") and versions["keras"].startswith("3.")
+    assert set(versions) == {"tensorflow", "keras", "horovod"}
