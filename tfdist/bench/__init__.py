@@ -17,6 +17,7 @@ from tfdist.errors import ConfigError
 __all__ = ["BENCHMARKS", "one_line", "run"]
 
 BENCHMARKS = {
+    "baselines": "tfdist.bench.baselines",
     "checkpoint": "tfdist.bench.checkpoint",
     "data_parallel_pipeline": "tfdist.bench.data_parallel_pipeline",
     "horovod": "tfdist.bench.horovod",
@@ -24,6 +25,7 @@ BENCHMARKS = {
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",
+    "precision": "tfdist.bench.precision",
     "ps_worker_loss": "tfdist.bench.ps_worker_loss",
     "scaling": "tfdist.bench.scaling",
     "synthetic": "tfdist.bench.synthetic",

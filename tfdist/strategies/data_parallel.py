@@ -75,7 +75,7 @@ def multi_step_hooks(strategy: tf.distribute.Strategy, model: keras.Model) -> di
     return {}
 
 
-def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model):
+def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model, *, pack_logs: bool = False):
     """`model.steps_per_execution` training steps per call, with no step inside a `tf.cond`.
 
     Keras runs its steps in a while loop whose body puts each step in a
@@ -84,16 +84,19 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
     placeholder tensor ... while/cond/Placeholder", keras-team/keras#19246).
     Here the first step runs as is and the rest in a while loop that checks
     for data in its condition; only fetching the next batch is conditional.
-    Returns the last step's logs, as Keras's function does.
+    Returns the last step's logs, as Keras's function does. With `pack_logs`,
+    each step's logs are averaged over the replicas in one reduction
+    (`packed_logs_step`).
     """
     steps = model.steps_per_execution
-
-    def one_step(data):
-        return _compat.keras_reduce_per_replica(strategy.run(model.train_step, args=(data,)), strategy)
+    one_step = packed_logs_step(strategy, model) if pack_logs else (
+        lambda data: _compat.keras_reduce_per_replica(strategy.run(model.train_step, args=(data,)), strategy))
 
     @tf.function
     def run_steps(iterator):
         outputs = one_step(next(iterator))
+        if steps == 1:
+            return outputs
 
         def more(step, outputs, batch):
             return tf.logical_and(step < steps, batch.has_value())
@@ -113,6 +116,36 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
             raise StopIteration from None
 
     return train_function
+
+
+def packed_logs_step(strategy: tf.distribute.Strategy, model: keras.Model):
+    """A training step whose logs (loss and metrics) are averaged over the replicas in one reduction.
+
+    Keras averages each log with its own `strategy.reduce`; across workers each
+    is a collective of its own, every step (two for a loss and one metric).
+    Here the replicas stack their scalar logs and one `reduce` averages the
+    stack: the same means, one collective. Logs that are not all scalars take
+    Keras's reduction.
+    """
+    layout: dict[str, Any] = {}
+
+    def replica_step(data):
+        logs = model.train_step(data)
+        flat = tf.nest.flatten(logs)
+        layout["packed"] = bool(flat) and all(t.shape.rank == 0 and t.dtype.is_floating for t in flat)
+        if not layout["packed"]:
+            return logs
+        layout.update(structure=logs, dtypes=[t.dtype for t in flat])
+        return tf.stack([tf.cast(t, tf.float32) for t in flat])
+
+    def one_step(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        if not layout["packed"]:
+            return _compat.keras_reduce_per_replica(outputs, strategy)
+        means = tf.unstack(strategy.reduce(tf.distribute.ReduceOp.MEAN, outputs, axis=None))
+        return tf.nest.pack_sequence_as(layout["structure"], [tf.cast(m, d) for m, d in zip(means, layout["dtypes"])])
+
+    return one_step
 
 
 def make_one_device(device: str) -> tf.distribute.OneDeviceStrategy:

@@ -11,9 +11,11 @@ Keras 3's `fit` (keras-team/keras#20585), because Keras calls
 
 `MultiWorkerMirroredStrategy.reduce` here maps over nests and reduces rank-0
 values across replicas only (`axis=None`), which is the same mean for a value
-that has one element per replica. It also trains with `steps_per_execution` > 1,
-which Keras's own loop cannot do over several replicas (see
-`data_parallel.multi_step_train_function`). Everything else is TensorFlow's.
+that has one element per replica. Its training function
+(`data_parallel.multi_step_train_function`) averages a step's logs across the
+workers in one collective instead of one per log, and trains with
+`steps_per_execution` > 1, which Keras's own loop cannot do over several
+replicas. Everything else is TensorFlow's.
 
 It also builds its cluster from the config (`cluster.cluster_resolver`): the config's
 `cluster.workers`, or TF_CONFIG, with every address checked to be on loopback
@@ -35,7 +37,7 @@ from tfdist._compat import (
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ClusterError, error_reason
 from tfdist.strategies.cluster import accepts_connections, cluster_resolver, listening_as
-from tfdist.strategies.data_parallel import multi_step_hooks
+from tfdist.strategies.data_parallel import multi_step_train_function
 
 __all__ = ["MultiWorkerMirroredStrategy", "from_config"]
 
@@ -61,7 +63,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         install_trainer_hooks()  # for `keras_hooks`
 
     def keras_hooks(self, model):
-        return multi_step_hooks(self, model)
+        # Keras's own train function would reduce every log in a collective of its own, every step.
+        return {"train_function": multi_step_train_function(self, model, pack_logs=True)}
 
     def reduce(self, reduce_op, value, axis):
         parent = super()
