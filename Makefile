@@ -62,6 +62,8 @@ bench: setup
 	OMP_NUM_THREADS=1 tfdist bench tensor_parallel --json results/tensor_parallel.json --repeats 5
 	tfdist bench input_pipeline --json results/input_pipeline.json --repeats 5
 	tfdist bench scaling --config configs/default.yaml --json results/scaling.json --plot results/scaling.png --repeats 3
+	OMP_NUM_THREADS=1 tfdist bench baselines --json results/baselines.json --repeats 5
+	OMP_NUM_THREADS=1 tfdist bench precision --json results/precision.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench synthetic --model keras.applications.MobileNetV2 --image_size 64 --batch_per_device 32 \
 	    --json results/synthetic.json --plot results/synthetic.png --repeats 5
 

@@ -3,14 +3,17 @@
 For every kind, tfdist's job and the hand-written one (`tfdist.bench.handwritten`,
 the way TensorFlow's and Horovod's docs write it) train the same model (the
 digits CNN, width 32) on the same data with the same batch per replica, threads
-(intra-op 1, inter-op 2, OMP 1), cluster and steps (8 warm-up, then 96 timed).
+(intra-op 1, inter-op 2, OMP 1), cluster and steps (8 warm-up, then 400 timed:
+shorter windows, under a second, spread by 10% between rounds).
 Rounds alternate (tfdist, hand-written, hand-written, tfdist, ...), each a whole
 job in fresh processes; each round's figure is its wall-clock samples/sec over
 the timed steps.
 
 - `mirrored`: `tfdist bench overhead` (4 logical devices in this process).
-- `multi_worker`: 2 tasks on loopback; tfdist through `tfdist launch --workers 2`,
-  the hand-written job as 2 processes with their own TF_CONFIG.
+- `multi_worker`: 2 tasks on loopback, task i pinned to core i on both sides
+  (unpinned, rounds of either job spread by 15%); tfdist's tasks are
+  `tfdist train` with `cluster.workers` and `cluster.task_index`, the
+  hand-written ones get their own TF_CONFIG.
 - `parameter_server`: 1 parameter server + 2 workers as local processes (one
   intra-op thread each), 4 steps per scheduled function on both sides.
 - `horovod`: 2 ranks under `horovodrun --gloo`, each pinned to its own core.
@@ -29,7 +32,7 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from tfdist.bench import horovod as horovod_bench, overhead
-from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, train_job
+from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, on_core, train_job
 from tfdist.bench.timing import alternate, medians
 from tfdist.loopback import free_loopback_ports
 
@@ -44,7 +47,7 @@ THREADS = ["runtime.intra_op_threads=1", "runtime.inter_op_threads=2"]
 
 
 def measure(*, repeats: int = 5, kinds: Sequence[str] = KINDS, per_replica_batch: int = 64, width: int = 32,
-            warmup: int = 8, steps: int = 96, steps_per_function: int = 4) -> dict[str, Any]:
+            warmup: int = 8, steps: int = 400, steps_per_function: int = 4) -> dict[str, Any]:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"`kinds` must be among {KINDS}. Received: {sorted(unknown)}")
@@ -53,17 +56,13 @@ def measure(*, repeats: int = 5, kinds: Sequence[str] = KINDS, per_replica_batch
               "train.optimizer=adam", "train.learning_rate=0.002", *THREADS]
     handwritten = ["--per_replica_batch", str(per_replica_batch), "--width", str(width), "--warmup", str(warmup),
                    "--steps", str(steps), "--steps_per_function", str(steps_per_function)]
-    jobs = {
-        "multi_worker": (common + ["strategy.kind=multi_worker_mirrored",
-                                   f"train.global_batch_size={2 * per_replica_batch}"],
-                         dict(command=("launch", "--workers", "2")), _multi_worker),
-        "parameter_server": (common + ["strategy.kind=parameter_server", f"train.global_batch_size={per_replica_batch}",
-                                       "parameter_server.num_workers=2", "parameter_server.num_ps=1",
-                                       "parameter_server.threads_per_task=1",
-                                       f"parameter_server.steps_per_execution={steps_per_function}"],
-                             {}, _parameter_server),
-        "horovod": (common + ["strategy.kind=horovod", f"train.global_batch_size={2 * per_replica_batch}"],
-                    dict(launcher=horovod_bench.launcher(2)), _horovod),
+    overrides = {
+        "multi_worker": ["strategy.kind=multi_worker_mirrored", f"train.global_batch_size={2 * per_replica_batch}"],
+        "parameter_server": ["strategy.kind=parameter_server", f"train.global_batch_size={per_replica_batch}",
+                             "parameter_server.num_workers=2", "parameter_server.num_ps=1",
+                             "parameter_server.threads_per_task=1",
+                             f"parameter_server.steps_per_execution={steps_per_function}"],
+        "horovod": ["strategy.kind=horovod", f"train.global_batch_size={2 * per_replica_batch}"],
     }
     results: dict[str, Any] = {}
     figures: dict[str, Any] = {"target": TARGET}
@@ -73,50 +72,77 @@ def measure(*, repeats: int = 5, kinds: Sequence[str] = KINDS, per_replica_batch
             rate = result["samples_per_sec"]
             results[kind] = {"samples_per_sec": rate, "overhead": result["figures"]}
         else:
-            overrides, how, run_handwritten = jobs[kind]
-            samples = alternate({"tfdist": train_job(overrides, **how),
-                                 "handwritten": lambda run=run_handwritten: run(handwritten)},
+            job = common + overrides[kind]
+            tfdist_round, handwritten_job = _ROUNDS[kind]
+            samples = alternate({"tfdist": tfdist_round(job), "handwritten": lambda: handwritten_job(handwritten)},
                                 repeats=repeats, warmup=0)
             rate = medians(samples)
-            results[kind] = {"samples_per_sec": rate, "samples": samples,
-                             "tfdist_job": described({kind: overrides})[kind], "handwritten_flags": " ".join(handwritten)}
+            results[kind] = {"samples_per_sec": rate, "samples": samples, "tfdist_job": described({kind: job})[kind],
+                             "handwritten_flags": " ".join(handwritten)}
         figures[f"{kind}_ratio"] = rate["tfdist"] / rate["handwritten"]
     figures["meets_target"] = all(figures[f"{kind}_ratio"] >= TARGET for kind in kinds)
     return {"benchmark": "baselines", "repeats": repeats, "per_replica_batch": per_replica_batch,
             "warmup_steps": warmup, "timed_steps": steps, "kinds": results, "figures": figures}
 
 
-def _handwritten_job(kind: str, flags: list[str], launch: Callable[[list[str], dict], list[subprocess.Popen]]) -> float:
-    """Runs the hand-written job `kind` (its processes started by `launch(argv, env)`); returns its samples/sec."""
+def _run_processes(commands: list[tuple[list[str], dict]], what: str) -> None:
+    """Runs every (argv, env) at once; raises RuntimeError with the output of the first that fails."""
+    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for argv, env in commands]
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=JOB_TIMEOUT_SECONDS)
+            if process.returncode != 0:
+                raise RuntimeError(f"{what} failed:\n{output[-3000:]}")
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def _environment(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", **extra}
+
+
+def _two_workers_tf_config() -> list[str]:
+    workers = [f"127.0.0.1:{p}" for p in free_loopback_ports(2)]
+    return [json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}) for i in range(2)]
+
+
+def _handwritten_job(kind: str, flags: list[str], commands: Callable[[list[str]], list[tuple[list[str], dict]]]
+                     ) -> float:
+    """Runs the hand-written job `kind` as the processes `commands(argv)` gives; returns its samples/sec."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "out.json")
         argv = [sys.executable, "-m", "tfdist.bench.handwritten", "--kind", kind, "--out", out, *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
-        processes = launch(argv, env)
-        try:
-            for process in processes:
-                output, _ = process.communicate(timeout=JOB_TIMEOUT_SECONDS)
-                if process.returncode != 0:
-                    raise RuntimeError(f"the hand-written {kind} job failed:\n{output[-3000:]}")
-        finally:
-            for process in processes:
-                process.kill()
+        _run_processes(commands(argv), f"the hand-written {kind} job")
         with open(out) as f:
             return json.load(f)["samples_per_sec"]
 
 
-def _start(argv: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _tfdist_multi_worker(overrides: list[str]) -> Callable[[], float]:
+    """A round: `tfdist train` as 2 tasks of one cluster, task i pinned to core i (as the hand-written job)."""
+
+    def one_round() -> float:
+        with tempfile.TemporaryDirectory() as scratch:
+            metrics = os.path.join(scratch, "metrics.json")
+            workers = ", ".join(f"127.0.0.1:{p}" for p in free_loopback_ports(2))
+            commands = []
+            for index in range(2):
+                argv = [*on_core(index), sys.executable, "-m", "tfdist.cli", "train", "--metrics_out", metrics]
+                for override in [*overrides, f"cluster.workers=[{workers}]", f"cluster.task_index={index}"]:
+                    argv += ["--set", override]
+                commands.append((argv, _environment()))
+            _run_processes(commands, "the tfdist multi-worker job")
+            with open(metrics) as f:
+                return json.load(f)["samples_per_sec"]
+
+    return one_round
 
 
 def _multi_worker(flags: list[str]) -> float:
-    def launch(argv, env):
-        workers = [f"127.0.0.1:{p}" for p in free_loopback_ports(2)]
-        return [_start(argv, {**env, "TF_CONFIG": json.dumps({"cluster": {"worker": workers},
-                                                               "task": {"type": "worker", "index": i}})})
-                for i in range(2)]
-
-    return _handwritten_job("multi_worker", flags, launch)
+    return _handwritten_job("multi_worker", flags, lambda argv: [
+        ([*on_core(i), *argv], _environment(TF_CONFIG=tf_config)) for i, tf_config in enumerate(_two_workers_tf_config())
+    ])
 
 
 def _parameter_server(flags: list[str]) -> float:
@@ -125,10 +151,16 @@ def _parameter_server(flags: list[str]) -> float:
     # The same local servers tfdist's job starts for itself: plain tf.distribute.Server processes.
     with LocalCluster(2, 1, threads=1, restart_workers=False) as cluster:
         tf_config = json.dumps({"cluster": cluster.cluster_spec, "task": {"type": "chief", "index": 0}})
-        return _handwritten_job("parameter_server", flags,
-                                lambda argv, env: [_start(argv, {**env, "TF_CONFIG": tf_config})])
+        return _handwritten_job("parameter_server", flags, lambda argv: [(argv, _environment(TF_CONFIG=tf_config))])
 
 
 def _horovod(flags: list[str]) -> float:
-    return _handwritten_job("horovod", flags,
-                            lambda argv, env: [_start([*horovod_bench.launcher(2), *argv], env)])
+    return _handwritten_job("horovod", flags, lambda argv: [([*horovod_bench.launcher(2), *argv], _environment())])
+
+
+# kind -> (tfdist's round for a job's overrides, the hand-written job for its flags)
+_ROUNDS = {
+    "multi_worker": (_tfdist_multi_worker, _multi_worker),
+    "parameter_server": (train_job, _parameter_server),
+    "horovod": (lambda job: train_job(job, launcher=horovod_bench.launcher(2)), _horovod),
+}

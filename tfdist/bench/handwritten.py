@@ -41,7 +41,7 @@ _OUT = flags.DEFINE_string("out", None, "Where the chief writes its samples/sec 
 _PER_REPLICA_BATCH = flags.DEFINE_integer("per_replica_batch", 64, "Examples per replica per step.")
 _WIDTH = flags.DEFINE_integer("width", 32, "The CNN's width (as model.width).")
 _WARMUP = flags.DEFINE_integer("warmup", 8, "Steps before the clock starts.")
-_STEPS = flags.DEFINE_integer("steps", 96, "Timed steps.")
+_STEPS = flags.DEFINE_integer("steps", 400, "Timed steps.")
 _STEPS_PER_FUNCTION = flags.DEFINE_integer("steps_per_function", 4, "parameter_server: steps per scheduled function.")
 
 LEARNING_RATE = 0.002

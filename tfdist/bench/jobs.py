@@ -9,9 +9,15 @@ import sys
 import tempfile
 from typing import Callable, Sequence
 
-__all__ = ["described", "run_train", "train_job"]
+__all__ = ["described", "on_core", "run_train", "train_job"]
 
 JOB_TIMEOUT_SECONDS = 600
+
+
+def on_core(core: int) -> tuple[str, ...]:
+    """A launcher that runs the rest of its command line pinned to CPU `core` (the pinning survives exec)."""
+    return (sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
+            "os.execv(sys.argv[2], sys.argv[2:])", str(core))
 
 
 def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = (),

@@ -27,11 +27,10 @@ it overstates that row until the throughput measurement is fixed.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from tfdist.bench import horovod as horovod_bench
-from tfdist.bench.jobs import described, train_job
+from tfdist.bench.jobs import described, on_core, train_job
 from tfdist.bench.scaling import plot as scaling_plot
 from tfdist.bench.timing import alternate, medians
 from tfdist.config.schema import Config
@@ -40,9 +39,9 @@ from tfdist.errors import ConfigError
 
 __all__ = ["jobs", "markdown_table", "measure", "run"]
 
-# Runs the rest of its command line on core 0 only (the pinning survives exec): one device is one core,
-# as each Horovod rank is; unpinned, its inter-op threads would run independent ops on a second core.
-ONE_CORE = (sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {0}); os.execv(sys.argv[1], sys.argv[1:])")
+# One device is one core, as each Horovod rank is; unpinned, its inter-op threads would run
+# independent ops on a second core.
+ONE_CORE = on_core(0)
 
 # What Horovod's docs ("Benchmarks") publish for this benchmark on GPUs, for comparison.
 PUBLISHED = ("Horovod, tf_cnn_benchmarks on synthetic data, 128 servers x 4 Pascal GPUs over 25 Gbit/s RoCE: "
