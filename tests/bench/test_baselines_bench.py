@@ -22,6 +22,12 @@ def test_measure_runs_both_jobs_of_every_kind():
     assert "parameter_server.steps_per_execution=4" in result["kinds"]["parameter_server"]["tfdist_job"]
     assert "--steps_per_function 4" in result["kinds"]["parameter_server"]["handwritten_flags"]
     assert figures["meets_target"] == all(figures[f"{k}_ratio"] >= 0.98 for k in KINDS)
+    # Where a Horovod step's time goes: each way of training over the hand-written step, from one job.
+    parts = result["kinds"]["horovod"]["step_parts"]
+    assert set(parts) == {"fit", "keras_train_function", "custom_loop_under_strategy", "handwritten"}
+    assert all(len(values) == 1 and values[0] > 0 for values in parts.values())
+    assert figures["horovod_step_parts_vs_handwritten"]["fit"] == pytest.approx(
+        parts["fit"][0] / parts["handwritten"][0])
 
 
 def test_an_unknown_kind_is_refused():

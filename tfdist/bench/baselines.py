@@ -19,7 +19,11 @@ the timed steps.
 - `horovod`: 2 ranks under `horovodrun --gloo`, each pinned to its own core.
 
 Figures: `KIND_ratio` = median samples/sec of tfdist's job / the hand-written
-job's (target >= 0.98).
+job's (target >= 0.98). For Horovod, `horovod_step_parts_vs_handwritten` says
+where the difference goes: in one 2-rank job (`tfdist.bench.horovod_step_parts`)
+`fit`, Keras's train function alone, a custom loop under tfdist's
+HorovodStrategy and the hand-written step take turns, each over the
+hand-written step's samples/sec.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, on_core, train_job
 from tfdist.bench.timing import alternate, medians
 from tfdist.loopback import free_loopback_ports
 
-__all__ = ["KINDS", "measure"]
+__all__ = ["KINDS", "horovod_step_parts", "measure"]
 
 # `tfdist bench` refuses a config for this benchmark, saying why.
 CONFIG_UNUSED = "it sets every job itself, the same on both sides."
@@ -80,9 +84,26 @@ def measure(*, repeats: int = 5, kinds: Sequence[str] = KINDS, per_replica_batch
             results[kind] = {"samples_per_sec": rate, "samples": samples, "tfdist_job": described({kind: job})[kind],
                              "handwritten_flags": " ".join(handwritten)}
         figures[f"{kind}_ratio"] = rate["tfdist"] / rate["handwritten"]
+        if kind == "horovod":
+            parts = horovod_step_parts(common + overrides[kind], repeats=repeats, steps=steps)
+            results[kind]["step_parts"] = parts
+            part_rate = medians(parts)
+            figures["horovod_step_parts_vs_handwritten"] = {
+                name: value / part_rate["handwritten"] for name, value in part_rate.items() if name != "handwritten"}
     figures["meets_target"] = all(figures[f"{kind}_ratio"] >= TARGET for kind in kinds)
     return {"benchmark": "baselines", "repeats": repeats, "per_replica_batch": per_replica_batch,
             "warmup_steps": warmup, "timed_steps": steps, "kinds": results, "figures": figures}
+
+
+def horovod_step_parts(job: list[str], *, repeats: int, steps: int) -> dict[str, list[float]]:
+    """Samples/sec of each timing of `tfdist.bench.horovod_step_parts`, from one 2-rank job."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "parts.json")
+        argv = [*horovod_bench.launcher(2), sys.executable, "-m", "tfdist.bench.horovod_step_parts", out, str(repeats),
+                str(steps), *job]
+        _run_processes([(argv, _environment())], "the Horovod step-parts job")
+        with open(out) as f:
+            return json.load(f)
 
 
 def _run_processes(commands: list[tuple[list[str], dict]], what: str) -> None:

@@ -1,0 +1,104 @@
+"""Where tfdist's Horovod step spends its time, against the hand-written one (part of `tfdist bench baselines`).
+
+Run on every rank: `horovodrun -np 2 ... python -m tfdist.bench.horovod_step_parts OUT REPEATS STEPS KEY=VALUE ...`
+(the overrides of the baselines' tfdist job). In one 2-rank job, on the same
+batches, four ways to train take turns, each peeling off one layer:
+
+- `fit`: tfdist's job (`training.prepare`) under `model.fit`, timed by Throughput;
+- `keras_train_function`: the same model's Keras train function called in a
+  loop, without fit's loop and callbacks around it;
+- `custom_loop_under_strategy`: a `GradientTape` step on the same architecture
+  under the same `HorovodStrategy` (`strategy.run`, the Keras optimizer
+  all-reducing through `HorovodAllReduce`), without Keras's `train_step`;
+- `handwritten`: the baselines' hand-written step (`hvd.grouped_allreduce`),
+  without a strategy.
+
+Rank 0 writes each timing's samples/sec to OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    from tfdist import load_config, prepare
+    from tfdist.bench.handwritten import LEARNING_RATE, digits_cnn
+    from tfdist.callbacks import Throughput
+
+    config = load_config(None, overrides)
+    job = prepare(config)
+    batch, warmup = config.train.global_batch_size, config.callbacks.throughput_warmup_steps
+    strategy, model = job.strategy, job.model
+    per_rank = job.train_data.unbatch().batch(batch // hvd.size(), drop_remainder=True)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    def fit() -> float:
+        clock = Throughput(batch, warmup_steps=warmup)
+        model.fit(job.train_data, epochs=1, steps_per_epoch=warmup + steps, verbose=0, callbacks=[clock])
+        return clock.samples_per_sec
+
+    def timed(step):
+        def one_round() -> float:
+            for _ in range(warmup):
+                step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = step()
+            float(tf.nest.flatten(strategy.experimental_local_results(loss))[0])
+            return batch * steps / (time.perf_counter() - start)
+        return one_round
+
+    train_function, distributed = model.make_train_function(), iter(strategy.experimental_distribute_dataset(job.train_data))
+
+    def gradient_step(network, optimizer, accuracy, all_reduce):
+        def step(images, labels):
+            with tf.GradientTape() as tape:
+                predictions = network(images, training=True)
+                loss = loss_fn(labels, predictions)
+            gradients = all_reduce(tape.gradient(loss, network.trainable_variables))
+            optimizer.apply_gradients(zip(gradients, network.trainable_variables))
+            accuracy.update_state(labels, predictions)
+            return loss
+        return step
+
+    def parts(scope):
+        with scope:
+            network = digits_cnn(model.input_shape[1:], model.output_shape[-1], config.model.width)
+            optimizer = keras.optimizers.Adam(LEARNING_RATE)
+            optimizer.build(network.trainable_variables)
+            return network, optimizer, keras.metrics.SparseCategoricalAccuracy()
+
+    under_strategy = gradient_step(*parts(strategy.scope()), all_reduce=lambda g: g)  # Keras all-reduces
+    handwritten = gradient_step(*parts(contextlib.nullcontext()),
+                                all_reduce=lambda g: hvd.grouped_allreduce(g, op=hvd.Average))
+    strategy_step = tf.function(lambda iterator: strategy.run(under_strategy, args=next(iterator)))
+    plain_step, plain = tf.function(handwritten), iter(per_rank)
+    ways = {
+        "fit": fit,
+        "keras_train_function": timed(lambda: train_function(distributed)["loss"]),
+        "custom_loop_under_strategy": timed(lambda: strategy_step(distributed)),
+        "handwritten": timed(lambda: plain_step(*next(plain))),
+    }
+    for way in ways.values():  # trace and warm up
+        way()
+    samples = {name: [] for name in ways}
+    for repeat in range(repeats):
+        for name in (list(ways) if repeat % 2 == 0 else list(reversed(ways))):
+            samples[name].append(ways[name]())
+    if hvd.rank() == 0:
+        with open(out, "w") as f:
+            json.dump(samples, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
