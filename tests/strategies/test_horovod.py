@@ -244,9 +244,10 @@ def test_a_stall_shutdown_of_0_turns_the_step_watchdog_off():
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    # Off: Keras's own step functions; by default, the watchdog's wrappers.
+    # Off: the step functions themselves (tfdist's training, Keras's evaluation); by default, the watchdog's wrappers.
     assert step_functions("0") == [
-        "HorovodStrategy.keras_hooks.<locals>.predict_function", "TensorFlowTrainer._make_function.<locals>.function"
+        "HorovodStrategy.keras_hooks.<locals>.predict_function", "TensorFlowTrainer._make_function.<locals>.function",
+        "multi_step_train_function.<locals>.train_function",
     ]
     assert step_functions("") == ["StepWatchdog.wrap.<locals>.watched"]
 

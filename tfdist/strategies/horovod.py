@@ -47,6 +47,7 @@ from tensorflow.python.distribute import distribute_lib, distribute_utils, input
 from tfdist import _compat
 from tfdist.config.schema import Config, HorovodOp
 from tfdist.errors import ClusterError, ConfigError
+from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
 
 __all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "collectives_are_down"]
@@ -327,7 +328,8 @@ class HorovodStrategy(distribute_lib.Strategy):
         )
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """Keras's own step functions under the step watchdog (unless off), predictions gathered from every rank."""
+        """tfdist's training function and Keras's evaluation and prediction functions, under the step
+        watchdog (unless off); predictions gathered from every rank."""
         predict_on_this_rank = _compat.keras_step_function(model, "predict_function")
 
         def predict_function(data):
@@ -335,7 +337,7 @@ class HorovodStrategy(distribute_lib.Strategy):
             return tf.nest.map_structure(self.hvd.allgather, outputs)
 
         functions = {
-            "train_function": _compat.keras_step_function(model, "train_function"),
+            "train_function": multi_step_train_function(self, model),
             "test_function": _compat.keras_step_function(model, "test_function"),
             "predict_function": predict_function,
         }
