@@ -24,7 +24,8 @@ def test_measure_runs_both_jobs_of_every_kind():
     assert figures["meets_target"] == all(figures[f"{k}_ratio"] >= 0.98 for k in KINDS)
     # Where a Horovod step's time goes: each way of training over the hand-written step, from one job.
     parts = result["kinds"]["horovod"]["step_parts"]
-    assert set(parts) == {"fit", "keras_train_function", "custom_loop_under_strategy", "handwritten"}
+    assert set(parts) == {"fit", "train_function", "keras_train_function", "custom_loop_under_strategy",
+                          "handwritten"}
     assert all(len(values) == 1 and values[0] > 0 for values in parts.values())
     assert figures["horovod_step_parts_vs_handwritten"]["fit"] == pytest.approx(
         parts["fit"][0] / parts["handwritten"][0])

@@ -21,9 +21,9 @@ the timed steps.
 Figures: `KIND_ratio` = median samples/sec of tfdist's job / the hand-written
 job's (target >= 0.98). For Horovod, `horovod_step_parts_vs_handwritten` says
 where the difference goes: in one 2-rank job (`tfdist.bench.horovod_step_parts`)
-`fit`, Keras's train function alone, a custom loop under tfdist's
-HorovodStrategy and the hand-written step take turns, each over the
-hand-written step's samples/sec.
+`fit`, the training function fit calls (tfdist's), Keras's own training
+function, a custom loop under tfdist's HorovodStrategy and the hand-written
+step take turns, each over the hand-written step's samples/sec.
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ Run on every rank: `horovodrun -np 2 ... python -m tfdist.bench.horovod_step_par
 batches, four ways to train take turns, each peeling off one layer:
 
 - `fit`: tfdist's job (`training.prepare`) under `model.fit`, timed by Throughput;
-- `keras_train_function`: the same model's Keras train function called in a
-  loop, without fit's loop and callbacks around it;
+- `train_function`: the training function fit calls (tfdist's,
+  `data_parallel.multi_step_train_function`), called in a loop, without fit's
+  loop and callbacks around it;
+- `keras_train_function`: Keras's own training function for the same model,
+  which tfdist's replaces, called the same way;
 - `custom_loop_under_strategy`: a `GradientTape` step on the same architecture
   under the same `HorovodStrategy` (`strategy.run`, the Keras optimizer
   all-reducing through `HorovodAllReduce`), without Keras's `train_step`;
@@ -31,7 +34,7 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
     import keras
     import tensorflow as tf
 
-    from tfdist import load_config, prepare
+    from tfdist import _compat, load_config, prepare
     from tfdist.bench.handwritten import LEARNING_RATE, digits_cnn
     from tfdist.callbacks import Throughput
 
@@ -58,7 +61,9 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
             return batch * steps / (time.perf_counter() - start)
         return one_round
 
-    train_function, distributed = model.make_train_function(), iter(strategy.experimental_distribute_dataset(job.train_data))
+    distributed = iter(strategy.experimental_distribute_dataset(job.train_data))
+    keras_train_function = _compat.keras_step_function(model, "train_function")
+    train_function = model.make_train_function(force=True)  # tfdist's, as fit makes it
 
     def gradient_step(network, optimizer, accuracy, all_reduce):
         def step(images, labels):
@@ -85,7 +90,8 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
     plain_step, plain = tf.function(handwritten), iter(per_rank)
     ways = {
         "fit": fit,
-        "keras_train_function": timed(lambda: train_function(distributed)["loss"]),
+        "train_function": timed(lambda: train_function(distributed)["loss"]),
+        "keras_train_function": timed(lambda: keras_train_function(distributed)["loss"]),
         "custom_loop_under_strategy": timed(lambda: strategy_step(distributed)),
         "handwritten": timed(lambda: plain_step(*next(plain))),
     }
