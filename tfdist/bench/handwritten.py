@@ -72,10 +72,13 @@ def _digits():
     return data.load(DataConfig(), seed=0)
 
 
-def _examples(split):
+def _batches(split, shards: int, index: int, batch: int):
+    """This input pipeline's shard of the training examples, shuffled, repeated and batched."""
     import tensorflow as tf
 
-    return tf.data.Dataset.from_tensor_slices((split.x_train, split.y_train))
+    examples = tf.data.Dataset.from_tensor_slices((split.x_train, split.y_train))
+    examples = examples.shard(shards, index).shuffle(len(split.x_train)).repeat()
+    return examples.batch(batch).prefetch(tf.data.AUTOTUNE)
 
 
 def multi_worker() -> tuple[float, bool]:
@@ -87,9 +90,8 @@ def multi_worker() -> tuple[float, bool]:
     split = _digits()
 
     def dataset_fn(input_context):
-        examples = _examples(split).shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-        per_replica = input_context.get_per_replica_batch_size(global_batch)
-        return examples.shuffle(len(split.x_train)).repeat().batch(per_replica).prefetch(tf.data.AUTOTUNE)
+        return _batches(split, input_context.num_input_pipelines, input_context.input_pipeline_id,
+                        input_context.get_per_replica_batch_size(global_batch))
 
     with strategy.scope():
         model = digits_cnn(split.input_shape, split.num_classes, _WIDTH.value)
@@ -129,8 +131,7 @@ def parameter_server() -> tuple[float, bool]:
     batch = _PER_REPLICA_BATCH.value
 
     def dataset_fn(input_context):
-        examples = _examples(split).shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-        return examples.shuffle(len(split.x_train)).repeat().batch(batch).prefetch(tf.data.AUTOTUNE)
+        return _batches(split, input_context.num_input_pipelines, input_context.input_pipeline_id, batch)
 
     @tf.function
     def per_worker_dataset_fn():
@@ -178,8 +179,7 @@ def horovod() -> tuple[float, bool]:
     hvd.init()
     split = _digits()
     batch = _PER_REPLICA_BATCH.value
-    dataset = (_examples(split).shard(hvd.size(), hvd.rank()).shuffle(len(split.x_train)).repeat().batch(batch)
-               .prefetch(tf.data.AUTOTUNE))
+    dataset = _batches(split, hvd.size(), hvd.rank(), batch)
     model = digits_cnn(split.input_shape, split.num_classes, _WIDTH.value)
     optimizer = keras.optimizers.Adam(LEARNING_RATE)
     accuracy = keras.metrics.SparseCategoricalAccuracy()
