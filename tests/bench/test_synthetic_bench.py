@@ -5,6 +5,7 @@ import json
 import pytest
 
 from helpers import run_tfdist
+from tfdist.bench.jobs import on_core
 from tfdist.bench.synthetic import jobs, markdown_table
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -39,7 +40,7 @@ def test_each_job_keeps_the_batch_per_device():
         assert int(sets["train.global_batch_size"]) == 64 * per_step_devices
         assert sets["model.name"] == "keras.applications.ResNet50" and sets["data.image_size"] == "224"
     assert planned["multi_worker_2"]["command"] == ("launch", "--workers", "2")
-    assert "sched_setaffinity(0, {0})" in " ".join(planned["one_device"]["launcher"])  # one device, one core
+    assert tuple(planned["one_device"]["launcher"]) == on_core(0)  # one device, one core
 
 
 @pytest.mark.parametrize("args, message", [

@@ -41,3 +41,15 @@ def test_machine_reads_the_cpu_model_count_and_flags(tmp_path):
     versions = described["versions"]
     assert versions["tensorflow"].startswith("2.") and versions["keras"].startswith("3.")
     assert set(versions) == {"tensorflow", "keras", "horovod"}
+
+
+def test_on_core_runs_its_command_pinned_to_that_core():
+    import subprocess
+    import sys
+
+    from tfdist.bench.jobs import on_core
+
+    done = subprocess.run([*on_core(0), sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0]"
