@@ -82,9 +82,9 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
 
     - With one step per call, it wraps the step's function in another and
       returns its logs in a `tf.experimental.Optional` that the host then
-      unpacks with two more op calls. Measured under Horovod (2 ranks, digits
-      CNN, 9 ms steps): its function reached 0.92 of the samples/sec of the
-      same Keras `train_step` in one `tf.function`.
+      unpacks with two more op calls. Under Horovod (2 ranks, digits CNN, 9 ms
+      steps) one run measured it at 0.90 of the samples/sec of the same Keras
+      `train_step` in one `tf.function`; a re-run found the two within 1%.
     - With more, its while loop puts each step in a `tf.cond`; a step whose
       optimizer calls `merge_call` fails there when a MirroredStrategy has
       several replicas ("You must feed a value for placeholder tensor ...
