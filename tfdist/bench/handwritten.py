@@ -34,7 +34,7 @@ from typing import Optional
 
 from absl import app, flags
 
-__all__ = ["digits_cnn"]
+__all__ = ["digits_cnn", "gradient_step"]
 
 _KIND = flags.DEFINE_enum("kind", None, ["multi_worker", "parameter_server", "horovod"], "Which job.")
 _OUT = flags.DEFINE_string("out", None, "Where the chief writes its samples/sec (JSON).")
@@ -63,6 +63,23 @@ def digits_cnn(input_shape, num_classes: int, width: int, dropout: float = DROPO
         keras.layers.Dense(num_classes),
         keras.layers.Activation("softmax", dtype="float32"),
     ])
+
+
+def gradient_step(model, optimizer, accuracy, loss_of, all_reduce=lambda gradients: gradients):
+    """The step every hand-written job writes: a `GradientTape` over `loss_of(labels, predictions)`,
+    the gradients through `all_reduce`, the optimizer's update and the accuracy; returns the loss."""
+    import tensorflow as tf
+
+    def step(images, labels):
+        with tf.GradientTape() as tape:
+            predictions = model(images, training=True)
+            loss = loss_of(labels, predictions)
+        gradients = all_reduce(tape.gradient(loss, model.trainable_variables))
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        accuracy.update_state(labels, predictions)
+        return loss
+
+    return step
 
 
 def _digits():
@@ -100,15 +117,8 @@ def multi_worker() -> tuple[float, bool]:
         accuracy = keras.metrics.SparseCategoricalAccuracy()
     batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction=None)
-
-    def step_fn(images, labels):
-        with tf.GradientTape() as tape:
-            predictions = model(images, training=True)
-            loss = tf.nn.compute_average_loss(loss_fn(labels, predictions), global_batch_size=global_batch)
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        accuracy.update_state(labels, predictions)
-        return loss
+    step_fn = gradient_step(model, optimizer, accuracy, lambda labels, predictions: tf.nn.compute_average_loss(
+        loss_fn(labels, predictions), global_batch_size=global_batch))
 
     @tf.function
     def train_step(iterator):
@@ -144,15 +154,8 @@ def parameter_server() -> tuple[float, bool]:
         optimizer.build(model.trainable_variables)  # Keras 3 makes its slots lazily, off the parameter servers
         accuracy = keras.metrics.SparseCategoricalAccuracy()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction="sum")
-
-    def replica_fn(images, labels):
-        with tf.GradientTape() as tape:
-            predictions = model(images, training=True)
-            loss = loss_fn(labels, predictions) / batch
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        accuracy.update_state(labels, predictions)
-        return loss
+    replica_fn = gradient_step(model, optimizer, accuracy,
+                               lambda labels, predictions: loss_fn(labels, predictions) / batch)
 
     @tf.function
     def step_fn(iterator):
@@ -185,15 +188,8 @@ def horovod() -> tuple[float, bool]:
     accuracy = keras.metrics.SparseCategoricalAccuracy()
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
-    @tf.function
-    def training_step(images, labels):
-        with tf.GradientTape() as tape:
-            predictions = model(images, training=True)
-            loss = loss_fn(labels, predictions)
-        gradients = hvd.grouped_allreduce(tape.gradient(loss, model.trainable_variables), op=hvd.Average)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        accuracy.update_state(labels, predictions)
-        return loss
+    training_step = tf.function(gradient_step(model, optimizer, accuracy, loss_fn,
+                                              all_reduce=lambda g: hvd.grouped_allreduce(g, op=hvd.Average)))
 
     batches = iter(dataset)
     training_step(*next(batches))

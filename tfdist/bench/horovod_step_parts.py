@@ -35,7 +35,7 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
     import tensorflow as tf
 
     from tfdist import _compat, load_config, prepare
-    from tfdist.bench.handwritten import LEARNING_RATE, digits_cnn
+    from tfdist.bench.handwritten import LEARNING_RATE, digits_cnn, gradient_step
     from tfdist.callbacks import Throughput
 
     config = load_config(None, overrides)
@@ -65,17 +65,6 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
     keras_train_function = _compat.keras_step_function(model, "train_function")
     train_function = model.make_train_function(force=True)  # tfdist's, as fit makes it
 
-    def gradient_step(network, optimizer, accuracy, all_reduce):
-        def step(images, labels):
-            with tf.GradientTape() as tape:
-                predictions = network(images, training=True)
-                loss = loss_fn(labels, predictions)
-            gradients = all_reduce(tape.gradient(loss, network.trainable_variables))
-            optimizer.apply_gradients(zip(gradients, network.trainable_variables))
-            accuracy.update_state(labels, predictions)
-            return loss
-        return step
-
     def parts(scope):
         with scope:
             network = digits_cnn(model.input_shape[1:], model.output_shape[-1], config.model.width)
@@ -83,8 +72,8 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
             optimizer.build(network.trainable_variables)
             return network, optimizer, keras.metrics.SparseCategoricalAccuracy()
 
-    under_strategy = gradient_step(*parts(strategy.scope()), all_reduce=lambda g: g)  # Keras all-reduces
-    handwritten = gradient_step(*parts(contextlib.nullcontext()),
+    under_strategy = gradient_step(*parts(strategy.scope()), loss_fn)  # the Keras optimizer all-reduces
+    handwritten = gradient_step(*parts(contextlib.nullcontext()), loss_fn,
                                 all_reduce=lambda g: hvd.grouped_allreduce(g, op=hvd.Average))
     strategy_step = tf.function(lambda iterator: strategy.run(under_strategy, args=next(iterator)))
     plain_step, plain = tf.function(handwritten), iter(per_rank)
