@@ -6,6 +6,7 @@ root and are stopped by the PIDs in their pid files.
 
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -28,10 +29,13 @@ StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool
 SlurmctldLogFile={dir}/slurmctld.log
 SlurmdLogFile={dir}/slurmd.log
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 START_TIMEOUT_SECONDS = 30
+# The node is named as the usual one-node set-up names it, by its host name, so its tasks' addresses are
+# `HOSTNAME:PORT`; tfdist accepts them where the name resolves only to loopback (it does here, in /etc/hosts).
+NODE = socket.gethostname()
 
 
 class LocalSlurm:
@@ -47,7 +51,7 @@ class LocalSlurm:
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
         os.chmod(self.dir, 0o700)  # munged refuses a socket directory others can write
         with open(self.env["SLURM_CONF"], "w") as f:
-            f.write(CONF.format(dir=self.dir, ctld_port=self.ports[0], d_port=self.ports[1]))
+            f.write(CONF.format(dir=self.dir, ctld_port=self.ports[0], d_port=self.ports[1], node=NODE))
         try:
             subprocess.run(["munged", "--force", f"--socket={self.dir}/munge.socket",
                             f"--pid-file={self.dir}/munged.pid", f"--log-file={self.dir}/munged.log",

@@ -3,8 +3,16 @@
 import pytest
 import yaml
 
-from helpers import run_tfdist
+import os
+import subprocess
+import sys
+
+from helpers import ROOT, run_tfdist
+from tfdist.cli import _COMMANDS
 from tfdist.config import Config, from_dict
+
+# The console script a user runs (absl took its wrapper for the main module and showed no help).
+TFDIST = os.path.join(os.path.dirname(sys.executable), "tfdist")
 
 
 def test_config_prints_resolved_yaml():
@@ -35,6 +43,12 @@ def test_config_prints_resolved_yaml():
         (["bench", "nope"], "`bench` takes one benchmark name"),
         (["frobnicate"], "the command must be one of train, config, bench"),
         (["config", "extra"], "`config` takes no arguments"),
+        (["launch", "--workers", "two"], "flag --workers=two: invalid literal for int()"),
+        (["k8s", "--flavor", "tfjobs"], "flag --flavor=tfjobs: value should be one of <jobs|jobset|tfjob>"),
+        (["train", "--nope"], "Unknown command line flag 'nope'"),
+        (["config", "--workers", "2", "--image", "foo"], "`config` does not take --image, --workers; its flags are"),
+        (["train", "--tasks", "2"], "`train` does not take --tasks"),
+        (["slurm", "--tasks", "2", "--verbosity", "1"], "`slurm` does not take --verbosity"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -54,3 +68,31 @@ def test_yaml_tag_in_file_is_refused(tmp_path):
     assert proc.returncode == 2
     assert "may not use YAML tags" in proc.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["help"]])
+def test_help_lists_the_commands(args):
+    proc = subprocess.run([TFDIST, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    for name in _COMMANDS:
+        assert f"\n  {name} " in proc.stdout
+
+
+@pytest.mark.parametrize("command", list(_COMMANDS))
+@pytest.mark.parametrize("help_flag", ["--help", "-h"])
+def test_each_commands_help_lists_its_own_flags_and_no_others(command, help_flag):
+    proc = subprocess.run([TFDIST, command, help_flag], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    listed = [line.split(":")[0].strip() for line in proc.stdout.splitlines() if line.startswith("  --")]
+    assert listed == [f"--{holder.name}" for holder in _COMMANDS[command].flags]
+    assert all(len(line.split(": ", 1)[1]) > 10 for line in proc.stdout.splitlines() if line.startswith("  --"))
+    assert "logtostderr" not in proc.stdout and "verbosity" not in proc.stdout
+
+
+def test_a_tf_config_task_outside_its_cluster_is_one_line():
+    tf_config = '{"cluster": {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"]}, "task": {"type": "worker", "index": 2}}'
+    proc = run_tfdist("train", "--set", "strategy.kind=multi_worker_mirrored", env={"TF_CONFIG": tf_config})
+    assert proc.returncode == 2, proc.stderr
+    # Nothing else: TensorFlow's start-up lines ("oneDNN custom operations are on") are not passed on.
+    assert proc.stderr.strip().splitlines() == [
+        "tfdist: error: `TF_CONFIG.task.index` must be below the number of worker tasks (2). Received: 2."]

@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ import yaml
 from helpers import ROOT, free_port_block, run_tfdist
 
 from tfdist import k8s
-from tfdist.config import load_config
+from tfdist.config import from_dict, load_config
+from tfdist.launch import MULTI_PROCESS_KINDS
 from tfdist.errors import ConfigError
 from tfdist.k8s_validation import validate
 
@@ -313,3 +315,32 @@ def test_the_mpi_launchers_horovodrun_command_trains_over_an_operator_style_host
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(metrics.read_text())
     assert result["strategy"] == "horovod" and result["num_replicas"] == 2
+
+
+def _user_configs():
+    """Every ```yaml block of the README and every file in configs/: what users start from."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+    files = sorted(os.listdir(os.path.join(ROOT, "configs")))
+    return ([pytest.param(block, id=f"readme{index}") for index, block in enumerate(blocks)]
+            + [pytest.param(open(os.path.join(ROOT, "configs", name)).read(), id=name) for name in files])
+
+
+@pytest.mark.parametrize("text", _user_configs())
+def test_every_user_config_goes_through_config_and_k8s(text, tmp_path):
+    """`tfdist config` prints it and `tfdist k8s` deploys it (a TFRecord block's features once crashed both)."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    printed = run_tfdist("config", "--config", str(path))
+    assert printed.returncode == 0, printed.stderr
+    resolved = load_config(str(path))
+    assert from_dict(yaml.safe_load(printed.stdout)) == resolved
+    # A one-process job goes to Kubernetes as several processes: data parallel across them.
+    kind = resolved.strategy.kind.value
+    spread = {"mirrored": ["strategy.kind=multi_worker_mirrored"], "pipeline": ["strategy.data_parallel=multi_worker"],
+              "tensor_parallel": ["strategy.data_parallel=multi_worker"]}.get(kind, [])
+    assert spread or resolved.strategy.launched_as in MULTI_PROCESS_KINDS
+    objects = _write(tmp_path, str(path), "--workers", "2", sets=spread)
+    for config_map in (o for o in objects if o["kind"] == "ConfigMap"):
+        deployed = from_dict(yaml.safe_load(config_map["data"]["config.yaml"]))
+        assert deployed.data == resolved.data and deployed.model == resolved.model

@@ -30,6 +30,22 @@ def test_the_script_asks_slurm_for_what_the_flags_say():
         assert f"#SBATCH {option}" in lines
     assert lines[-1].startswith("srun --kill-on-bad-exit=1 ") and "--set=cluster.resolver=slurm" in lines[-1]
     assert "--set=train.epochs=3" in lines[-1] and f"--config {ROOT}/configs/parameter_server.yaml" in lines[-1]
+    # Two nodes are not loopback: the script says what to set, and so does a warning.
+    warning = "tfdist refuses addresses off loopback until the job sets cluster.allow_non_loopback=true"
+    assert any(warning in line for line in lines if line.startswith("# "))
+    assert proc.stderr.startswith("tfdist: warning: ") and warning in proc.stderr
+    allowed = run_tfdist("slurm", "--tasks", "4", "--nodes", "2", "--config", "configs/parameter_server.yaml",
+                         "--set", "cluster.allow_non_loopback=true")
+    assert allowed.returncode == 0 and warning not in allowed.stdout + allowed.stderr
+
+
+def test_requeue_makes_the_script_requeue_a_preempted_job():
+    plain = run_tfdist("slurm", "--tasks", "2", "--config", "configs/horovod.yaml").stdout
+    assert "scontrol requeue" not in plain
+    proc = run_tfdist("slurm", "--tasks", "2", "--requeue", "--config", "configs/horovod.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --requeue" in proc.stdout and "#SBATCH --open-mode=append" in proc.stdout
+    assert '[ "${code:-0}" -eq 75 ]' in proc.stdout and 'scontrol requeue "$SLURM_JOB_ID"' in proc.stdout
 
 
 def test_horovod_runs_horovodrun_over_the_jobs_nodes():

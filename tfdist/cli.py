@@ -14,64 +14,54 @@ that loses or never finds a task prints one line and exits 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+from typing import Callable
 
 from absl import app, flags
 from absl import logging as absl_logging
 
 from tfdist.errors import ClusterError, ConfigError
 
+# Each command takes only its own flags (the table at the end); the help strings are shown per command.
 _CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in defaults when omitted.")
-_SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (repeatable).")
-_METRICS_OUT = flags.DEFINE_string("metrics_out", None, "train: write the results as JSON here.")
-_JSON = flags.DEFINE_string("json", None, "bench: write the benchmark's JSON here.")
-_PLOT = flags.DEFINE_string("plot", None, "bench scaling, synthetic: write the speed-up plot (PNG) here.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "bench: timed rounds per variant (median taken).", lower_bound=1)
-_MODEL = flags.DEFINE_string("model", None, "bench synthetic: the model (a model.name, e.g. keras.applications.ResNet50).")
-_IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "bench synthetic: side of the square images (default 64).",
+_SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value, the value in YAML (repeatable).")
+_METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the job's results as JSON here.")
+_JSON = flags.DEFINE_string("json", None, "Write the benchmark's JSON here.")
+_PLOT = flags.DEFINE_string("plot", None, "scaling and synthetic: write the speed-up plot (PNG) here.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per variant (the median is taken).", lower_bound=1)
+_MODEL = flags.DEFINE_string("model", None, "synthetic: the model, a model.name (e.g. keras.applications.ResNet50).")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "synthetic: side of the square images (default 64).",
                                    lower_bound=4)
-_BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "bench synthetic: images per device per step "
+_BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "synthetic: images per device per step "
                                          "(default 32).", lower_bound=1)
-_WORKERS = flags.DEFINE_integer("workers", 1, "launch: worker processes (Horovod: ranks).")
-_PS = flags.DEFINE_integer("ps", 0, "launch: parameter servers (default: parameter_server.num_ps).", lower_bound=0)
-_CHIEF = flags.DEFINE_bool("chief", False, "launch: add a chief task to a multi-worker job.")
-_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 0, "launch: run the job again after a failure, up to this "
-                                     "many times (it resumes from checkpoint.dir).", lower_bound=0)
-_TASKS = flags.DEFINE_integer("tasks", None, "slurm: Slurm tasks (processes) of the job.")
-_NODES = flags.DEFINE_integer("nodes", None, "slurm: nodes (#SBATCH --nodes).")
-_GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "slurm: GPUs per node (#SBATCH --gpus-per-node).")
-_PARTITION = flags.DEFINE_string("partition", None, "slurm: partition (#SBATCH --partition).")
-_TIME = flags.DEFINE_string("time", None, "slurm: time limit (#SBATCH --time).")
-_OVERCOMMIT = flags.DEFINE_bool("overcommit", False, "slurm: more tasks than CPUs on a node (#SBATCH --overcommit).")
-_IMAGE = flags.DEFINE_string("image", None, "k8s: the container image, with tfdist installed.")
-_OUT = flags.DEFINE_string("out", None, "k8s: the directory the manifests are written to.")
-_NAME = flags.DEFINE_string("name", "tfdist", "k8s: the job's name (objects and pod hostnames start with it).")
+_WORKERS = flags.DEFINE_integer("workers", 1, "Worker processes (launch) or pods (k8s); under Horovod, ranks.")
+_PS = flags.DEFINE_integer("ps", 0, "Parameter servers (0: parameter_server.num_ps).", lower_bound=0)
+_CHIEF = flags.DEFINE_bool("chief", False, "Add a chief task to a multi-worker job.")
+_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 0, "Run the job again after a failure, up to this many times "
+                                     "(it resumes from checkpoint.dir); preemptions (exit 75) do not count.",
+                                     lower_bound=0)
+_TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")
+_NODES = flags.DEFINE_integer("nodes", None, "Nodes (#SBATCH --nodes).")
+_GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "GPUs per node (#SBATCH --gpus-per-node).")
+_PARTITION = flags.DEFINE_string("partition", None, "Partition (#SBATCH --partition).")
+_TIME = flags.DEFINE_string("time", None, "Time limit (#SBATCH --time).")
+_OVERCOMMIT = flags.DEFINE_bool("overcommit", False, "More tasks than CPUs on a node (#SBATCH --overcommit).")
+_REQUEUE = flags.DEFINE_bool("requeue", False, "Requeue the job (scontrol requeue) when it is preempted (its "
+                             "tasks exit 75), so it runs again and resumes from checkpoint.dir.")
+_IMAGE = flags.DEFINE_string("image", None, "The container image, with tfdist installed.")
+_OUT = flags.DEFINE_string("out", None, "The directory the manifests are written to; required.")
+_NAME = flags.DEFINE_string("name", "tfdist", "The job's name (objects and pod hostnames start with it).")
 _FLAVOR = flags.DEFINE_enum("flavor", "jobs", ["jobs", "jobset", "tfjob"],
-                            "k8s: Indexed Jobs and a Service, one JobSet, or a Kubeflow TFJob.")
-_GPUS_PER_WORKER = flags.DEFINE_integer("gpus-per-worker", 0, "k8s: nvidia.com/gpu per worker pod.", lower_bound=0)
-_CPU = flags.DEFINE_string("cpu", "2", "k8s: CPU request per pod.")
-_MEMORY = flags.DEFINE_string("memory", "8Gi", "k8s: memory request per pod.")
-_QUEUE = flags.DEFINE_string("queue", None, "k8s: Kueue LocalQueue; the job starts suspended until admitted.")
-_NAMESPACE = flags.DEFINE_string("namespace", None, "k8s: the namespace of every object.")
-_PRIORITY_CLASS = flags.DEFINE_string("priority-class", None, "k8s: the pods' PriorityClass.")
-
-USAGE = """usage: tfdist COMMAND [flags]
-
-commands:
-  train          train the configured model (--config, --set, --metrics_out)
-  config         print the resolved config as YAML (--config, --set)
-  slurm          print an sbatch script for the job (--tasks, --nodes, --gpus-per-node, --partition, --time,
-                 --overcommit, and train's flags): tfdist slurm ... | sbatch
-  launch         run every task of a multi-process job here (--workers, --ps, --chief, --max_restarts, and
-                 train's flags)
-  k8s            write validated Kubernetes manifests for the job (--image, --workers, --ps, --out, --flavor,
-                 --gpus-per-worker, --cpu, --memory, --queue, --namespace, --priority-class, --name)
-  bench NAME     run a benchmark (--json, --config, --set, --repeats; --plot for scaling and synthetic;
-                 --model, --image_size, --batch_per_device for synthetic); NAME is one of:
-                 {benches}
-"""
+                            "Indexed Jobs and a Service, one JobSet, or a Kubeflow TFJob.")
+_GPUS_PER_WORKER = flags.DEFINE_integer("gpus-per-worker", 0, "nvidia.com/gpu per worker pod.", lower_bound=0)
+_CPU = flags.DEFINE_string("cpu", "2", "CPU request per pod.")
+_MEMORY = flags.DEFINE_string("memory", "8Gi", "Memory request per pod.")
+_QUEUE = flags.DEFINE_string("queue", None, "Kueue LocalQueue; the job starts suspended until admitted.")
+_NAMESPACE = flags.DEFINE_string("namespace", None, "The namespace of every object.")
+_PRIORITY_CLASS = flags.DEFINE_string("priority-class", None, "The pods' PriorityClass.")
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -156,7 +146,7 @@ def _slurm_command(args) -> None:
         _fail("`slurm` needs --tasks, the number of Slurm tasks (processes).")
     script = slurm.sbatch_script(
         _load(), _train_args(), tasks=_TASKS.value, nodes=_NODES.value, gpus_per_node=_GPUS_PER_NODE.value,
-        partition=_PARTITION.value, time_limit=_TIME.value, overcommit=_OVERCOMMIT.value,
+        partition=_PARTITION.value, time_limit=_TIME.value, overcommit=_OVERCOMMIT.value, requeue=_REQUEUE.value,
     )
     print(script, end="")
 
@@ -185,8 +175,89 @@ def _k8s_command(args) -> None:
     print(f"# valid for Kubernetes {KUBERNETES_VERSION}; run it with: kubectl apply -f {_OUT.value}", file=sys.stderr)
 
 
-_COMMANDS = {"train": _train_command, "config": _config_command, "bench": _bench_command, "launch": _launch_command,
-             "slurm": _slurm_command, "k8s": _k8s_command}
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """One `tfdist` command: what it does, the flags it takes, and its function."""
+
+    summary: str
+    flags: tuple
+    run: Callable[[list[str]], None]
+    positional: str = ""
+
+
+_JOB = (_CONFIG, _SET)
+_COMMANDS = {
+    "train": _Command("train the configured model and print the summary", (*_JOB, _METRICS_OUT), _train_command),
+    "config": _Command("print the resolved config as YAML", _JOB, _config_command),
+    "bench": _Command("run a benchmark and print its one-line summary", (_JSON, *_JOB, _REPEATS, _PLOT, _MODEL,
+                      _IMAGE_SIZE, _BATCH_PER_DEVICE), _bench_command, positional="NAME"),
+    "launch": _Command("run every task of a multi-process job on this machine",
+                       (_WORKERS, _PS, _CHIEF, _MAX_RESTARTS, *_JOB, _METRICS_OUT), _launch_command),
+    "slurm": _Command("print an sbatch script for the job: tfdist slurm ... | sbatch",
+                      (_TASKS, _NODES, _GPUS_PER_NODE, _PARTITION, _TIME, _OVERCOMMIT, _REQUEUE, *_JOB,
+                       _METRICS_OUT), _slurm_command),
+    "k8s": _Command("write validated Kubernetes manifests for the job",
+                    (_IMAGE, _WORKERS, _PS, _OUT, _FLAVOR, _GPUS_PER_WORKER, _CPU, _MEMORY, _QUEUE, _NAMESPACE,
+                     _PRIORITY_CLASS, _NAME, *_JOB, _METRICS_OUT), _k8s_command),
+}
+_HELP = ("-h", "--help", "--helpshort", "--helpfull", "help")
+
+
+def _usage() -> str:
+    lines = ["usage: tfdist COMMAND [flags]", "", "commands:"]
+    lines += [f"  {name:<8} {command.summary}" for name, command in _COMMANDS.items()]
+    lines += ["", "`tfdist COMMAND --help` lists a command's flags."]
+    return "\n".join(lines)
+
+
+def _command_help(name: str) -> str:
+    command = _COMMANDS[name]
+    lines = [f"usage: tfdist {name} {command.positional + ' ' if command.positional else ''}[flags]", "",
+             command.summary + "."]
+    if name == "bench":
+        from tfdist.bench import BENCHMARKS
+
+        lines.append(f"NAME is one of: {', '.join(BENCHMARKS)}.")
+    lines += ["", "flags:"]
+    for holder in command.flags:
+        default = holder.default
+        if isinstance(default, bool):
+            default = str(default).lower()
+        shown = "" if default in (None, [], "") else f" (default: {default})"
+        # absl appends its own sentences to the help ("repeat this option...", the bounds); ours say it.
+        help_text = flags.FLAGS[holder.name].help.split(";\n")[0]
+        lines.append(f"  --{holder.name}: {help_text}{shown}")
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str]) -> list[str]:
+    """Parses `tfdist COMMAND [flags]`: help, one-line flag errors, only the command's own flags.
+
+    absl's own parser would take the console-script wrapper for the main module
+    (its help shows nothing) and accept every command's flags for every command.
+    """
+    if len(argv) < 2 or argv[1] in _HELP:
+        print(_usage(), file=sys.stdout if len(argv) > 1 else sys.stderr)
+        if len(argv) > 1:
+            sys.exit(0)
+        _fail(f"the command must be one of {', '.join(_COMMANDS)}. Received: nothing")
+    name = argv[1]
+    if name not in _COMMANDS:
+        print(_usage(), file=sys.stderr)
+        _fail(f"the command must be one of {', '.join(_COMMANDS)}. Received: {name}")
+    if any(arg in _HELP[:-1] for arg in argv[2:]):
+        print(_command_help(name))
+        sys.exit(0)
+    try:
+        rest = flags.FLAGS([argv[0], *argv[2:]])
+    except flags.Error as e:
+        _fail(f"{e}. See `tfdist {name} --help`.")
+    taken = {holder.name for holder in _COMMANDS[name].flags}
+    given = sorted({flags.FLAGS[f].name for f in flags.FLAGS if flags.FLAGS[f].present} - taken)
+    if given:
+        _fail(f"`{name}` does not take --{', --'.join(given)}; its flags are --{', --'.join(sorted(taken))} "
+              f"(see `tfdist {name} --help`). Received: --{given[0]}")
+    return [argv[0], name, *rest[1:]]
 
 
 def main(argv: list[str]) -> None:
@@ -194,14 +265,12 @@ def main(argv: list[str]) -> None:
     # collective set-up) would drown the progress bar.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    if len(argv) < 2 or argv[1] not in _COMMANDS:
-        from tfdist.bench import BENCHMARKS
+    if argv[1] in ("train", "bench"):  # the commands that load TensorFlow in this process
+        from tfdist.tf_startup import import_tensorflow
 
-        print(USAGE.format(benches=", ".join(BENCHMARKS)), file=sys.stderr)
-        received = argv[1] if len(argv) > 1 else "nothing"
-        _fail(f"the command must be one of {', '.join(_COMMANDS)}. Received: {received}")
+        import_tensorflow()
     try:
-        _COMMANDS[argv[1]](argv[2:])
+        _COMMANDS[argv[1]].run(argv[2:])
     except ConfigError as e:
         _fail(str(e))
     except ClusterError as e:
@@ -216,7 +285,7 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
-    app.run(main)
+    app.run(main, flags_parser=_parse)
 
 
 if __name__ == "__main__":

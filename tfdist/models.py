@@ -144,9 +144,9 @@ def _with_global_policy(model: keras.Model, name: str) -> keras.Model:
 
 
 def _from_function(reference: str, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
-    from tfdist.user_code import import_function
+    from tfdist.user_code import call_function
 
-    model = import_function(reference, "model.name")(input_shape=input_shape, num_classes=num_classes)
+    model = call_function(reference, "model.name", input_shape=input_shape, num_classes=num_classes)
     if not isinstance(model, keras.Model):
         raise ConfigError("model.name", f"must return a keras.Model; it returned a {type(model).__name__}.",
                           reference)

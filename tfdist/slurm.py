@@ -26,6 +26,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from tfdist.checkpoint_store import EXIT_PREEMPTED
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.config.validation import check_address
 from tfdist.errors import ConfigError
@@ -112,6 +113,7 @@ def sbatch_script(
     partition: Optional[str] = None,
     time_limit: Optional[str] = None,
     overcommit: bool = False,
+    requeue: bool = False,
     workdir: Optional[str] = None,
 ) -> str:
     """The sbatch script that trains `config` with `tasks` tasks.
@@ -122,6 +124,8 @@ def sbatch_script(
       tasks: Slurm tasks (processes); one per GPU on GPU nodes.
       nodes, gpus_per_node, partition, time_limit: the matching #SBATCH options when given.
       overcommit: let more tasks than CPUs share a node (#SBATCH --overcommit).
+      requeue: when the job is preempted (its tasks exit 75 after SIGTERM),
+        `scontrol requeue` it, so it runs again and resumes from checkpoint.dir.
       workdir: where the tasks run (default: the current directory).
 
     Raises:
@@ -140,6 +144,7 @@ def sbatch_script(
     options += [f"--partition={partition}"] if partition else []
     options += [f"--time={time_limit}"] if time_limit else []
     options += ["--overcommit"] if overcommit else []
+    options += ["--requeue", "--open-mode=append"] if requeue else []  # one output file across runs
     train = [sys.executable, "-m", "tfdist.cli", "train", *train_args]
     lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "set -euo pipefail",
              f"cd {shlex.quote(workdir or os.getcwd())}"]
@@ -155,6 +160,23 @@ def sbatch_script(
             shlex.join([horovodrun, "-np", str(tasks), "--gloo"]) + ' -H "$hosts" ' + shlex.join(train),
         ]
     else:
+        if (nodes or 1) > 1 and not config.cluster.allow_non_loopback:
+            lines.insert(2 + len(options), _OFF_LOOPBACK_NOTE)
+            print(f"tfdist: warning: {_OFF_LOOPBACK_NOTE[2:]}", file=sys.stderr)
         srun = ["srun", "--kill-on-bad-exit=1", *train, "--set=cluster.resolver=slurm"]
         lines.append(shlex.join(srun))
+    if requeue:
+        lines[-1] += " || code=$?"
+        lines += [f'if [ "${{code:-0}}" -eq {EXIT_PREEMPTED} ]; then',
+                  '  echo "tfdist: preempted; requeueing job $SLURM_JOB_ID"',
+                  '  scontrol requeue "$SLURM_JOB_ID"',
+                  "fi",
+                  'exit "${code:-0}"']
     return "\n".join(lines) + "\n"
+
+
+_OFF_LOOPBACK_NOTE = (
+    "# Tasks on several nodes talk over the nodes' network, and tf.distribute's gRPC servers have no "
+    "authentication: tfdist refuses addresses off loopback until the job sets "
+    "cluster.allow_non_loopback=true (add --set cluster.allow_non_loopback=true on a network you trust)."
+)

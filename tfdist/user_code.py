@@ -12,13 +12,14 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from typing import Callable
 
 from tfdist.errors import ConfigError
 
-__all__ = ["import_function"]
+__all__ = ["call_function", "import_function"]
 
 
 def import_function(reference: str, key: str) -> Callable:
@@ -39,3 +40,25 @@ def import_function(reference: str, key: str) -> Callable:
     if not callable(function):
         raise ConfigError(key, f"names no function of module {module_name} ({module.__file__}).", reference)
     return function
+
+
+def call_function(reference: str, key: str, **kwargs):
+    """Calls the function `MODULE:FUNCTION` names with `kwargs`, after checking that it takes them.
+
+    Raises:
+      ConfigError: it cannot be imported, or cannot be called with these arguments
+        (the message shows the call tfdist makes and the function's signature).
+    """
+    function = import_function(reference, key)
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # some built-ins have none; the call itself will tell
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as e:
+            call = ", ".join(f"{name}=..." for name in kwargs)
+            raise ConfigError(key, f"must name a function tfdist can call as FUNCTION({call}); "
+                                   f"{reference.partition(':')[2]}{signature} cannot be ({e}).", reference) from None
+    return function(**kwargs)

@@ -5,6 +5,7 @@ directory; nothing is downloaded.
 """
 
 import os
+import pickle
 import textwrap
 
 import keras
@@ -96,6 +97,9 @@ def test_a_function_of_the_users_gives_the_data_and_another_the_model(tmp_path, 
 
         def not_a_model(input_shape, num_classes):
             return "model"
+
+        def other_signature(shape, classes):
+            return small_cnn(shape, classes)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     result = _trained(_config("data.dataset=my_project:digits", "model.name=my_project:small_cnn"))
@@ -104,6 +108,10 @@ def test_a_function_of_the_users_gives_the_data_and_another_the_model(tmp_path, 
         (["data.dataset=my_project:batched"], "data.dataset", "must return unbatched examples"),
         (["model.name=my_project:wrong_width"], "model.name", r"must output one score per class, shape \(batch, 10\)"),
         (["model.name=my_project:not_a_model"], "model.name", "must return a keras.Model; it returned a str"),
+        (["model.name=my_project:other_signature"], "model.name",
+         r"tfdist can call as FUNCTION\(input_shape=..., num_classes=...\); other_signature\(shape, classes\)"),
+        (["model.name=json:dumps"], "model.name", r"FUNCTION\(input_shape=..., num_classes=...\); dumps\(obj, "),
+        (["data.dataset=my_project:small_cnn"], "data.dataset", r"tfdist can call as FUNCTION\(\); small_cnn"),
         (["model.name=my_project:missing"], "model.name", "names no function of module my_project"),
         (["data.dataset=no_such_module:digits"], "data.dataset", "names a module that cannot be imported"),
     ]
@@ -168,6 +176,11 @@ def test_records_that_do_not_fit_the_feature_spec_and_arrays_of_the_wrong_form(t
     np.savez(tmp_path / "no_y.npz", x=x)
     with pytest.raises(ConfigError, match="must hold arrays x and y .* it holds x"):
         training.prepare(_config(f"data.dataset=npz:{tmp_path / 'no_y.npz'}"))
+    for name, write in [("pickled.npz", lambda path: path.write_bytes(pickle.dumps({"x": x}))),
+                        ("one_array.npz", lambda path: np.save(open(path, "wb"), x))]:
+        write(tmp_path / name)
+        with pytest.raises(ConfigError, match="must name a .npz archive, as numpy.savez or savez_compressed writes"):
+            training.prepare(_config(f"data.dataset=npz:{tmp_path / name}"))
     np.savez(tmp_path / "float_y.npz", x=x, y=y.astype(np.float32))
     with pytest.raises(ConfigError, match="must hold y as one integer class per row of x"):
         training.prepare(_config(f"data.dataset=npz:{tmp_path / 'float_y.npz'}"))

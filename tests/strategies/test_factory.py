@@ -122,6 +122,14 @@ def test_tf_config_is_used_and_checked(monkeypatch):
     with pytest.raises(ConfigError, match=r"^`TF_CONFIG.cluster.worker\[1\]` must be a loopback address"):
         cluster_resolver(load_config(None, [kind]))
 
+    cluster["cluster"]["worker"][1] = "localhost:2002"
+    for task, message in [({"type": "worker", "index": 2}, r"^`TF_CONFIG.task.index` must be below the number of "
+                                                             r"worker tasks \(2\)\. Received: 2\."),
+                          ({"type": "ps", "index": 0}, r"^`TF_CONFIG.task.type` must be a job of TF_CONFIG.cluster")]:
+        monkeypatch.setenv("TF_CONFIG", json.dumps({**cluster, "task": task}))
+        with pytest.raises(ConfigError, match=message):
+            cluster_resolver(load_config(None, [kind]))
+
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with pytest.raises(ConfigError, match=r"^`TF_CONFIG` must be JSON"):
         cluster_resolver(load_config(None, [kind]))

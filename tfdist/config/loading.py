@@ -142,17 +142,17 @@ def from_dict(raw: Mapping[str, Any]) -> schema.Config:
 
 def to_dict(config) -> dict:
     """Plain data (enums as their values, tuples as lists) for YAML or JSON."""
-    out = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if dataclasses.is_dataclass(value):
-            value = to_dict(value)
-        elif isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[field.name] = value
-    return out
+    return {field.name: _plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _join(prefix: str, name: str) -> str:

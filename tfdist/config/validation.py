@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 from tfdist.config.schema import (
     AllReduce,
@@ -369,21 +370,28 @@ def check_address(address: str, key: str, allow_non_loopback: bool) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(key, "must be host:port with a port from 1 to 65535.", address)
-    if allow_non_loopback:
+    if allow_non_loopback or _resolves_to_loopback_only(host.strip("[]")):
         return
-    if host != "localhost":
-        try:
-            loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ConfigError(
-                key,
-                "must be a loopback address (127.0.0.1, localhost): tf.distribute's gRPC "
-                "servers have no authentication. Set cluster.allow_non_loopback: true "
-                "to use a trusted network.",
-                address,
-            )
+    raise ConfigError(
+        key,
+        "must be a loopback address (127.0.0.1, localhost, or a host name that resolves only to "
+        "loopback): tf.distribute's gRPC servers have no authentication. Set "
+        "cluster.allow_non_loopback: true to use a trusted network.",
+        address,
+    )
+
+
+def _resolves_to_loopback_only(host: str) -> bool:
+    """An IP on loopback, or a name (a one-node cluster's `hostname`) every address of which is."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def check_devices(config: Config, *, gpus: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from typing import Optional
 
 import numpy as np
@@ -170,6 +171,9 @@ def _npz(path: str, config: DataConfig, seed: int, key: str, *, split: bool) -> 
     """Arrays `x` and `y` (and `x_val`, `y_val`) of an .npz file; classes counted from the labels."""
     if not os.path.isfile(path):
         raise ConfigError(key, "must name an existing .npz file after `npz:`.", f"npz:{path}")
+    if not zipfile.is_zipfile(path):  # else numpy tries .npy, then pickle, and blames allow_pickle
+        raise ConfigError(key, "must name a .npz archive, as numpy.savez or savez_compressed writes (a zip of "
+                               ".npy arrays); this file is not one.", f"npz:{path}")
     try:
         with np.load(path, allow_pickle=False) as arrays:
             arrays = dict(arrays)
@@ -196,9 +200,9 @@ def _npz(path: str, config: DataConfig, seed: int, key: str, *, split: bool) -> 
 
 def _from_function(reference: str, key: str, config: DataConfig) -> Source:
     """`FUNCTION()` returns the training dataset, or (training, validation), of unbatched (x, y)."""
-    from tfdist.user_code import import_function
+    from tfdist.user_code import call_function
 
-    returned = import_function(reference, key)()
+    returned = call_function(reference, key)
     datasets = returned if isinstance(returned, (tuple, list)) else (returned,)
     if not 1 <= len(datasets) <= 2 or not all(isinstance(d, tf.data.Dataset) for d in datasets):
         raise ConfigError(key, "must return a tf.data.Dataset, or a pair of them (training, validation); it "

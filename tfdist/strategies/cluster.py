@@ -48,8 +48,7 @@ def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterRe
             tf.train.ClusterSpec(jobs), task_type=c.task_type.value, task_id=c.task_index, rpc_layer="grpc"
         )
     if tf_config:
-        for key, address in _tf_config_addresses(tf_config):
-            check_address(address, key, c.allow_non_loopback)
+        _check_tf_config(tf_config, c.allow_non_loopback)
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
@@ -69,15 +68,25 @@ def listening_as(resolver: tf.distribute.cluster_resolver.ClusterResolver):
         ) from None
 
 
-def _tf_config_addresses(text: str) -> list[tuple[str, str]]:
+def _check_tf_config(text: str, allow_non_loopback: bool) -> None:
+    """TF_CONFIG's addresses, and its task, checked as the config's `cluster` section's are."""
     try:
-        cluster = json.loads(text).get("cluster", {})
-        return [
-            (f"TF_CONFIG.cluster.{job}[{i}]", address)
-            for job, addresses in cluster.items()
-            for i, address in enumerate(addresses)
-        ]
+        parsed = json.loads(text)
+        cluster, task = parsed.get("cluster", {}), parsed.get("task", {})
+        addresses = [(f"TF_CONFIG.cluster.{job}[{i}]", address)
+                     for job, listed in cluster.items() for i, address in enumerate(listed)]
+        task_type, task_index = task.get("type"), task.get("index", 0)
     except (ValueError, AttributeError, TypeError):
         raise ConfigError(
             "TF_CONFIG", 'must be JSON like {"cluster": {"worker": [...]}, "task": {...}}.', text
         ) from None
+    for key, address in addresses:
+        check_address(address, key, allow_non_loopback)
+    if task_type is None:
+        return  # TensorFlow's default: a process outside the cluster (or a single task)
+    if task_type not in cluster:
+        raise ConfigError("TF_CONFIG.task.type", f"must be a job of TF_CONFIG.cluster ({', '.join(cluster)}).",
+                          task_type)
+    if not isinstance(task_index, int) or not 0 <= task_index < len(cluster[task_type]):
+        raise ConfigError("TF_CONFIG.task.index", f"must be below the number of {task_type} tasks "
+                                                  f"({len(cluster[task_type])}).", task_index)
