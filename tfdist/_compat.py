@@ -12,7 +12,9 @@ the installed versions are outside them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import threading
 import warnings
 import weakref
 from typing import Mapping, Optional
@@ -24,6 +26,7 @@ __all__ = [
     "check_versions",
     "configure_coordination_service",
     "forget_step_functions",
+    "gradient_weight",
     "graph_nodes",
     "horovod",
     "install_clipping_after_all_reduce",
@@ -128,7 +131,7 @@ def loss_tracker(model):
 
 
 _STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
-_TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result",)
+_TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result", "_maybe_symbolic_build")
 _ORIGINAL_TRAINER_METHODS: dict = {}
 
 
@@ -146,7 +149,12 @@ def install_trainer_hooks() -> None:
     has `on_step_group(first, last, steps_per_epoch)` hears, before each call
     of the train function, which of the epoch's steps that call is for: Keras
     passes it only the iterator, and a last group of `steps_per_execution` may
-    be short. Everything else keeps Keras's own methods. Idempotent.
+    be short. Before its first step, Keras builds the model from the first
+    batch averaged over the replicas, which fails when that batch does not
+    divide over them (3 validation examples on 2 replicas: "AddN must have the
+    same size and shape", keras-team/keras#19246); the build here takes the
+    first replica's part, which has the shapes it needs. Everything else keeps
+    Keras's own methods. Idempotent.
     """
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
 
@@ -185,6 +193,17 @@ def install_trainer_hooks() -> None:
             return hooks["metrics_result"]()
         return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
 
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        import tensorflow as tf
+
+        if iterator is not None and self._distribute_strategy is not None:
+            for _, _, batches in iterator:  # as Keras does: the first batch
+                local = self._distribute_strategy.experimental_local_results
+                data_batch = tf.nest.map_structure(
+                    lambda v: local(v)[0] if isinstance(v, tf.distribute.DistributedValues) else v, next(batches))
+                break
+        return _ORIGINAL_TRAINER_METHODS["_maybe_symbolic_build"](self, data_batch=data_batch)
+
     next_group = TFEpochIterator.__next__
     init = TFEpochIterator.__init__
     get_iterator = TFEpochIterator._get_iterator
@@ -216,6 +235,7 @@ def install_trainer_hooks() -> None:
     for name in _STEP_FUNCTION_MAKERS:
         setattr(TensorFlowTrainer, name, step_function_maker(name))
     TensorFlowTrainer.get_metrics_result = get_metrics_result
+    TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
     TFEpochIterator.__init__ = init_recorded
     TFEpochIterator._get_iterator = get_iterator_resumed
     TFEpochIterator.__next__ = next_group_told
@@ -367,6 +387,9 @@ def install_clipping_after_all_reduce() -> None:
     keras_clip = BaseOptimizer._clip_gradients
 
     def _clip_gradients(self, grads):
+        weight = getattr(_GRADIENT_WEIGHT, "value", None)
+        if weight is not None:
+            grads = [_scaled(g, weight) for g in grads]
         context = tf.distribute.get_replica_context()
         clipping = self.clipnorm or self.global_clipnorm or self.clipvalue
         if (
@@ -386,6 +409,38 @@ def install_clipping_after_all_reduce() -> None:
 
     BaseOptimizer._clip_gradients = _clip_gradients
     BaseOptimizer._tfdist_clips_after_all_reduce = True
+
+
+# Set per replica (MirroredStrategy traces each replica in a thread of its own).
+_GRADIENT_WEIGHT = threading.local()
+
+
+@contextlib.contextmanager
+def gradient_weight(weight):
+    """Within it, this replica's optimizer multiplies its gradients by `weight` before
+    they are all-reduced (and clipped). Needs `install_clipping_after_all_reduce`.
+
+    Keras scales each replica's loss by 1 / replicas, which is right only when
+    every replica holds as many examples; there is no hook between the gradient
+    and its all-reduce but the optimizer's `_clip_gradients`.
+    """
+    previous = getattr(_GRADIENT_WEIGHT, "value", None)
+    _GRADIENT_WEIGHT.value = weight
+    try:
+        yield
+    finally:
+        _GRADIENT_WEIGHT.value = previous
+
+
+def _scaled(gradient, weight):
+    import tensorflow as tf
+
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(weight, gradient.values.dtype), gradient.indices,
+                                gradient.dense_shape)
+    return gradient * tf.cast(weight, gradient.dtype)
 
 
 def install_atomic_parameter_server_updates() -> None:

@@ -24,6 +24,7 @@ import keras
 from tfdist import _compat
 from tfdist.config.schema import AllReduce, Config
 from tfdist.errors import ConfigError
+from tfdist.strategies.batch_share import weighted_by_batch_share
 
 __all__ = ["MirroredStrategy", "multi_step_hooks", "make_mirrored", "make_one_device", "make_tpu"]
 
@@ -98,8 +99,9 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
     reduction (`packed_logs_step`).
     """
     steps = model.steps_per_execution
-    one_step = packed_logs_step(strategy, model) if pack_logs else (
-        lambda data: _compat.keras_reduce_per_replica(strategy.run(model.train_step, args=(data,)), strategy))
+    train_step = weighted_by_batch_share(model.train_step)
+    one_step = packed_logs_step(strategy, model, train_step) if pack_logs else (
+        lambda data: _compat.keras_reduce_per_replica(strategy.run(train_step, args=(data,)), strategy))
     one_step_function = tf.function(one_step, reduce_retracing=True)
 
     @tf.function
@@ -133,7 +135,7 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
     return train_function
 
 
-def packed_logs_step(strategy: tf.distribute.Strategy, model: keras.Model):
+def packed_logs_step(strategy: tf.distribute.Strategy, model: keras.Model, train_step):
     """A training step whose logs (loss and metrics) are averaged over the replicas in one reduction.
 
     Keras averages each log with its own `strategy.reduce`; across workers each
@@ -145,7 +147,7 @@ def packed_logs_step(strategy: tf.distribute.Strategy, model: keras.Model):
     layout: dict[str, Any] = {}
 
     def replica_step(data):
-        logs = model.train_step(data)
+        logs = train_step(data)
         flat = tf.nest.flatten(logs)
         layout["packed"] = bool(flat) and all(t.shape.rank == 0 and t.dtype.is_floating for t in flat)
         if not layout["packed"]:

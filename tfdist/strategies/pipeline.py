@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from typing import Any, Optional, Sequence, Union
 
@@ -58,6 +59,7 @@ from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
+from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import default_devices, split_cpu
 from tfdist.strategies.process_group import make_process_group
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device
@@ -173,10 +175,11 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         return self._partitions.get(id(model))
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        model = getattr(fn, "__self__", None)
-        step = getattr(fn, "__name__", "")
+        keras_step = inspect.unwrap(fn)  # under batch_share's weighting
+        model = getattr(keras_step, "__self__", None)
+        step = getattr(keras_step, "__name__", "")
         if isinstance(model, keras.Model) and step in ("train_step", "test_step"):
-            if step == "train_step" and getattr(fn, "__func__", None) is not keras.Model.train_step:
+            if step == "train_step" and getattr(keras_step, "__func__", None) is not keras.Model.train_step:
                 raise ValueError(
                     f"PipelineStrategy runs Keras's own training step in stages; model "
                     f"{model.name!r} overrides `train_step`, which cannot be split. Use a "
@@ -184,7 +187,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 )
             partition = self._prepare(model, _static_batch(args[0]) if args else None)
             if step == "train_step":
-                fn = functools.partial(self._train_step, model, partition)
+                pipelined = functools.partial(self._train_step, model, partition)
+                fn = weighted_by_batch_share(pipelined) if fn is not keras_step else pipelined
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def local_keras_hooks(self, model: keras.Model) -> dict:
