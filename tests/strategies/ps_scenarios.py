@@ -280,5 +280,30 @@ def _compare(strategy, build, compile_kwargs, fit):
     }
 
 
+def any_dataset_size():
+    """61 training, 3 validation and 5 evaluation examples in batches of 8 (any_size_job.py), against one device.
+
+    One worker runs the steps in order, so everything must match; two run them
+    asynchronously, so only the shapes of what comes back are compared.
+    """
+    from any_size_job import dense, run
+
+    history, weights, evaluation, predictions = run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense)
+    results = {}
+    for workers in (1, 2):
+        with LocalCluster(num_workers=workers, num_ps=1, threads=1) as cluster:
+            ps_history, ps_weights, ps_evaluation, ps_predictions = run(
+                ParameterServerStrategy(cluster.resolver()), dense)
+        results[workers] = {
+            "history_keys": sorted(ps_history), "epochs": sorted({len(v) for v in ps_history.values()}),
+            "history_diff": max(abs(a - b) for key in history for a, b in zip(history[key], ps_history[key])),
+            "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(weights, ps_weights)),
+            "evaluate_diff": float(np.abs(np.array(evaluation) - np.array(ps_evaluation)).max()),
+            "predictions_shape": list(ps_predictions.shape),
+            "predictions_diff": float(np.abs(predictions - ps_predictions).max()),
+        }
+    return results
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()), flush=True)

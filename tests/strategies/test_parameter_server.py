@@ -60,6 +60,16 @@ def test_keras_features_match_one_device_with_one_worker_and_run_their_steps_wit
             assert run["iterations"] == run["reference_iterations"], (name, run)  # 44: steps_per_execution too
 
 
+def test_any_dataset_size_matches_one_device_with_one_worker_and_runs_with_two():
+    result = _scenario("any_dataset_size")
+    one, two = result["1"], result["2"]
+    for key in ("history_diff", "weights_diff", "evaluate_diff", "predictions_diff"):
+        assert one[key] <= 1e-5, (key, one)
+    for run in (one, two):
+        assert run["history_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"] and run["epochs"] == [2]
+        assert run["predictions_shape"] == [5, 3]
+
+
 def test_every_epoch_reports_its_training_metrics_and_fewer_batches_than_workers_train():
     result = _scenario("short_epochs_all_report_their_metrics")
     assert len(result["loss"]) == len(result["accuracy"]) == 6
