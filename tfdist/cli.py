@@ -8,8 +8,10 @@
     tfdist slurm --tasks 4 --config configs/parameter_server.yaml | sbatch --wait
     tfdist k8s --image REPO/tfdist:0.1 --workers 2 --config configs/parameter_server.yaml --out k8s/
 
-A bad config prints one line, `tfdist: error: ...`, and exits 2; a cluster
-that loses or never finds a task prints one line and exits 1.
+`tfdist --help` lists the commands, `tfdist COMMAND --help` (or -h) the
+command's own flags. A bad config, a bad flag value or a flag the command does
+not take prints one line, `tfdist: error: ...`, and exits 2; a cluster that
+loses or never finds a task prints one line and exits 1.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from tfdist.loopback import free_loopback_ports
 __all__ = ["MULTI_PROCESS_KINDS", "Task", "cluster_of", "plan", "run"]
 
 STOP_GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
+MAX_PREEMPTIONS = 100  # restarts after preemptions, which --max_restarts does not count
 _POLL_SECONDS = 0.2
 # horovodrun prefixes each rank's output with "[RANK]<stdout>:" and reports a failed rank as
 # "Process RANK exit with status code CODE." (horovod/runner/gloo_run.py).
@@ -141,17 +142,27 @@ def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[
       tasks: the job's tasks.
       max_restarts: run the whole job again after a failure, up to this many
         times (a job with `checkpoint.dir` resumes from its last checkpoint).
-        A stop by SIGINT or SIGTERM is not restarted.
+        A preemption (a task exits 75 after saving) is restarted too, with any
+        max_restarts above 0, and does not use one up (up to MAX_PREEMPTIONS).
+        A stop by SIGINT or SIGTERM of the launcher is not restarted.
       replan: the tasks of a restart (fresh ports), when given.
     """
-    for attempt in range(max_restarts + 1):
+    failures = preemptions = 0
+    while True:
         job = _Job(tasks, out, err)
         code = job.run()
-        if code == 0 or job.signalled is not None or attempt == max_restarts:
+        preempted = code == EXIT_PREEMPTED and preemptions < MAX_PREEMPTIONS
+        if code == 0 or job.signalled is not None or not max_restarts or (
+                not preempted and failures == max_restarts):
             return code
-        job.say(f"restarting the job ({attempt + 1} of {max_restarts}) after: {job.failure}")
+        if preempted:
+            preemptions += 1
+            job.say(f"restarting the job after a preemption ({preemptions}; preemptions do not count as "
+                    f"failures): {job.failure}")
+        else:
+            failures += 1
+            job.say(f"restarting the job ({failures} of {max_restarts}) after: {job.failure}")
         tasks = replan() if replan else tasks
-    return code
 
 
 def exit_code(returncode: int) -> int:
