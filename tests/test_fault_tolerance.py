@@ -103,11 +103,12 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
     assert _digest(tmp_path / "metrics.json") == (uninterrupted, stopped_at)
 
 
-def _launch(directory, metrics, *flags):
+def _launch(directory, metrics, *flags, tmpdir=None):
     args = ["launch", "--workers", "2", *flags, "--set", "train.epochs=2", "--set", "train.verbose=0",
             "--set", "checkpoint.every_steps=5", "--set", f"checkpoint.dir={directory}", "--metrics_out", str(metrics)]
     return subprocess.Popen(tfdist_command(*args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+                            text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                            **({"TMPDIR": str(tmpdir)} if tmpdir else {})})
 
 
 @pytest.mark.timeout(600)
@@ -123,7 +124,9 @@ def test_a_two_process_job_killed_then_preempted_restarts_and_ends_as_if_uninter
     assert whole.returncode == 0, err[-3000:]
     store = CheckpointStore(str(tmp_path / "job"))
     # One restart allowed: the preemption after the kill must not use one up.
-    job = _launch(store.directory, tmp_path / "job.json", "--max_restarts", "1", *flags)
+    scratch = tmp_path / "tmp"  # the tasks' temporary directory
+    scratch.mkdir()
+    job = _launch(store.directory, tmp_path / "job.json", "--max_restarts", "1", *flags, tmpdir=scratch)
     try:
         _wait_for_checkpoint_after(store, 10, job)  # mid-epoch 0 of 22 steps
         os.kill(task_pid(str(tmp_path / "job.json"), variable, value), signal.SIGKILL)
@@ -140,7 +143,10 @@ def test_a_two_process_job_killed_then_preempted_restarts_and_ends_as_if_uninter
     assert len(restarts) == 2, err[-3000:]
     assert f"1 of 1) after: {task} 1 failed (" in restarts[0] and "SIGKILL" in restarts[0]
     assert "after a preemption (1; preemptions do not count as failures)" in restarts[1]
-    assert "(exit code 75: preempted, its checkpoint saved)" in restarts[1]
+    assert f"{task} 1 preempted (SIGTERM): every task saved the checkpoint and exited 75" in restarts[1]
+    # The killed task's saves (it is not the chief: they were only for the collectives) left nothing behind.
+    left = [str(path) for path in scratch.rglob("*") if "checkpoint" in path.name or path.suffix == ".index"]
+    assert not left, left
     preempted_at = int(re.search(r"saved the checkpoint of step (\d+)", err)[1])
     assert _digest(tmp_path / "job.json") == (_digest(tmp_path / "whole.json")[0], preempted_at)
 
@@ -158,3 +164,18 @@ def test_a_parameter_server_job_resumes_from_its_checkpoint(tmp_path):
         result = json.loads((tmp_path / "metrics.json").read_text())
         assert result["resumed_from_step"] == resumed
     assert CheckpointStore(str(tmp_path / "ckpt")).steps()[0] == 30
+
+
+@pytest.mark.timeout(300)
+def test_rerunning_a_finished_job_says_so_and_keeps_its_results(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    args = ["train", "--set", "train.epochs=1", "--set", "train.steps_per_epoch=5", "--set", "train.verbose=0",
+            "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--metrics_out", str(metrics)]
+    first = subprocess.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    finished = metrics.read_text()
+    assert json.loads(finished)["final"]["loss"] > 0
+    again = subprocess.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "tfdist: nothing to train: the checkpoint in " in again.stdout and "is of step 5" in again.stdout
+    assert metrics.read_text() == finished  # not rewritten with an empty `final` and 0 samples/sec

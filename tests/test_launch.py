@@ -98,24 +98,55 @@ def test_a_horovod_job_runs_horovodrun_for_you(tmp_path):
     assert processes_with(str(metrics)) == []
 
 
-@pytest.mark.parametrize("flags,variable,value,expected", [
-    (["--workers", "2", *MULTI_WORKER], "TF_CONFIG", '"index": 1', "worker 1 failed (killed by SIGKILL)"),
-    pytest.param(["--workers", "2", "--config", "configs/horovod.yaml"], "HOROVOD_RANK", "1",
-                 "rank 1 failed (exit code 137, SIGKILL)", marks=pytest.mark.horovod),
+HOROVOD = ["--config", "configs/horovod.yaml"]
+_SIGKILL, _SIGSTOP, _SIGTERM = signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM
+
+
+def _case(name, flags, variable, value, fault, expected, code, within, horovod=False, checkpoints=True):
+    return pytest.param(flags, variable, value, fault, expected, code, within, checkpoints, id=name,
+                        marks=[pytest.mark.horovod] if horovod else [])
+
+
+@pytest.mark.parametrize("flags,variable,value,fault,expected,code,within,checkpoints", [
+    # A killed worker's peer is stopped at once (it cannot finish a collective), not after 10 s of grace.
+    _case("multi_worker-killed", MULTI_WORKER, "TF_CONFIG", '"index": 1', _SIGKILL,
+          "worker 1 failed (killed by SIGKILL)", 137, 8),
+    _case("horovod-killed", HOROVOD, "HOROVOD_RANK", "1", _SIGKILL, "rank 1 failed (exit code 137, SIGKILL)", 137, 60,
+          horovod=True),
+    # A stopped task is named, not the peer that timed out waiting for it.
+    _case("multi_worker-stopped", MULTI_WORKER, "TF_CONFIG", '"index": 1', _SIGSTOP, "worker 1 ", None, 45),
+    _case("horovod-stopped", HOROVOD, "HOROVOD_RANK", "1", _SIGSTOP, "rank 1 ", None, 45, horovod=True),
+    # A preempted task is named, not the first to exit 75 after it.
+    _case("multi_worker-preempted", MULTI_WORKER, "TF_CONFIG", '"index": 1', _SIGTERM,
+          "worker 1 preempted (SIGTERM): every task saved the checkpoint and exited 75", 75, 60),
+    _case("horovod-preempted", HOROVOD, "HOROVOD_RANK", "1", _SIGTERM,
+          "rank 1 preempted (SIGTERM): every task saved the checkpoint and exited 75", 75, 60, horovod=True),
+    # Without checkpoint.dir a SIGTERM still stops the job (TensorFlow's notifier swallowed it: the task trained on).
+    _case("multi_worker-terminated", MULTI_WORKER, "TF_CONFIG", '"index": 1', _SIGTERM,
+          "worker 1 stopped by SIGTERM: every task stopped at the same step and exited 143", 143, 60,
+          checkpoints=False),
 ])
-def test_the_first_task_that_fails_ends_the_job_with_one_line_naming_it(tmp_path, flags, variable, value, expected):
+def test_the_task_that_failed_stalled_or_was_preempted_is_named_in_one_line(
+        tmp_path, flags, variable, value, fault, expected, code, within, checkpoints):
     metrics = tmp_path / "metrics.json"
-    proc = _launch(metrics, *flags, "--set", "train.epochs=100", "--set", "train.verbose=2")
+    checkpoint_dir = ["--set", f"checkpoint.dir={tmp_path / 'checkpoints'}"] * checkpoints
+    proc = _launch(metrics, "--workers", "2", *flags, "--set", "train.epochs=100", "--set", "train.verbose=2",
+                   *checkpoint_dir)
     try:
         _wait_for(proc, "Epoch 3/")
-        os.kill(task_pid(str(metrics), variable, value), signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(task_pid(str(metrics), variable, value), fault)
+        faulted = time.monotonic()
         out, err = _finish(proc, timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 137 and time.monotonic() - killed < 60, err[-3000:]
+    elapsed = time.monotonic() - faulted
     lines = err.strip().splitlines()
     assert lines[-1].startswith("tfdist launch: error: " + expected), err[-3000:]
+    if fault == _SIGSTOP:
+        assert "SIGSTOP" in lines[-1] and proc.returncode != 0, lines[-1]
+    else:
+        assert proc.returncode == code, err[-3000:]
+    assert elapsed < within, (elapsed, err[-3000:])
     assert "Traceback" not in err  # not horovodrun's, not a task's
     assert processes_with(str(metrics)) == []
 
@@ -131,7 +162,7 @@ def test_sigterm_to_the_launcher_reaches_every_task(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM
-    assert err.strip().splitlines()[-1] == "tfdist launch: stopped by SIGTERM; stopping every task"
+    assert err.strip().splitlines()[-1] == "tfdist launch: stopped by SIGTERM; stopped every task"
     assert processes_with(str(metrics)) == []
 
 

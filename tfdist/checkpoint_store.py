@@ -19,8 +19,11 @@ import shutil
 import warnings
 from typing import Any, Callable, Optional
 
-__all__ = ["CheckpointMismatch", "CheckpointStore", "EXIT_PREEMPTED"]
+__all__ = ["CheckpointMismatch", "CheckpointStore", "EXIT_PREEMPTED", "EXIT_TERMINATED", "SIGTERM_RECEIVED"]
 
+# The line a process prints when a scheduler's SIGTERM reaches it (the launcher names those tasks).
+SIGTERM_RECEIVED = "tfdist: SIGTERM received"
+EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM without a checkpoint to resume from
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped by SIGTERM after saving; run the job again to resume
 
 _NAME = re.compile(r"step-(\d{12})")

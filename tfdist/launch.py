@@ -31,7 +31,8 @@ import threading
 import time
 from typing import Callable, Optional, TextIO
 
-from tfdist.checkpoint_store import EXIT_PREEMPTED
+from tfdist import process_tree
+from tfdist.checkpoint_store import EXIT_PREEMPTED, EXIT_TERMINATED, SIGTERM_RECEIVED
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 from tfdist.loopback import free_loopback_ports
@@ -39,6 +40,11 @@ from tfdist.loopback import free_loopback_ports
 __all__ = ["MULTI_PROCESS_KINDS", "Task", "cluster_of", "plan", "run"]
 
 STOP_GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
+# Once a task has failed, the others' collectives cannot finish: they get this long, then SIGKILL
+# (a survivor blocked in a collective does not run Python's SIGTERM handler until it returns).
+# horovodrun keeps STOP_GRACE_SECONDS: it stops its ranks itself.
+FAILED_JOB_GRACE_SECONDS = 2
+STALLED_SECONDS = 20  # a task stopped (SIGSTOP) this long ends the job, naming it
 MAX_PREEMPTIONS = 100  # restarts after preemptions, which --max_restarts does not count
 _POLL_SECONDS = 0.2
 # horovodrun prefixes each rank's output with "[RANK]<stdout>:" and reports a failed rank as
@@ -182,6 +188,8 @@ class _Job:
         self.mid_line = False  # the last output ended without a newline (a progress bar)
         self.exits: queue.Queue = queue.Queue()  # (task, return code), as each task exits
         self.failure: Optional[str] = None  # what failed, as the one line says it
+        self.preempted: list[str] = []  # the tasks that said they got SIGTERM
+        self.stopped_since: dict[str, float] = {}  # task -> when it was first seen stopped (SIGSTOP)
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -217,26 +225,73 @@ class _Job:
         unfinished = {task.name for task in self.tasks if task.finishes}
         while unfinished:
             if self.signalled is not None:
-                self.say(f"stopped by {signal.Signals(self.signalled).name}; stopping every task")
+                self._stop()  # first, so that the tasks' last lines come before this one
+                self.say(f"stopped by {signal.Signals(self.signalled).name}; stopped every task")
                 return 128 + self.signalled
             try:
                 task, code = self.exits.get(timeout=_POLL_SECONDS)
             except queue.Empty:
+                stalled = self._stalled()
+                if stalled:
+                    self._stop(grace=FAILED_JOB_GRACE_SECONDS)
+                    self.failure = f"{stalled} has been stopped (SIGSTOP) for {STALLED_SECONDS} s, which stalls " \
+                                   "the job; stopped every task"
+                    self.say(f"error: {self.failure}")
+                    return 1
                 continue
             if code:
-                self._stop()  # the others, and the output still in the pipes, before the one line
-                self.failure, code = self._failure(task, code)
+                stopped = self._stopped_tasks()  # before the others are stopped too
+                self._stop(grace=FAILED_JOB_GRACE_SECONDS)  # and the output still in the pipes, before the one line
+                self.failure, code = self._failure(task, code, stopped)
                 self.say(f"error: {self.failure}")
                 return exit_code(code)
             unfinished.discard(task.name)
         return 0
 
-    def _failure(self, task: Task, code: int) -> tuple[str, int]:
-        """The one line for a failed task, and the exit code to end with (the failed rank's, under Horovod)."""
+    def _failure(self, task: Task, code: int, stopped: list[str]) -> tuple[str, int]:
+        """The one line for a failed task, and the exit code to end with (the failed rank's, under Horovod).
+
+        A task that is stopped (SIGSTOP) is named first: the one that failed was waiting for it. A
+        preemption names the tasks that got SIGTERM, not the first to exit 75 after them.
+        """
+        name, stop = task.name, "stopped the other tasks"
         if task.role == "horovodrun" and self.horovod_failure:
             rank, code = self.horovod_failure
-            return f"rank {rank} failed ({_describe(code)}); horovodrun stopped the other ranks", code
-        return f"{task.name} failed ({_describe(code)}); stopped the other tasks", code
+            name, stop = f"rank {rank}", "horovodrun stopped the other ranks"
+        if stopped:
+            return f"{' and '.join(stopped)} stopped (SIGSTOP) and stalled the job: {name} failed waiting " \
+                   f"({_describe(code)}); {stop}", code
+        if code == EXIT_PREEMPTED and self.preempted:
+            return f"{' and '.join(self.preempted)} preempted (SIGTERM): every task saved the checkpoint and " \
+                   f"exited {code}; {stop}", code
+        if code == EXIT_TERMINATED and self.preempted:
+            return f"{' and '.join(self.preempted)} stopped by SIGTERM: every task stopped at the same step and " \
+                   f"exited {code} (no checkpoint.dir: nothing saved); {stop}", code
+        return f"{name} failed ({_describe(code)}); {stop}", code
+
+    def _stopped_tasks(self) -> list[str]:
+        """The tasks (under Horovod, the ranks) with a process stopped by a signal."""
+        names = []
+        for task, process in zip(self.tasks, self.processes):
+            if process.poll() is not None:
+                continue
+            for pid in process_tree.descendants(process.pid):
+                if process_tree.is_stopped(pid):
+                    rank = process_tree.horovod_rank(pid) if task.role == "horovodrun" else None
+                    name = task.name if rank is None else f"rank {rank}"
+                    names += [name] * (name not in names)
+        return names
+
+    def _stalled(self) -> Optional[str]:
+        """A task stopped for STALLED_SECONDS, if any (checked about once a second)."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_stall_check", 0.0) < 1.0:
+            return None
+        self._last_stall_check = now
+        stopped = self._stopped_tasks()
+        self.stopped_since = {name: self.stopped_since.get(name, now) for name in stopped}
+        stalled = [name for name, since in self.stopped_since.items() if now - since >= STALLED_SECONDS]
+        return " and ".join(stalled) or None
 
     def say(self, message: str) -> None:
         with self.write_lock:
@@ -248,15 +303,18 @@ class _Job:
     def _on_signal(self, signum, frame) -> None:
         self.signalled = signum
 
-    def _stop(self) -> None:
-        """SIGTERM to every task's process group still running, SIGKILL after the grace period."""
-        live = [p for p in self.processes if p.poll() is None]
-        for process in live:
+    def _stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM to every task's process group still running, SIGKILL after `grace` seconds
+        (horovodrun always gets STOP_GRACE_SECONDS, to stop its ranks)."""
+        live = [(t, p) for t, p in zip(self.tasks, self.processes) if p.poll() is None]
+        for _, process in live:
             _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for process in live:
+            _signal_group(process, signal.SIGCONT)  # a stopped task cannot act on SIGTERM
+        start = time.monotonic()
+        for task, process in live:
+            allowed = STOP_GRACE_SECONDS if task.role == "horovodrun" else grace
             try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=max(0.1, start + allowed - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
@@ -286,6 +344,7 @@ class _Job:
     def _label(self, task: Task, line: str) -> Optional[str]:
         """`line` as shown: prefixed with its task, or None to hold it back."""
         if task.role != "horovodrun":
+            self._note_preemption(task.name, line)
             return f"[{task.name}] {line}"
         # horovodrun starts each segment of a rank's output (up to a newline or carriage return)
         # with its prefix; what precedes the first prefix is horovodrun's own.
@@ -295,8 +354,13 @@ class _Job:
             self.horovod_failure = (int(failure.group(1)), int(failure.group(2)))
         shown = []
         for rank, stream, text in zip(segments[::3], segments[1::3], segments[2::3]):
+            self._note_preemption(f"rank {rank}", text)
             shown.append(text if rank == "0" and stream == "stdout" else f"[rank {rank}] {text}")
         return "".join(shown) or None
+
+    def _note_preemption(self, name: str, line: str) -> None:
+        if line.startswith(SIGTERM_RECEIVED) and name not in self.preempted:
+            self.preempted.append(name)
 
     def _write(self, sink: TextIO, text: str) -> None:
         with self.write_lock:

@@ -23,7 +23,8 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat, data, models, precision
-from tfdist.callbacks import Checkpoint, DeviceMetrics, InputStalls, RestoreOnlyBackup, Throughput, weights_digest
+from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption, RestoreOnlyBackup, Throughput,
+                              weights_digest)
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
@@ -164,11 +165,13 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Ch
         backup = keras.callbacks.BackupAndRestore if chief else RestoreOnlyBackup
         callbacks.append(backup(cfg.backup_dir))
     checkpoint = None
-    if job.config.checkpoint.dir:  # every process resumes; only the chief writes
-        c = job.config.checkpoint
+    c = job.config.checkpoint
+    if c.dir:  # every process resumes; only the chief writes
         checkpoint = Checkpoint(c.dir, every_steps=c.every_steps, every_seconds=c.every_seconds, keep=c.keep,
                                 grace_seconds=c.grace_seconds, write=chief)
         callbacks.append(checkpoint)
+    else:  # a scheduler's SIGTERM still stops the job, in every process at one step
+        callbacks.append(Preemption(grace_seconds=c.grace_seconds))
     return throughput, stalls, checkpoint, callbacks
 
 
@@ -221,6 +224,12 @@ def run(
             raise lost from e
         raise
     chief = is_chief(job.strategy)  # after an elastic reset, rank 0 may be another process
+    if checkpoint is not None and checkpoint.resumed_from_step and not history.history:
+        if chief:  # a rerun of a finished job: its results stand
+            print(f"tfdist: nothing to train: the checkpoint in {checkpoint.store.directory} is of step "
+                  f"{checkpoint.resumed_from_step}, where this job's training ends"
+                  + (f"; {metrics_out} is left as the finished run wrote it" if metrics_out else ""), file=out)
+        return {"resumed_from_step": checkpoint.resumed_from_step, "nothing_to_train": True}
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
         "strategy": config.strategy.kind.value,

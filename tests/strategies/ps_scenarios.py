@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfdist import ClusterError  # noqa: E402
+from tfdist.callbacks import Checkpoint  # noqa: E402
 from tfdist.layers import ShardedEmbedding  # noqa: E402
 from tfdist.strategies.parameter_server import ParameterServerStrategy  # noqa: E402
 from tfdist.strategies.ps_cluster import LocalCluster  # noqa: E402
@@ -92,6 +93,9 @@ def killed_worker_is_restarted():
         kill = _AtBatch(1, 10, lambda: cluster.kill("worker", 1))
         history = model.fit(x, y, batch_size=32, epochs=3, validation_data=(x[:256], y[:256]),
                             verbose=0, callbacks=[kill])
+        deadline = time.monotonic() + 60  # the restart is an event to wait for: on a busy machine
+        while cluster.restarts == 0 and time.monotonic() < deadline:  # training may end before it
+            time.sleep(0.1)
         return {"epochs": len(history.history["loss"]), "restarts": cluster.restarts,
                 "iterations": int(model.optimizer.iterations.numpy()), "steps": 3 * 2048 // 32,
                 "val_accuracy": history.history["val_accuracy"][-1]}
@@ -107,6 +111,24 @@ def killed_ps_is_an_error():
         except ClusterError as error:
             return {"error": str(error), "seconds_after_kill": time.monotonic() - kill.done_at}
         return {"error": None}
+
+
+def ps_lost_before_a_save():
+    """A parameter server killed just before a checkpoint reads its variables: the error that
+    `tfdist train` turns into its one line (strategy.job_error) names the lost server."""
+    x, y = _data(2048)
+    with LocalCluster(num_workers=1, num_ps=1, threads=1) as cluster:
+        model = _model_on(cluster)
+        kill = _AtBatch(0, 9, lambda: cluster.kill("ps", 0))  # then the save at step 10, in the same batch end
+        save = Checkpoint(tempfile.mkdtemp(), every_steps=10)
+        try:
+            model.fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[kill, save])
+        except ClusterError as error:
+            return {"raised": "ClusterError", "error": str(error)}
+        except tf.errors.OpError as error:
+            lost = model.distribute_strategy.job_error(error)
+            return {"raised": type(error).__name__, "error": None if lost is None else str(lost)}
+        return {"raised": None, "error": None}
 
 
 def _token_data(n=512, vocab=300, length=6, classes=4, seed=0):

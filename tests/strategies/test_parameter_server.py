@@ -101,6 +101,12 @@ def test_a_killed_parameter_server_is_a_prompt_clear_error():
 
 
 @pytest.mark.slow
+def test_a_parameter_server_lost_before_a_checkpoint_save_is_the_same_one_line():
+    result = _scenario("ps_lost_before_a_save")
+    assert result["raised"] is not None, result
+    assert (result["error"] or "").startswith("lost a parameter server, ps 0 at 127.0.0.1:"), result
+
+
 def test_config_trains_digits_to_095_from_one_command(tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = run_tfdist(

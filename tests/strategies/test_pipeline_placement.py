@@ -261,3 +261,20 @@ def test_the_partition_printout_gives_each_stages_bytes(capsys):
     stage1 = 4 * (24 * 24 + 24 + 24 * 5 + 5)
     assert f"stage 1 on /cpu:1: hidden2, logits (725 params, holds {stage1:,} bytes of weights and " in out
     assert strategy.stage_memory(model)[1] == {"params": stage1, "optimizer": 2 * stage1}
+
+
+def test_a_stage_of_many_layers_prints_its_first_and_last_and_reports_them_all(capsys):
+    def deep():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((12,)), *(keras.layers.Dense(8, name=f"layer{i}") for i in range(10)),
+                                 keras.layers.Dense(5, name="logits")])
+
+    strategy = PipelineStrategy(2, 4, devices=FOUR[:2], boundaries=["layer5"])
+    model = _build(deep, strategy)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+    out = capsys.readouterr().out
+    assert "stage 0 on /cpu:0: layer0 ... layer4 (5 layers) (" in out
+    assert "stage 1 on /cpu:1: layer5 ... logits (6 layers) (" in out
+    stages = strategy.job_report(model)["pipeline"]["partition"]["stages"]
+    assert [stage["layers"] for stage in stages] == [[f"layer{i}" for i in range(5)],
+                                                     [f"layer{i}" for i in range(5, 10)] + ["logits"]]

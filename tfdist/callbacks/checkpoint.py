@@ -21,21 +21,19 @@ tf.data, before the strategy shards the batches). For a deterministic dataset
 themselves are written by `CheckpointStore`: a kill during a save loses
 nothing.
 
-On SIGTERM (a scheduler's preemption) the current step finishes, a checkpoint
-is saved and the process exits with EXIT_PREEMPTED (75, "temporary failure":
-retry), saying so in one line; if that takes longer than `grace_seconds`, it
-exits with the same code without saving, and the previous checkpoint stands.
+On SIGTERM (a scheduler's preemption; `Preemption`, which this extends) the
+current step finishes, or the epoch's validation, a checkpoint is saved at
+the step every process stops at, and the process exits with EXIT_PREEMPTED
+(75, "temporary failure": retry), saying so in one line; if that takes longer
+than `grace_seconds`, it exits with the same code without saving, and the
+previous checkpoint stands.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import signal
 import sys
-import tempfile
-import threading
 import time
 import warnings
 
@@ -44,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat
+from tfdist.callbacks.preemption import Preemption
 from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
 
 __all__ = ["Checkpoint", "EXIT_PREEMPTED", "weights_digest"]
@@ -57,7 +56,7 @@ def weights_digest(model: keras.Model) -> str:
     return digest.hexdigest()
 
 
-class Checkpoint(keras.callbacks.Callback):
+class Checkpoint(Preemption):
     """Saves the training state atomically and resumes from it exactly, mid-epoch included.
 
     Args:
@@ -70,9 +69,10 @@ class Checkpoint(keras.callbacks.Callback):
       grace_seconds: after SIGTERM, the time allowed to finish the step and save.
       write: whether this process writes the checkpoints (in a multi-process
         job only the chief does, and every process resumes). The others still
-        save, to a scratch directory they delete: reading the metrics (and, in
-        some strategies, variables) of a multi-process job is a collective that
-        every process must join, at the same step.
+        save, into memory (TensorFlow's `ram://` file system) and delete it at
+        once: reading the metrics (and, in some strategies, variables) of a
+        multi-process job is a collective that every process must join, at the
+        same step, and a process killed meanwhile leaves nothing on disk.
 
     Attributes:
       resumed_from_step: the global step this run resumed from (0: a fresh start).
@@ -85,17 +85,14 @@ class Checkpoint(keras.callbacks.Callback):
 
     def __init__(self, directory: str, every_steps: int = 0, every_seconds: float = 0.0, keep: int = 3,
                  grace_seconds: float = 30.0, write: bool = True):
-        super().__init__()
+        super().__init__(grace_seconds)
         if every_steps < 0 or every_seconds < 0:
             raise ValueError(f"every_steps and every_seconds must be >= 0. Received: {every_steps}, {every_seconds}")
         self.store = CheckpointStore(directory, keep=keep)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
-        self.grace_seconds = grace_seconds
         self.write = write
         self.resumed_from_step = 0
-        self.preempted = False
-        self._sigterm = threading.Event()
         _compat.install_trainer_hooks()  # before fit makes its epoch iterator, so it can resume
 
     # What is saved.
@@ -143,23 +140,32 @@ class Checkpoint(keras.callbacks.Callback):
                               "repeat the dataset and pass steps_per_epoch for an exact resume", stacklevel=2)
         self._last_save_time = time.monotonic()
         self._last_saved_step = self._step
-        self._previous_handler, self._deadline = None, None
-        if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm())
+        super().on_train_begin(logs)
 
-    def _on_sigterm(self):
-        if not self._sigterm.is_set():
-            self._sigterm.set()
-            self._deadline = threading.Timer(self.grace_seconds, self._exit_without_saving)
-            self._deadline.daemon = True
-            self._deadline.start()
+    # Preemption: save at the step every process stops at, exit 75 so that the job is run again.
+    exit_code = EXIT_PREEMPTED
+    agree_every_steps = 1
 
-    def _exit_without_saving(self):  # a step stuck (in a collective, say) must not outlive the grace period
+    def _plan(self) -> str:
+        return "saving after this step"
+
+    def _exit_at_deadline(self):
         print(f"tfdist: error: preempted (SIGTERM); the step and checkpoint did not finish within "
               f"checkpoint.grace_seconds={self.grace_seconds:g}; exiting without saving "
               f"(exit {EXIT_PREEMPTED}: run the job again to resume from the last checkpoint)", file=sys.stderr)
         sys.stderr.flush()
         os._exit(EXIT_PREEMPTED)
+
+    def on_preempted(self) -> None:
+        self._save()
+
+    def on_stopped(self) -> None:
+        if self._step != self._last_saved_step:
+            self._save()
+
+    def _exit_line(self) -> str:
+        return (f"tfdist: preempted (SIGTERM): saved the checkpoint of step {self._step} in {self.store.directory}; "
+                f"exiting {EXIT_PREEMPTED} so that the job is run again, and it resumes there")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -172,40 +178,15 @@ class Checkpoint(keras.callbacks.Callback):
         self._step += batch + 1 - self._step_in_epoch  # steps_per_execution steps per call
         self._step_in_epoch = batch + 1
         if self._any_process_preempted():
-            self._save()
-            self.preempted = True
-            self.model.stop_training = True
+            self._stop_here()
         elif (self.every_steps and self._step - self._last_saved_step >= self.every_steps) or (
                 self.every_seconds and time.monotonic() - self._last_save_time >= self.every_seconds):
             self._save()
 
-    def _any_process_preempted(self) -> bool:
-        """Whether any process of the job got SIGTERM. A multi-process strategy (`any_process`) agrees on it
-        every step, so every process saves at the same step: a scheduler may signal only one of them."""
-        agree = getattr(self.model.distribute_strategy, "any_process", None)
-        return agree(self._sigterm.is_set()) if agree else self._sigterm.is_set()
-
     def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)  # a SIGTERM during validation saves and stops here
         if not (self.every_steps or self.every_seconds) and not self.preempted:
             self._save()
-
-    def on_train_end(self, logs=None):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-        if self._deadline is not None:
-            self._deadline.cancel()
-        if self._step != self._last_saved_step:
-            self._save()
-        if getattr(self, "_scratch_store", None) is not None:
-            shutil.rmtree(self._scratch_store.directory, ignore_errors=True)
-            self._scratch_store = None
-        if self.preempted:
-            print(f"tfdist: preempted (SIGTERM): saved the checkpoint of step {self._step} in {self.store.directory}; "
-                  f"exiting {EXIT_PREEMPTED} so that the job is run again, and it resumes there", file=sys.stderr)
-            sys.stderr.flush()
-            sys.exit(EXIT_PREEMPTED)
-        if self._sigterm.is_set():  # it came after the last step: training is done and saved; now obey it
-            os.kill(os.getpid(), signal.SIGTERM)
 
     def _save(self):
         epoch, step_in_epoch = self._epoch, self._step_in_epoch
@@ -213,15 +194,14 @@ class Checkpoint(keras.callbacks.Callback):
             epoch, step_in_epoch = epoch + 1, 0  # the epoch is done: resume at the next one's start
         meta = {"epoch": epoch, "step_in_epoch": step_in_epoch,
                 "iterator_batches": self._iterator._tfdist_batches if step_in_epoch or self._keeps_iterator() else 0}
-        store = self.store if self.write else self._scratch()
-        store.save(self._step, self._state().write, {**meta, **self._shape()})
+        if self.write:
+            self.store.save(self._step, self._state().write, {**meta, **self._shape()})
+        else:
+            scratch = f"ram://tfdist-scratch-{os.getpid()}-{id(self)}"
+            self._state().write(f"{scratch}/checkpoint")
+            tf.io.gfile.rmtree(scratch)
         self._last_save_time = time.monotonic()
         self._last_saved_step = self._step
-
-    def _scratch(self) -> CheckpointStore:
-        if getattr(self, "_scratch_store", None) is None:
-            self._scratch_store = CheckpointStore(tempfile.mkdtemp(prefix="tfdist-checkpoint-"), keep=1)
-        return self._scratch_store
 
     def _keeps_iterator(self) -> bool:
         """Whether Keras reads one iterator across epochs (steps_per_epoch given) rather than one per epoch."""

@@ -555,7 +555,8 @@ class CheckpointConfig:
         With neither, a checkpoint is saved at every epoch end.
       keep: how many of the newest checkpoints to keep.
       grace_seconds: after SIGTERM, the time to finish the step, save and exit
-        (exit code 75) before the process exits without saving.
+        (exit code 75) before the process exits without saving. Without `dir`,
+        the time to finish the step before exiting 143.
     """
 
     dir: Optional[str] = None

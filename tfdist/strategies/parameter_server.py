@@ -98,6 +98,11 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         """
         _with_cluster_errors(self._coordinator.join, self.cluster_jobs.get("ps", []))()
 
+    def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
+        """One line for an error outside a step (a checkpoint read the variables of a lost parameter
+        server, say); None when every parameter server still answers."""
+        return _lost_parameter_server(error, self.cluster_jobs.get("ps", []))
+
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The cluster, and where sharded embedding tables went, for the summary and `--metrics_out`."""
         local = " (local processes)" if self.local_cluster else ""
@@ -308,31 +313,38 @@ def _local_predict_function(model: keras.Model):
 
 
 def _with_cluster_errors(function, ps_addresses: list[str]):
-    """`function`, with a lost parameter server turned into a one-line ClusterError.
-
-    The coordinator reports a lost parameter server in several guises (an
-    UnavailableError, a step cancelled or aborted because of it, an error from a
-    worker that could not reach it), so the parameter servers are also probed.
-    """
+    """`function`, with a lost parameter server turned into a one-line ClusterError."""
 
     @functools.wraps(function)
     def wrapped(*args, **kwargs):
         try:
             return function(*args, **kwargs)
         except _COORDINATOR_ERRORS as error:
-            cause = getattr(error, "original_exception", error)  # unwrap ClosureInput/AbortedError
-            message = getattr(cause, "message", None) or str(cause)
-            lost = [f"ps {i} at {a}" for i, a in enumerate(ps_addresses) if not accepts_connections(a)]
-            if lost or isinstance(cause, tf.errors.UnavailableError):
-                where = ", ".join(lost) or "unreachable"
-                raise ClusterError(
-                    f"lost a parameter server, {where} ({error_reason(message)}). The variables it "
-                    "held are gone: restart the cluster and rerun the job; with "
-                    "checkpoint.dir set it resumes from the last checkpoint."
-                ) from error
+            lost = _lost_parameter_server(error, ps_addresses)
+            if lost is not None:
+                raise lost from error
             raise
 
     return wrapped
+
+
+def _lost_parameter_server(error: Exception, ps_addresses: list[str]) -> Optional[ClusterError]:
+    """The one line for `error` if a parameter server is lost; None otherwise.
+
+    The coordinator reports a lost parameter server in several guises (an
+    UnavailableError, a step cancelled or aborted because of it, an error from a
+    worker that could not reach it), so the parameter servers are also probed.
+    """
+    cause = getattr(error, "original_exception", error)  # unwrap ClosureInput/AbortedError
+    message = getattr(cause, "message", None) or str(cause)
+    lost = [f"ps {i} at {a}" for i, a in enumerate(ps_addresses) if not accepts_connections(a)]
+    if not lost and not isinstance(cause, tf.errors.UnavailableError):
+        return None
+    return ClusterError(
+        f"lost a parameter server, {', '.join(lost) or 'unreachable'} ({error_reason(message)}). The variables it "
+        "held are gone: restart the cluster and rerun the job; with checkpoint.dir set it resumes from the last "
+        "checkpoint."
+    )
 
 
 class _CoordinatorLogFilter(logging.Filter):

@@ -284,7 +284,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             where = group.devices[0] if group.size == 1 else f"{', '.join(group.devices)} (tensor parallel)"
             held = memory[stage.index]
             lines.append(
-                f"  stage {stage.index} on {where}: {', '.join(stage.layer_names)} ({stage.num_params:,} params, "
+                f"  stage {stage.index} on {where}: {_layer_span(stage.layer_names)} ({stage.num_params:,} params, "
                 f"holds {_megabytes(held['params'])} of weights and {_megabytes(held['optimizer'])} of "
                 f"optimizer state{'; ' + times if times else ''})"
             )
@@ -378,6 +378,12 @@ class _RegularizerOnDevice:
     def __call__(self, variable):
         with tf.device(self.strategy.local_device(self.device)):
             return self.regularizer(variable)
+
+
+def _layer_span(names: Sequence[str]) -> str:
+    """A stage's layers for the printout: all of a few, else the first and last and how many
+    (MobileNetV2's stages hold about 75 each; `--metrics_out` lists them all)."""
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} layers)"
 
 
 def _megabytes(size: int) -> str:
