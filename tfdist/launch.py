@@ -190,6 +190,7 @@ class _Job:
         self.failure: Optional[str] = None  # what failed, as the one line says it
         self.preempted: list[str] = []  # the tasks that said they got SIGTERM
         self.stopped_since: dict[str, float] = {}  # task -> when it was first seen stopped (SIGSTOP)
+        self.last_stall_check = 0.0
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -285,9 +286,9 @@ class _Job:
     def _stalled(self) -> Optional[str]:
         """A task stopped for STALLED_SECONDS, if any (checked about once a second)."""
         now = time.monotonic()
-        if now - getattr(self, "_last_stall_check", 0.0) < 1.0:
+        if now - self.last_stall_check < 1.0:
             return None
-        self._last_stall_check = now
+        self.last_stall_check = now
         stopped = self._stopped_tasks()
         self.stopped_since = {name: self.stopped_since.get(name, now) for name in stopped}
         stalled = [name for name, since in self.stopped_since.items() if now - since >= STALLED_SECONDS]

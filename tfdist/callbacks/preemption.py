@@ -92,7 +92,7 @@ class Preemption(keras.callbacks.Callback):
 
     def _any_process_preempted(self) -> bool:
         """Whether any process of the job got SIGTERM. A multi-process strategy (`any_process`) agrees on it
-        every step, so every process stops at the same step."""
+        (a collective every process calls at the same step), so every process stops at the same step."""
         agree = getattr(self.model.distribute_strategy, "any_process", None)
         return agree(self._sigterm.is_set()) if agree else self._sigterm.is_set()
 
