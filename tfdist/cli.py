@@ -26,6 +26,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from tfdist.errors import ClusterError, ConfigError
+from tfdist.tf_startup import import_tensorflow, quiet_tensorflow_log
 
 # Each command takes only its own flags (the table at the end); the help strings are shown per command.
 _CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in defaults when omitted.")
@@ -268,8 +269,6 @@ def main(argv: list[str]) -> None:
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)
     if argv[1] in ("train", "bench"):  # the commands that load TensorFlow in this process
-        from tfdist.tf_startup import import_tensorflow
-
         import_tensorflow()
     try:
         _COMMANDS[argv[1]].run(argv[2:])
@@ -286,7 +285,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console-script entry point."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+    quiet_tensorflow_log()
     app.run(main, flags_parser=_parse)
 
 

@@ -15,6 +15,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
 def _start_workers(tmp_path, ports, count, extra=()):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # tfdist's own default, as a user gets it
     workers = ", ".join(f"127.0.0.1:{p}" for p in ports)
     procs = []
     for index in range(count):
@@ -33,7 +35,7 @@ def _start_workers(tmp_path, ports, count, extra=()):
         procs.append(
             subprocess.Popen(
                 args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=env,
             )
         )
     return procs
@@ -118,7 +120,9 @@ def test_a_peer_killed_mid_training_is_an_error_not_a_hang(tmp_path):
         killed = time.monotonic()
         _, err = chief.communicate(timeout=120)
         assert chief.returncode == 1
-        assert "tfdist: error: lost contact with /job:worker/replica:0/task:1 during training" in err
+        # One line: not after 6 lines of gRPC errors, nor TensorFlow's start-up banner.
+        assert err.startswith("tfdist: error: lost contact with /job:worker/replica:0/task:1 during training"), err
+        assert err.count("\n") == 1, err
         assert time.monotonic() - killed < 90
     finally:
         for proc in procs:

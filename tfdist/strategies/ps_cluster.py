@@ -25,6 +25,7 @@ from typing import Optional
 
 from tfdist.errors import ClusterError
 from tfdist.loopback import accepts_connections, free_loopback_ports
+from tfdist.tf_startup import QUIET_LOG_LEVEL
 
 __all__ = ["LocalCluster", "serve"]
 
@@ -129,11 +130,12 @@ class LocalCluster:
 
     def _spawn(self, job: str, index: int) -> None:
         command = [
-            sys.executable, "-c", "import sys, json; from tfdist.strategies.ps_cluster import serve; "
+            sys.executable, "-c", "import sys, json; from tfdist.tf_startup import import_tensorflow; "
+            "import_tensorflow(); from tfdist.strategies.ps_cluster import serve; "
             "serve(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), threads=int(sys.argv[4]))",
             json.dumps(self.cluster_spec), job, str(index), str(self.threads),
         ]
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_LOG_LEVEL)}
         env.pop("TF_CONFIG", None)
         self.processes[(job, index)] = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent
