@@ -2,13 +2,14 @@
 
 import json
 import os
+import signal
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.callbacks import Checkpoint, weights_digest
+from tfdist.callbacks import EXIT_PREEMPTED, Checkpoint, weights_digest
 from tfdist.checkpoint_store import CheckpointMismatch, CheckpointStore
 from tfdist.layers import ColumnParallelDense, RowParallelDense
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
@@ -99,6 +100,47 @@ def test_a_run_resumed_at_an_epoch_boundary_starts_the_next_epoch(tmp_path):
         "step_in_epoch"] == 0
     resumed, checkpoint, history = _fit(strategy, tmp_path / "killed")
     assert checkpoint.resumed_from_step == 12 and len(history.history["loss"]) == 1
+    assert weights_digest(resumed) == weights_digest(whole)
+
+
+class _SigtermDuringValidation(keras.callbacks.Callback):
+    """A scheduler's SIGTERM arriving in the middle of the first epoch's validation; counts what runs after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent, self.train_steps, self.validations = False, 0, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.train_steps += 1
+
+    def on_test_begin(self, logs=None):
+        self.validations += 1
+
+    def on_test_batch_begin(self, batch, logs=None):
+        if batch == 1 and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_validation_saves_at_the_epoch_end_without_another_step_or_validation(tmp_path):
+    strategy = tf.distribute.get_strategy()
+    validation = _data().take(3)
+    whole = _model(strategy)
+    whole.fit(_data(), validation_data=validation, epochs=2, steps_per_epoch=STEPS_PER_EPOCH, verbose=0)
+    model, sigterm = _model(strategy), _SigtermDuringValidation()
+    with pytest.raises(SystemExit) as exited:
+        model.fit(_data(), validation_data=validation, epochs=2, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                  callbacks=[Checkpoint(str(tmp_path), every_steps=4), sigterm])
+    assert exited.value.code == EXIT_PREEMPTED
+    assert (sigterm.train_steps, sigterm.validations) == (STEPS_PER_EPOCH, 1)
+    store = CheckpointStore(str(tmp_path))
+    assert store.steps()[0] == STEPS_PER_EPOCH
+    assert json.load(open(os.path.join(store.path(STEPS_PER_EPOCH), "meta.json")))["step_in_epoch"] == 0
+    resumed = _model(strategy)
+    checkpoint = Checkpoint(str(tmp_path), every_steps=4)
+    resumed.fit(_data(), validation_data=validation, epochs=2, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                callbacks=[checkpoint])
+    assert checkpoint.resumed_from_step == STEPS_PER_EPOCH
     assert weights_digest(resumed) == weights_digest(whole)
 
 
