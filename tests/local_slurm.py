@@ -93,9 +93,32 @@ class LocalSlurm:
 
     def sbatch_wait(self, script, cwd, timeout):
         """Submits `script` with `sbatch --wait`; returns (exit code, the job's output file's text)."""
-        proc = subprocess.run(["sbatch", "--wait", "--parsable"], input=script, text=True, capture_output=True,
-                              env=self.env, cwd=cwd, timeout=timeout)
-        job = proc.stdout.strip().split(";")[0]
-        path = os.path.join(cwd, f"tfdist-{job}.out")
-        output = open(path).read() if job and os.path.exists(path) else proc.stderr
-        return proc.returncode, output
+        proc, job = self.submit(script, cwd)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            proc.kill()
+        path = self.output_path(cwd, job)
+        return proc.returncode, open(path).read() if os.path.exists(path) else proc.stderr.read()
+
+    def submit(self, script, cwd):
+        """(`sbatch --wait` running, the job's id): the process ends when the job does, requeues included."""
+        proc = subprocess.Popen(["sbatch", "--wait", "--parsable"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=self.env, cwd=cwd)
+        proc.stdin.write(script)
+        proc.stdin.close()
+        return proc, proc.stdout.readline().strip().split(";")[0]
+
+    @staticmethod
+    def output_path(cwd, job):
+        return os.path.join(cwd, f"tfdist-{job}.out")
+
+    def state(self, job):
+        """The job's state and reason (`PENDING BeginTime`), or "" once it has left the queue."""
+        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=self.env, capture_output=True,
+                              text=True).stdout.strip()
+
+    def start_now(self, job):
+        """A requeued batch job waits before it may start again (about 2 minutes here): start it now."""
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env, check=True,
+                       capture_output=True)

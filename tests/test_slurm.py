@@ -1,7 +1,11 @@
 """Slurm: roles, the sbatch script, and jobs trained through a real one-node Slurm."""
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import time
 
 import pytest
 
@@ -101,3 +105,41 @@ def test_a_job_trains_digits_through_sbatch(slurm, tmp_path, tasks, flags):
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
     assert output.count("tfdist summary") == 1  # only the chief (or worker 0) reports
+
+
+def _wait_until(condition, what, timeout):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_preempted_job_is_requeued_and_resumes_where_it_stopped(slurm, tmp_path):
+    metrics, checkpoints = tmp_path / "metrics.json", tmp_path / "checkpoints"
+    script = run_tfdist(
+        "slurm", "--tasks", "2", "--requeue", "--config", "configs/default.yaml",
+        "--set", "strategy.kind=multi_worker_mirrored", "--set", f"cluster.port_base={free_port_block(2)}",
+        "--set", "train.epochs=4", "--set", "train.verbose=2", "--set", f"checkpoint.dir={checkpoints}",
+        "--metrics_out", str(metrics)).stdout
+    sbatch, job = slurm.submit(script, cwd=tmp_path)
+    output = slurm.output_path(tmp_path, job)
+    try:
+        _wait_until(lambda: os.path.exists(output) and "Epoch 2/4" in open(output).read(), "epoch 2", 240)
+        # What a scheduler's preemption sends every task of the job first.
+        subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env, check=True)
+        _wait_until(lambda: slurm.state(job) == "PENDING BeginTime", "requeue", 120)
+        slurm.start_now(job)
+        sbatch.wait(timeout=300)
+    finally:
+        sbatch.kill()
+    text = open(output).read()
+    assert sbatch.returncode == 0, text[-4000:] + slurm.log()
+    assert f"tfdist: preempted; requeueing job {job}" in text
+    saved = int(re.search(r"saved the checkpoint of step (\d+)", text).group(1))
+    result = json.loads(metrics.read_text())
+    assert result["resumed_from_step"] == saved > 0
+    assert text.count("Epoch 1/4") == 1 and "Epoch 4/4" in text  # resumed, not started over
+    assert result["final"]["val_accuracy"] >= 0.9
