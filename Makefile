@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export PATH := $(BIN):$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test pytest bazel-test bench clean
+.PHONY: setup demo test pytest bazel-test docs site bench clean
 
 setup: $(STAMPS)/tfdist $(STAMPS)/system $(STAMPS)/horovod
 
@@ -18,7 +18,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
 $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[cpu,monitor,test,k8s]"
+	$(BIN)/pip install --quiet -e ".[cpu,monitor,test,k8s,docs]"
 	mkdir -p $(STAMPS) && touch $@
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that
@@ -42,6 +42,7 @@ demo: setup
 BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
 
 test: setup
+	$(MAKE) site
 	$(MAKE) pytest PYTEST_ARGS="$(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"
 	$(MAKE) bazel-test
 
@@ -50,6 +51,16 @@ pytest:
 
 bazel-test:
 	bazel test --test_output=errors //...
+
+# `make docs` rewrites the config reference from the schema's docstrings (a test fails when the
+# committed one is stale), then builds the site; `make site` only builds it. The build is strict:
+# a broken link, or a page missing from mkdocs.yml, fails it.
+docs: $(STAMPS)/tfdist
+	python tools/config_reference.py
+	$(MAKE) site
+
+site: $(STAMPS)/tfdist
+	mkdocs build --strict --quiet --site-dir .site
 
 bench: setup
 	OMP_NUM_THREADS=1 tfdist bench overhead --json results/overhead.json --repeats 9
@@ -68,4 +79,4 @@ bench: setup
 	    --json results/synthetic.json --plot results/synthetic.png --repeats 5
 
 clean:
-	rm -rf $(VENV) bazel-* .pytest_cache
+	rm -rf $(VENV) bazel-* .pytest_cache .site

@@ -19,6 +19,24 @@ HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 _TENSORFLOW_STARTUP = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} \d\d:\d\d:\d\d)")
 
 
+def doc_pages():
+    """The README and every page of docs/, as paths relative to the repository."""
+    pages = ["README.md"]
+    for directory, _, files in sorted(os.walk(os.path.join(ROOT, "docs"))):
+        pages += sorted(os.path.relpath(os.path.join(directory, f), ROOT) for f in files if f.endswith(".md"))
+    return pages
+
+
+def doc_blocks(language):
+    """(page, index in that page, text) of every ```LANGUAGE block of the README and docs/."""
+    found = []
+    for page in doc_pages():
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            blocks = re.findall(rf"```{language}\n(.*?)```", f.read(), re.S)
+        found += [(page, index, block) for index, block in enumerate(blocks)]
+    return found
+
+
 def user_lines(stderr):
     """The lines of `stderr` a user reads, without TensorFlow's start-up info lines."""
     return [line for line in stderr.strip().splitlines() if not _TENSORFLOW_STARTUP.match(line)]

@@ -3,14 +3,13 @@
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from helpers import ROOT, free_port_block, run_tfdist
+from helpers import ROOT, doc_blocks, free_port_block, run_tfdist
 
 from tfdist import k8s
 from tfdist.config import from_dict, load_config
@@ -280,9 +279,9 @@ def test_the_pods_train_digits_when_run_as_local_processes(tmp_path, config, fla
     assert result["num_replicas"] == 2 or result["strategy"] == "parameter_server"
 
 
-def test_the_readmes_k8s_commands_write_valid_manifests(tmp_path):
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    block = readme.split("### On Kubernetes: `tfdist k8s`")[1].split("```sh\n")[1].split("```")[0]
+def test_the_docs_k8s_commands_write_valid_manifests(tmp_path):
+    page = open(os.path.join(ROOT, "docs", "launching.md")).read()
+    block = page.split("## On Kubernetes: `tfdist k8s`")[1].split("```sh\n")[1].split("```")[0]
     commands = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("tfdist k8s ")]
     assert len(commands) == 3
     for number, command in enumerate(commands):
@@ -318,11 +317,9 @@ def test_the_mpi_launchers_horovodrun_command_trains_over_an_operator_style_host
 
 
 def _user_configs():
-    """Every ```yaml block of the README and every file in configs/: what users start from."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+    """Every ```yaml block of the README and docs/, and every file in configs/: what users start from."""
     files = sorted(os.listdir(os.path.join(ROOT, "configs")))
-    return ([pytest.param(block, id=f"readme{index}") for index, block in enumerate(blocks)]
+    return ([pytest.param(block, id=f"{page}:{index}") for page, index, block in doc_blocks("yaml")]
             + [pytest.param(open(os.path.join(ROOT, "configs", name)).read(), id=name) for name in files])
 
 

@@ -2,7 +2,7 @@
 
 Every result has `benchmark`, the setting it ran in, the `machine` (CPU model,
 cores and the CPU flags that matter, `tfdist.bench.machine`), and a `figures`
-object with the numbers the README table quotes.
+object with the numbers docs/figures.md quotes.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def measure(config: Config, *, repeats: int = 3, max_devices: Optional[int] = No
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The table as Markdown rows (for the README)."""
+    """The table as Markdown rows (for docs/figures.md)."""
     lines = ["| backend | devices | samples/sec | speed-up | efficiency |", "| --- | --- | --- | --- | --- |"]
     for backend, rows in result["table"].items():
         for row in rows:

@@ -132,7 +132,7 @@ def measure(*, model: str, image_size: int = 64, batch_per_device: int = 32, rep
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The table as Markdown rows (for the README)."""
+    """The table as Markdown rows (for docs/figures.md)."""
     lines = ["| job | devices | images/sec | per device | speed-up | efficiency |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in result["table"]:

@@ -1,7 +1,7 @@
-"""Every ```python block of the README runs, as a user would paste it.
+"""Every ```python block of the README and of docs/ runs, as a user would paste it.
 
 Snippets leave two things to the reader, and this is the hook that fills them
-in (the README says so under Tests):
+in (docs/testing.md says so):
 - the model's layers, written `[...]`: a small digits classifier
   (`README_LAYERS`);
 - the data: `x`, `y` (256 digits images, flattened) and `xv`, `yv` (the
@@ -18,13 +18,12 @@ elastic Horovod one under an elastic horovodrun of one slot.
 
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT
+from helpers import HOROVODRUN, ROOT, doc_blocks
 
 README_LAYERS = (
     '[keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]'
@@ -52,11 +51,6 @@ steps = 4
 """
 
 
-def _blocks() -> list[str]:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), re.S)
-
-
 def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
     (tmp_path / "configs").symlink_to(os.path.join(ROOT, "configs"))
     prelude = DATA + ("" if block.lstrip().startswith("import") else FRAGMENT)
@@ -76,19 +70,23 @@ def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
 
 
 def _cases():
-    for index, block in enumerate(_blocks()):
+    seen = set()
+    for page, index, block in doc_blocks("python"):
+        if block in seen:  # the README's quick start is also on its docs page: run it once
+            continue
+        seen.add(block)
         horovod = any(word in block for word in ("HorovodStrategy", 'data_parallel="horovod"', "tfdist.horovod"))
         marks = [pytest.mark.slow] * ("fit(" in block) + [pytest.mark.horovod] * horovod
-        yield pytest.param(index, block, id=f"block{index}", marks=marks)
+        yield pytest.param(page, block, id=f"{page}:{index}", marks=marks)
 
 
-def test_the_readme_has_python_blocks():
-    assert len(_blocks()) >= 8
+def test_the_docs_have_python_blocks():
+    assert len(doc_blocks("python")) >= 8
 
 
 @pytest.mark.timeout(450)
-@pytest.mark.parametrize("index,block", list(_cases()))
-def test_readme_block_runs(index, block, tmp_path):
+@pytest.mark.parametrize("page,block", list(_cases()))
+def test_docs_block_runs(page, block, tmp_path):
     if "ParameterServerStrategy" in block:
         from tfdist.strategies.ps_cluster import LocalCluster
 
@@ -97,7 +95,7 @@ def test_readme_block_runs(index, block, tmp_path):
             proc = _run(block, tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
     else:
         proc = _run(block, tmp_path)
-    assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    assert proc.returncode == 0, f"a block of {page} failed:\n{block}\n{(proc.stdout + proc.stderr)[-3000:]}"
 
 
 def test_every_yaml_block_is_a_valid_config():
@@ -105,8 +103,7 @@ def test_every_yaml_block_is_a_valid_config():
 
     from tfdist.config.loading import from_dict
 
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+    blocks = doc_blocks("yaml")
     assert blocks
-    for block in blocks:
+    for _, _, block in blocks:
         from_dict(yaml.safe_load(block))  # raises ConfigError naming the key
