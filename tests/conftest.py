@@ -12,6 +12,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
 
 LOGICAL_CPUS = 4
+# The scripts tests run as processes, importable by name (a test may share their code).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios"))
 
 
 def pytest_runtest_setup(item):

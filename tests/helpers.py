@@ -10,9 +10,11 @@ import socket
 import subprocess
 import sys
 
-from tfdist.strategies.cluster import free_loopback_ports as free_ports  # noqa: F401
+from tfdist.cluster.loopback import free_loopback_ports as free_ports  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The scripts tests run as processes (and import from): tests/scenarios/NAME.
+SCENARIO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 # What TensorFlow prints at import before its logging starts, whatever TF_CPP_MIN_LOG_LEVEL says
 # (on some CPUs: "oneDNN custom operations are on"): info lines, and the warning that precedes them.

@@ -33,6 +33,7 @@ NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 START_TIMEOUT_SECONDS = 30
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 # The node is named as the usual one-node set-up names it, by its host name, so its tasks' addresses are
 # `HOSTNAME:PORT`; tfdist accepts them where the name resolves only to loopback (it does here, in /etc/hosts).
 NODE = socket.gethostname()
@@ -92,31 +93,41 @@ class LocalSlurm:
         return "\n".join(tails)
 
     def sbatch_wait(self, script, cwd, timeout):
-        """Submits `script` with `sbatch --wait`; returns (exit code, the job's output file's text)."""
-        proc, job = self.submit(script, cwd)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            proc.kill()
+        """Submits `script` and waits for the job; returns (its exit code, its output file's text)."""
+        job = self.submit(script, cwd)
+        code = self.wait(job, timeout)
         path = self.output_path(cwd, job)
-        return proc.returncode, open(path).read() if os.path.exists(path) else proc.stderr.read()
+        return code, open(path).read() if os.path.exists(path) else ""
 
     def submit(self, script, cwd):
-        """(`sbatch --wait` running, the job's id): the process ends when the job does, requeues included."""
-        proc = subprocess.Popen(["sbatch", "--wait", "--parsable"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=self.env, cwd=cwd)
-        proc.stdin.write(script)
-        proc.stdin.close()
-        return proc, proc.stdout.readline().strip().split(";")[0]
+        """Submits `script`; returns the job's id."""
+        proc = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, env=self.env,
+                              cwd=cwd, check=True)
+        return proc.stdout.strip().split(";")[0]
+
+    def wait(self, job, timeout):
+        """The job's exit code once it has ended (a requeued job has not). Polled every half second:
+        `sbatch --wait` polls at growing intervals and returned 15-30 s after a short job ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fields = self._fields(job)
+            if fields.get("JobState") in ENDED:
+                return int(fields["ExitCode"].split(":")[0])
+            time.sleep(0.5)
+        raise TimeoutError(f"Slurm job {job} did not end within {timeout} s: {self.log()}")
+
+    def state(self, job):
+        """The job's state and reason, e.g. `PENDING BeginTime`."""
+        fields = self._fields(job)
+        return f"{fields.get('JobState', '')} {fields.get('Reason', '')}".strip()
+
+    def _fields(self, job):
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=self.env, capture_output=True, text=True)
+        return dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
 
     @staticmethod
     def output_path(cwd, job):
         return os.path.join(cwd, f"tfdist-{job}.out")
-
-    def state(self, job):
-        """The job's state and reason (`PENDING BeginTime`), or "" once it has left the queue."""
-        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=self.env, capture_output=True,
-                              text=True).stdout.strip()
 
     def start_now(self, job):
         """A requeued batch job waits before it may start again (about 2 minutes here): start it now."""

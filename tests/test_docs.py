@@ -88,7 +88,7 @@ def test_the_docs_have_python_blocks():
 @pytest.mark.parametrize("page,block", list(_cases()))
 def test_docs_block_runs(page, block, tmp_path):
     if "ParameterServerStrategy" in block:
-        from tfdist.strategies.ps_cluster import LocalCluster
+        from tfdist.cluster.servers import LocalCluster
 
         with LocalCluster(num_workers=2, num_ps=1) as cluster:
             tf_config = {"cluster": cluster.cluster_spec, "task": {"type": "chief", "index": 0}}

@@ -11,11 +11,12 @@ import yaml
 
 from helpers import ROOT, doc_blocks, free_port_block, run_tfdist
 
-from tfdist import k8s
+from tfdist.cluster import kubernetes
+from tfdist.launch import k8s
 from tfdist.config import from_dict, load_config
-from tfdist.launch import MULTI_PROCESS_KINDS
+from tfdist.cluster.roles import MULTI_PROCESS_KINDS
 from tfdist.errors import ConfigError
-from tfdist.k8s_validation import validate
+from tfdist.launch.k8s_validation import validate
 
 MULTI_WORKER = ("configs/default.yaml", "strategy.kind=multi_worker_mirrored")
 
@@ -184,7 +185,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, flags, message):
 
 
 def test_the_kubernetes_resolver_needs_a_pods_environment(monkeypatch):
-    from tfdist.strategies.cluster import cluster_resolver
+    from tfdist.cluster.resolver import cluster_resolver
 
     monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
     config = load_config(None, ["strategy.kind=multi_worker_mirrored", "cluster.resolver=kubernetes"])
@@ -193,12 +194,12 @@ def test_the_kubernetes_resolver_needs_a_pods_environment(monkeypatch):
 
 
 def test_pod_hostnames_are_off_loopback_unless_the_config_allows_it(monkeypatch):
-    from tfdist.strategies.cluster import cluster_resolver
+    from tfdist.cluster.resolver import cluster_resolver
 
     for name, value in {"JOB_COMPLETION_INDEX": "1", k8s.ROLE_ENV: "worker", k8s.TASKS_ENV: "ps=1,chief=1,worker=2",
                         k8s.HOST_ENV: "job-{role}-{index}.job"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv(k8s.ADDRESSES_ENV, raising=False)
+    monkeypatch.delenv(kubernetes.ADDRESSES_ENV, raising=False)
     overrides = ["strategy.kind=parameter_server", "cluster.resolver=kubernetes", "cluster.port_base=2222"]
     with pytest.raises(ConfigError, match="allow_non_loopback"):
         cluster_resolver(load_config(None, overrides))
@@ -247,7 +248,7 @@ def _run_pods(tmp_path, objects):
         for host, job_name, index, container in pods:
             env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
                    "JOB_COMPLETION_INDEX": str(index), "HOSTNAME": f"{job_name}-{index}",
-                   k8s.ADDRESSES_ENV: json.dumps(addresses), "TF_CPP_MIN_LOG_LEVEL": "2"}
+                   kubernetes.ADDRESSES_ENV: json.dumps(addresses), "TF_CPP_MIN_LOG_LEVEL": "2"}
             command = [sys.executable if part == "python" else part.replace(k8s.CONFIG_DIR, str(config_dir))
                        for part in container["command"]]
             log = open(tmp_path / f"{job_name}-{index}.log", "w")

@@ -15,7 +15,7 @@ from local_slurm import LocalSlurm
 from tfdist.config import load_config
 from tfdist.config.schema import StrategyKind
 from tfdist.errors import ConfigError
-from tfdist.slurm import roles
+from tfdist.cluster.roles import roles
 
 
 def test_roles_follow_the_strategy():
@@ -71,7 +71,7 @@ def test_bad_counts_are_one_line(flags, message):
 
 
 def test_the_slurm_resolver_only_runs_in_a_job_step(monkeypatch):
-    from tfdist.strategies.cluster import cluster_resolver
+    from tfdist.cluster.resolver import cluster_resolver
 
     for variable in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
         monkeypatch.delenv(variable, raising=False)
@@ -124,19 +124,16 @@ def test_a_preempted_job_is_requeued_and_resumes_where_it_stopped(slurm, tmp_pat
         "--set", "strategy.kind=multi_worker_mirrored", "--set", f"cluster.port_base={free_port_block(2)}",
         "--set", "train.epochs=4", "--set", "train.verbose=2", "--set", f"checkpoint.dir={checkpoints}",
         "--metrics_out", str(metrics)).stdout
-    sbatch, job = slurm.submit(script, cwd=tmp_path)
+    job = slurm.submit(script, cwd=tmp_path)
     output = slurm.output_path(tmp_path, job)
-    try:
-        _wait_until(lambda: os.path.exists(output) and "Epoch 2/4" in open(output).read(), "epoch 2", 240)
-        # What a scheduler's preemption sends every task of the job first.
-        subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env, check=True)
-        _wait_until(lambda: slurm.state(job) == "PENDING BeginTime", "requeue", 120)
-        slurm.start_now(job)
-        sbatch.wait(timeout=300)
-    finally:
-        sbatch.kill()
+    _wait_until(lambda: os.path.exists(output) and "Epoch 2/4" in open(output).read(), "epoch 2", 240)
+    # What a scheduler's preemption sends every task of the job first.
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env, check=True)
+    _wait_until(lambda: slurm.state(job) == "PENDING BeginTime", "requeue", 120)
+    slurm.start_now(job)
+    code = slurm.wait(job, timeout=300)
     text = open(output).read()
-    assert sbatch.returncode == 0, text[-4000:] + slurm.log()
+    assert code == 0, text[-4000:] + slurm.log()
     assert f"tfdist: preempted; requeueing job {job}" in text
     saved = int(re.search(r"saved the checkpoint of step (\d+)", text).group(1))
     result = json.loads(metrics.read_text())

@@ -128,7 +128,7 @@ def _train_args() -> list[str]:
 
 
 def _launch_command(args) -> None:
-    from tfdist import launch
+    from tfdist.launch import local as launch
 
     if args:
         _fail(f"`launch` takes no arguments. Received: {' '.join(args)}")
@@ -141,7 +141,7 @@ def _launch_command(args) -> None:
 
 
 def _slurm_command(args) -> None:
-    from tfdist import slurm
+    from tfdist.launch import slurm
 
     if args:
         _fail(f"`slurm` takes no arguments. Received: {' '.join(args)}")
@@ -155,8 +155,8 @@ def _slurm_command(args) -> None:
 
 
 def _k8s_command(args) -> None:
-    from tfdist import k8s
-    from tfdist.k8s_validation import KUBERNETES_VERSION, missing_packages, validate
+    from tfdist.launch import k8s
+    from tfdist.launch.k8s_validation import KUBERNETES_VERSION, missing_packages, validate
 
     if args:
         _fail(f"`k8s` takes no arguments. Received: {' '.join(args)}")

@@ -22,13 +22,14 @@ from typing import Any, Optional, TextIO
 import keras
 import tensorflow as tf
 
-from tfdist import _compat, data, models, precision
+from tfdist import data, models, precision
 from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption, RestoreOnlyBackup, Throughput,
                               weights_digest)
-from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.schema import Config
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies import horovod_elastic, make_strategy, parameter_server
+from tfdist.strategies.base import contract
+from tfdist.strategies.factory import make_strategy, serves_only
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
 
@@ -65,6 +66,7 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         or built, or do not fit each other.
     """
     strategy = strategy or make_strategy(config)
+    answers = contract(strategy)
     train = config.train
     keras.utils.set_random_seed(train.seed)
     source = data.load_source(config.data, seed=train.seed, steps_per_epoch_set=bool(train.steps_per_epoch))
@@ -74,20 +76,18 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         return models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes)
 
     # What a strategy needs before the model is built, and the config errors it can see in the model.
-    if hasattr(strategy, "before_build"):
-        strategy.before_build(config, build_model)
-        keras.utils.set_random_seed(train.seed)  # a probe build drew from it; the model starts as without one
+    answers.before_build(config, build_model)
+    keras.utils.set_random_seed(train.seed)  # a probe build may have drawn from it; the model starts as without
     with strategy.scope():
         model = build_model()
-        if hasattr(strategy, "check_model"):
-            strategy.check_model(config, model)
-        optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=_accumulation_steps(config))
+        answers.check_model(config, model)
+        optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=answers.accumulation_steps)
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
             auto_scale_loss=False,  # wrap_optimizer already decided on loss scaling
-            steps_per_execution=_steps_per_execution(config),
+            steps_per_execution=answers.steps_per_execution,
         )
     train_data, val_data, sharding = _input(config, strategy, source)
     return Job(config=config, strategy=strategy, model=model, train_data=train_data, val_data=val_data,
@@ -96,9 +96,8 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
 
 def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source):
     """The training and validation batches, and how a multi-process job splits them."""
-    workers, index = _compat.input_workers(strategy)
-    if config.horovod.elastic:
-        index = None  # the ranks change: shard what tf.distribute shards at each distribution
+    answers = contract(strategy)
+    workers, index = answers.input_workers()
     train_examples, sharding = data.shard(source.train, workers, index)
     pipeline = config.data
     if not pipeline.shuffle_buffer and source.train.count:  # shuffle over the whole training set
@@ -109,8 +108,8 @@ def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source
     val_data = None
     if source.validation is not None:
         validation = source.validation
-        if hasattr(strategy, "coordinator") and validation.count is None:
-            # Parameter servers evaluate on the chief, which reads it whole and must know its size.
+        if answers.input_built_by_chief and validation.count is None:
+            # The chief (parameter servers) evaluates: it reads the set whole and must know its size.
             validation = data.with_count(validation)
         val_examples, _ = data.shard(validation, workers, index)
         val_data = data.input_pipeline(val_examples, pipeline, batch_size=batch, training=False)
@@ -118,29 +117,9 @@ def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source
     return train_data, val_data, described
 
 
-def _accumulation_steps(config: Config) -> int:
-    if config.strategy.kind == StrategyKind.HOROVOD:
-        return config.horovod.backward_passes_per_step
-    return 1
-
-
-def _steps_per_execution(config: Config) -> int:
-    if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
-        return config.parameter_server.steps_per_execution
-    return 1
-
-
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
-    """True in a single-process job and in the chief task of a multi-worker one."""
-    if hasattr(strategy, "is_chief"):  # a strategy that knows (Horovod: rank 0)
-        return strategy.is_chief
-    resolver = getattr(strategy, "cluster_resolver", None)
-    jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    if not jobs:
-        return True
-    if "chief" in jobs:
-        return resolver.task_type == "chief"
-    return resolver.task_type == "worker" and resolver.task_id == 0
+    """True in a single-process job, in the chief task of a multi-worker one, and on Horovod's rank 0."""
+    return contract(strategy).is_chief
 
 
 def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Checkpoint],
@@ -175,11 +154,6 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Ch
     return throughput, stalls, checkpoint, callbacks
 
 
-def _devices(strategy: tf.distribute.Strategy) -> list[str]:
-    # Strategies whose replicas span several devices list them all, not only the replicas' first.
-    return list(getattr(strategy, "devices", None) or strategy.extended.worker_devices)
-
-
 def run(
     config: Config, *, metrics_out: Optional[str] = None, out: TextIO = sys.stdout
 ) -> dict[str, Any]:
@@ -198,9 +172,10 @@ def run(
     Raises:
       ClusterError: a multi-worker job lost a task, or a Horovod job a rank.
     """
-    if config.strategy.kind == StrategyKind.PARAMETER_SERVER and parameter_server.serve_if_not_chief(config):
+    if serves_only(config):
         return {}  # a worker or parameter server: served until the chief's job ended
     job = prepare(config)
+    answers = contract(job.strategy)
     throughput, stalls, checkpoint, callbacks = _callbacks(job)
     chief = is_chief(job.strategy)
     fit = functools.partial(
@@ -212,18 +187,14 @@ def run(
         verbose=config.train.verbose if chief else 0,
     )
     try:
-        if config.horovod.elastic:
-            history = horovod_elastic.fit(job.model, fit, epochs=config.train.epochs, callbacks=callbacks,
-                                          batches_per_commit=config.horovod.elastic_commit_batches)
-        else:
-            history = fit(epochs=config.train.epochs, callbacks=callbacks)
+        history = answers.fit(job.model, fit, epochs=config.train.epochs, callbacks=callbacks)
     except tf.errors.OpError as e:
         # A strategy that can tell a lost peer from other failures says so in one line.
-        lost = getattr(job.strategy, "job_error", lambda error: None)(e)
+        lost = answers.job_error(e)
         if lost is not None:
             raise lost from e
         raise
-    chief = is_chief(job.strategy)  # after an elastic reset, rank 0 may be another process
+    chief = answers.is_chief  # after an elastic reset, rank 0 may be another process
     if checkpoint is not None and checkpoint.resumed_from_step and not history.history:
         if chief:  # a rerun of a finished job: its results stand
             print(f"tfdist: nothing to train: the checkpoint in {checkpoint.store.directory} is of step "
@@ -233,7 +204,7 @@ def run(
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
         "strategy": config.strategy.kind.value,
-        "devices": _devices(job.strategy),
+        "devices": answers.devices,
         "num_replicas": job.strategy.num_replicas_in_sync,
         "global_batch_size": config.train.global_batch_size,
         "precision": config.precision.policy.value,
@@ -246,17 +217,11 @@ def run(
         "resumed_from_step": checkpoint.resumed_from_step if checkpoint else 0,
         "final_weights_digest": weights_digest(job.model),
     }
-    if config.horovod.elastic:
-        result["elastic"] = {"resets": history.resets, "ranks": job.strategy.size,
-                             "optimizer_steps": int(job.model.optimizer.iterations.numpy())}
     if stalls is not None and stalls.report:
         result["input_wait_share"] = stalls.input_wait_share
         result["input_stalls"] = stalls.report
     # What the strategy adds: its cluster, partition, device groups, placement.
-    result.update(getattr(job.strategy, "job_report", lambda model: {})(job.model))
-    if "pipeline" in result:
-        per_replica = config.train.global_batch_size // job.strategy.num_replicas_in_sync
-        result["micro_batch_size"] = per_replica // result["pipeline"]["num_micro_batches"]
+    result.update(answers.job_report(job.model))
     if chief:
         print(format_summary(result), file=out)
         if metrics_out:

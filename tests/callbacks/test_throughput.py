@@ -8,6 +8,7 @@ import pytest
 
 from tfdist.callbacks import Throughput, throughput as throughput_module
 from tfdist.callbacks.throughput import Window
+from tfdist.strategies.base import StrategyContract
 
 
 class FakeClock:
@@ -63,7 +64,7 @@ def test_steps_per_execution_counts_every_step(clock):
     assert logs["samples_per_sec"] == pytest.approx(120 / 1.8)
 
 
-class QueuedSteps:
+class QueuedSteps(StrategyContract):
     """A strategy whose step calls return at once and whose steps run later, one after another
     (ClusterCoordinator.schedule): `wait_for_steps` returns when the last one has run."""
 

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from any_size_job import dense, load, run, tensor_parallel
-from helpers import HOROVODRUN, ROOT, free_ports
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports
 from tfdist import MirroredStrategy
 from tfdist.parallel import DeviceGroup
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
@@ -52,7 +52,7 @@ def _assert_as_on_one_device(results, one_device):
     np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5)  # in order
 
 
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "any_size_job.py")
+JOB = os.path.join(SCENARIO_DIR, "any_size_job.py")
 
 
 @pytest.mark.multiprocess

@@ -11,7 +11,7 @@ from tensorflow.python.framework.config import is_op_determinism_enabled  # no p
 
 from tfdist import ConfigError, load_config, make_strategy
 from tfdist.strategies import MultiWorkerMirroredStrategy
-from tfdist.strategies.multi_worker import cluster_resolver
+from tfdist.cluster.resolver import cluster_resolver
 
 from helpers import run_tfdist
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, horovod_rank_pid, horovodrun, tfdist_imports
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, horovod_rank_pid, horovodrun, tfdist_imports
 
-SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scenarios.py")
+SCENARIOS = os.path.join(SCENARIO_DIR, "horovod_scenarios.py")
 
 pytestmark = pytest.mark.horovod
 
@@ -183,7 +183,7 @@ def test_learning_rate_schedule_callback_sets_the_rate_per_epoch_and_corrects_mo
     import keras
     import numpy as np
 
-    from tfdist.horovod_keras.callbacks import LearningRateScheduleCallback, _scale_momentum
+    from tfdist.horovod.tensorflow.keras.callbacks import LearningRateScheduleCallback, _scale_momentum
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
@@ -210,7 +210,7 @@ def test_a_distributed_optimizer_reloads_with_its_op_and_compression():
     hvd = pytest.importorskip("horovod.tensorflow", reason="needs Horovod (make setup builds it)")
     import keras
 
-    from tfdist.horovod_keras import DistributedOptimizer
+    from tfdist.horovod.tensorflow.keras import DistributedOptimizer
 
     optimizer = DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum, compression=hvd.Compression.fp16)
     config = optimizer.get_config()

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, horovod_rank_pid, run_tfdist, tfdist_command
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, horovod_rank_pid, run_tfdist, tfdist_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_elastic_fit.py")
+SCRIPT = os.path.join(SCENARIO_DIR, "horovod_elastic_fit.py")
 EPOCHS, STEPS = 6, 15  # as in the script
 
 

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, horovodrun, tfdist_imports
+from helpers import ROOT, SCENARIO_DIR, horovodrun, tfdist_imports
 
 pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-CUSTOM_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_custom_loop.py")
+CUSTOM_LOOP = os.path.join(SCENARIO_DIR, "horovod_custom_loop.py")
 
 
 def _custom_loop(tmp_path, *options, np=2):
@@ -104,9 +104,12 @@ def test_the_synthetic_benchmarks_run_a_keras_applications_model(tmp_path, name,
     assert done.stdout.count("img/sec per rank") == 3 and "Total img/sec on 2 rank(s)" in done.stdout
 
 
-def test_the_old_module_name_is_the_same_module():
+def test_the_old_module_name_is_the_same_module_and_says_it_is_deprecated():
     import tfdist.horovod.tensorflow.keras as keras_surface
-    import tfdist.horovod_keras as old
+
+    sys.modules.pop("tfdist.horovod_keras", None)
+    with pytest.warns(DeprecationWarning, match="import tfdist.horovod.tensorflow.keras instead"):
+        import tfdist.horovod_keras as old
     from tfdist.horovod_keras import callbacks
 
     assert old is keras_surface and callbacks is keras_surface.callbacks

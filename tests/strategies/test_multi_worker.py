@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, free_ports, tfdist_command
+from helpers import ROOT, SCENARIO_DIR, free_ports, tfdist_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -137,7 +137,7 @@ def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from multi_worker_steps import train
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multi_worker_steps.py")
+    script = os.path.join(SCENARIO_DIR, "multi_worker_steps.py")
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     out = tmp_path / "chief.npz"
     procs = [

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from helpers import ROOT, run_tfdist, tfdist_command
-from tfdist.process_tree import descendants
+from helpers import ROOT, SCENARIO_DIR, run_tfdist, tfdist_command
+from tfdist.launch.process_tree import descendants
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_scenarios.py")
+SCENARIOS = os.path.join(SCENARIO_DIR, "ps_scenarios.py")
 
 
 def _scenario(name, timeout=240, stderr=False):
@@ -148,7 +148,7 @@ def _local_tasks(parent_pid, job):
                 args = f.read().split("\0")
         except OSError:
             continue
-        if job in args and any("ps_cluster" in a for a in args):
+        if job in args and any("tfdist.cluster.servers" in a for a in args):
             found.append(pid)
     return found
 

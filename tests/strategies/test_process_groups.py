@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from helpers import HOROVODRUN, ROOT, free_ports, horovod_rank_pid, tfdist_command
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, horovod_rank_pid, tfdist_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "process_group_scenarios.py")
+SCENARIOS = os.path.join(SCENARIO_DIR, "process_group_scenarios.py")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 
 

@@ -1,6 +1,6 @@
 """`tfdist bench baselines`: each multi-device kind against the same job written by hand.
 
-For every kind, tfdist's job and the hand-written one (`tfdist.bench.handwritten`,
+For every kind, tfdist's job and the hand-written one (`benchmarks/handwritten.py`,
 the way TensorFlow's and Horovod's docs write it) train the same model (the
 digits CNN, width 32) on the same data with the same batch per replica, threads
 (intra-op 1, inter-op 2, OMP 1), cluster and steps (8 warm-up, then 400 timed:
@@ -20,7 +20,7 @@ the timed steps.
 
 Figures: `KIND_ratio` = median samples/sec of tfdist's job / the hand-written
 job's (target >= 0.98). For Horovod, `horovod_step_parts_vs_handwritten` says
-where the difference goes: in one 2-rank job (`tfdist.bench.horovod_step_parts`)
+where the difference goes: in one 2-rank job (`benchmarks/horovod_step_parts.py`)
 `fit`, the training function fit calls (tfdist's), Keras's own training
 function, a custom loop under tfdist's HorovodStrategy and the hand-written
 step take turns, each over the hand-written step's samples/sec.
@@ -36,9 +36,9 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from tfdist.bench import horovod as horovod_bench, overhead
-from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, on_core, train_job
+from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, on_core, script, train_job
 from tfdist.bench.timing import alternate, medians
-from tfdist.loopback import free_loopback_ports
+from tfdist.cluster.loopback import free_loopback_ports
 
 __all__ = ["KINDS", "horovod_step_parts", "measure"]
 
@@ -96,10 +96,10 @@ def measure(*, repeats: int = 5, kinds: Sequence[str] = KINDS, per_replica_batch
 
 
 def horovod_step_parts(job: list[str], *, repeats: int, steps: int) -> dict[str, list[float]]:
-    """Samples/sec of each timing of `tfdist.bench.horovod_step_parts`, from one 2-rank job."""
+    """Samples/sec of each timing of `benchmarks/horovod_step_parts.py`, from one 2-rank job."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "parts.json")
-        argv = [*horovod_bench.launcher(2), sys.executable, "-m", "tfdist.bench.horovod_step_parts", out, str(repeats),
+        argv = [*horovod_bench.launcher(2), sys.executable, script("horovod_step_parts.py"), out, str(repeats),
                 str(steps), *job]
         _run_processes([(argv, _environment())], "the Horovod step-parts job")
         with open(out) as f:
@@ -134,7 +134,7 @@ def _handwritten_job(kind: str, flags: list[str], commands: Callable[[list[str]]
     """Runs the hand-written job `kind` as the processes `commands(argv)` gives; returns its samples/sec."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "out.json")
-        argv = [sys.executable, "-m", "tfdist.bench.handwritten", "--kind", kind, "--out", out, *flags]
+        argv = [sys.executable, script("handwritten.py"), "--kind", kind, "--out", out, *flags]
         _run_processes(commands(argv), f"the hand-written {kind} job")
         with open(out) as f:
             return json.load(f)["samples_per_sec"]
@@ -167,7 +167,7 @@ def _multi_worker(flags: list[str]) -> float:
 
 
 def _parameter_server(flags: list[str]) -> float:
-    from tfdist.strategies.ps_cluster import LocalCluster
+    from tfdist.cluster.servers import LocalCluster
 
     # The same local servers tfdist's job starts for itself: plain tf.distribute.Server processes.
     with LocalCluster(2, 1, threads=1, restart_workers=False) as cluster:

@@ -15,7 +15,7 @@ calls per step. `allreduce_calls_bound` = ceil(gradient bytes / threshold) + 1.
 Custom loops: in one 2-rank job, `tfdist.horovod.tensorflow`'s
 `DistributedGradientTape` loop and a hand-written loop calling Horovod's
 `grouped_allreduce` on the gradients take turns on the same model and images
-(`tfdist.bench.horovod_custom_loop`). `custom_loop_ratio` = samples/sec(tape) /
+(`benchmarks/horovod_custom_loop.py`). `custom_loop_ratio` = samples/sec(tape) /
 samples/sec(grouped_allreduce), medians.
 """
 
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Any
 
-from tfdist.bench.jobs import described, run_train, train_job
+from tfdist.bench.jobs import described, run_train, script, train_job
 from tfdist.bench.timing import alternate, medians
 
 __all__ = ["available", "count_gradient_allreduces", "custom_loops", "launcher", "measure"]
@@ -121,7 +121,7 @@ def custom_loops(*, repeats: int, steps: int, per_rank_batch: int, image_size: i
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "custom_loops.json")
         arguments = [out, repeats, steps, per_rank_batch, image_size, width]
-        done = subprocess.run([*launcher(2), sys.executable, "-m", "tfdist.bench.horovod_custom_loop",
+        done = subprocess.run([*launcher(2), sys.executable, script("horovod_custom_loop.py"),
                                *map(str, arguments)], capture_output=True, text=True, timeout=1800,
                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
         if done.returncode != 0:

@@ -9,9 +9,24 @@ import sys
 import tempfile
 from typing import Callable, Sequence
 
-__all__ = ["described", "on_core", "run_train", "train_job"]
+__all__ = ["described", "on_core", "run_train", "script", "train_job"]
 
 JOB_TIMEOUT_SECONDS = 600
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+
+
+def script(name: str) -> str:
+    """The path of `benchmarks/NAME`: the hand-written jobs tfdist is raced against live beside the
+    package in a source checkout, not inside it.
+
+    Raises:
+      RuntimeError: tfdist was installed without its source tree.
+    """
+    path = os.path.join(BENCHMARKS, name)
+    if not os.path.exists(path):
+        raise RuntimeError(f"this benchmark runs the hand-written jobs in {BENCHMARKS}/, which a tfdist source "
+                           "checkout has and an installed package does not: run it from a clone")
+    return path
 
 
 def on_core(core: int) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.callbacks.preemption import Preemption
 from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
+from tfdist.strategies.base import install_patches
 
 __all__ = ["Checkpoint", "EXIT_PREEMPTED", "weights_digest"]
 
@@ -93,7 +94,7 @@ class Checkpoint(Preemption):
         self.every_seconds = every_seconds
         self.write = write
         self.resumed_from_step = 0
-        _compat.install_trainer_hooks()  # before fit makes its epoch iterator, so it can resume
+        install_patches()  # before fit makes its epoch iterator, so it can resume
 
     # What is saved.
     def _metrics_state(self) -> dict:

@@ -24,6 +24,7 @@ import threading
 import keras
 
 from tfdist.checkpoint_store import EXIT_TERMINATED, SIGTERM_RECEIVED
+from tfdist.strategies.base import contract
 
 __all__ = ["EXIT_TERMINATED", "Preemption"]
 
@@ -78,7 +79,7 @@ class Preemption(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._batch_ends += 1  # the same count in every process
-        alone = getattr(self.model.distribute_strategy, "any_process", None) is None
+        alone = not contract(self.model.distribute_strategy).multi_process
         if (alone or self._batch_ends % self.agree_every_steps == 0) and self._any_process_preempted():
             self._stop_here()
 
@@ -93,8 +94,7 @@ class Preemption(keras.callbacks.Callback):
     def _any_process_preempted(self) -> bool:
         """Whether any process of the job got SIGTERM. A multi-process strategy (`any_process`) agrees on it
         (a collective every process calls at the same step), so every process stops at the same step."""
-        agree = getattr(self.model.distribute_strategy, "any_process", None)
-        return agree(self._sigterm.is_set()) if agree else self._sigterm.is_set()
+        return contract(self.model.distribute_strategy).any_process(self._sigterm.is_set())
 
     def on_test_batch_end(self, batch, logs=None):
         # Validation after the step that stopped training: its logs are not needed.

@@ -30,6 +30,8 @@ from typing import Callable
 
 import keras
 
+from tfdist.strategies.base import contract
+
 __all__ = ["Throughput", "Window"]
 
 
@@ -135,5 +137,5 @@ def _completion_wait(model) -> Callable[[], None]:
     """What waits until every step Keras has called has finished: the strategy's
     `wait_for_steps` where it schedules steps asynchronously; with any other
     strategy a step has finished when its call returns."""
-    strategy = getattr(model, "distribute_strategy", None)
-    return getattr(strategy, "wait_for_steps", None) or _nothing
+    strategy = getattr(model, "distribute_strategy", None)  # a callback used without a model has none
+    return contract(strategy).wait_for_steps if strategy is not None else _nothing

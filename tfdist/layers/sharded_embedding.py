@@ -32,6 +32,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.strategies.base import contract
+
 __all__ = ["ShardedEmbedding", "shard_placement", "shard_rows"]
 
 
@@ -141,7 +143,7 @@ def shard_placement(model: keras.Model) -> dict[str, list[str]]:
 
 
 def _shards_from_strategy(rows: int, columns: int, dtype) -> int:
-    partitioner = getattr(tf.distribute.get_strategy(), "shard_partitioner", None)
+    partitioner = contract(tf.distribute.get_strategy()).shard_partitioner
     if partitioner is None:
         return 1
     partitions = partitioner(tf.TensorShape([rows, columns]), tf.as_dtype(dtype))

@@ -28,6 +28,8 @@ from typing import Iterator, Optional, Sequence
 
 import tensorflow as tf
 
+from tfdist.strategies.base import contract
+
 __all__ = ["DeviceGroup", "current_group", "current_replica", "split_into_groups"]
 
 _SCOPES = threading.local()
@@ -89,7 +91,7 @@ def current_group() -> Optional[DeviceGroup]:
     stack = _stack()
     if stack:
         return stack[-1]
-    return getattr(tf.distribute.get_strategy(), "tensor_parallel_group", None)
+    return contract(tf.distribute.get_strategy()).tensor_parallel_group
 
 
 def split_into_groups(devices: Sequence[str], size: int) -> list[DeviceGroup]:

@@ -1,12 +1,12 @@
-"""Distribution strategies built from config."""
+"""Distribution strategies, and the factory that builds them from config.
 
-from tfdist.strategies.data_parallel import MirroredStrategy
-from tfdist.strategies.factory import make_strategy
-from tfdist.strategies.horovod import HorovodStrategy
-from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
-from tfdist.strategies.parameter_server import ParameterServerStrategy
-from tfdist.strategies.pipeline import PipelineStrategy
-from tfdist.strategies.tensor_parallel import TensorParallelStrategy
+Imported on first use (PEP 562), so that `tfdist.strategies.base`, the contract
+every layer may ask a strategy through, loads without the strategies themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "HorovodStrategy",
@@ -17,3 +17,19 @@ __all__ = [
     "TensorParallelStrategy",
     "make_strategy",
 ]
+
+_MODULES = {
+    "HorovodStrategy": "horovod",
+    "MirroredStrategy": "data_parallel",
+    "MultiWorkerMirroredStrategy": "multi_worker",
+    "ParameterServerStrategy": "parameter_server",
+    "PipelineStrategy": "pipeline",
+    "TensorParallelStrategy": "tensor_parallel",
+    "make_strategy": "factory",
+}
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"tfdist.strategies.{_MODULES[name]}"), name)
+    raise AttributeError(f"module 'tfdist.strategies' has no attribute {name!r}")

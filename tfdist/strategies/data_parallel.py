@@ -15,21 +15,20 @@ from __future__ import annotations
 import itertools
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, mirrored_strategy
+from tfdist._compat.tf_distribute import distribute_lib, mirrored_strategy
 
 from typing import Any
 
 import keras
 
 from tfdist import _compat
-from tfdist.config.schema import AllReduce, Config
-from tfdist.errors import ConfigError
+from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 
-__all__ = ["MirroredStrategy", "multi_step_hooks", "make_mirrored", "make_one_device", "make_tpu"]
+__all__ = ["MirroredStrategy", "multi_step_train_function"]
 
 
-class MirroredStrategy(tf.distribute.MirroredStrategy):
+class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` that coexists with other instances.
 
     Every TensorFlow MirroredStrategy numbers its collective groups from the
@@ -57,8 +56,6 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0):
         """`process_index`: this process's index when its local collectives share a cluster's
         collective runtime with other processes (their local groups must not share keys)."""
-        _compat.install_clipping_after_all_reduce()
-        _compat.install_trainer_hooks()  # for `keras_hooks`
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
@@ -163,48 +160,3 @@ def packed_logs_step(strategy: tf.distribute.Strategy, model: keras.Model, train
         return tf.nest.pack_sequence_as(layout["structure"], [tf.cast(m, d) for m, d in zip(means, layout["dtypes"])])
 
     return one_step
-
-
-def make_one_device(device: str) -> tf.distribute.OneDeviceStrategy:
-    return tf.distribute.OneDeviceStrategy(device)
-
-
-def make_mirrored(config: Config, devices: list[str], gpus: int) -> MirroredStrategy:
-    """MirroredStrategy over `devices` with the configured cross-device ops."""
-    s = config.strategy
-    if s.all_reduce == AllReduce.NCCL and not gpus:
-        raise ConfigError(
-            "strategy.all_reduce",
-            "nccl needs GPUs and this machine has none; use auto, "
-            "hierarchical_copy or reduction_to_one_device.",
-            s.all_reduce.value,
-        )
-    cross_device_ops = {
-        AllReduce.AUTO: lambda: None,
-        AllReduce.NCCL: lambda: tf.distribute.NcclAllReduce(num_packs=s.num_packs),
-        AllReduce.HIERARCHICAL_COPY: lambda: tf.distribute.HierarchicalCopyAllReduce(
-            num_packs=s.num_packs
-        ),
-        AllReduce.REDUCTION_TO_ONE_DEVICE: tf.distribute.ReductionToOneDevice,
-    }[s.all_reduce]()
-    return MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
-
-
-def make_tpu(config: Config) -> tf.distribute.TPUStrategy:
-    """TPUStrategy when TPUClusterResolver finds a TPU.
-
-    Raises:
-      ConfigError: no TPU could be found or initialised.
-    """
-    try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.strategy.tpu or None)
-        tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, RuntimeError, tf.errors.OpError) as e:
-        raise ConfigError(
-            "strategy.kind",
-            f"tpu needs a TPU, and none was found ({str(e).splitlines()[0]}). "
-            "Set strategy.tpu to its name or address, or choose another kind.",
-            "tpu",
-        ) from None
-    return tf.distribute.TPUStrategy(resolver)

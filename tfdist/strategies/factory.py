@@ -1,4 +1,8 @@
-"""Config -> tf.distribute.Strategy.
+"""Config -> tf.distribute.Strategy: every translation from config to a strategy's arguments.
+
+The strategies themselves take plain arguments and know nothing of the config;
+here is one builder per `strategy.kind` (`_BUILDERS`), and the process group of
+`strategy.data_parallel` comes from the strategy its own builder makes.
 
 Example:
 
@@ -12,12 +16,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tfdist import precision
-from tfdist.config.schema import Config, DataParallel, StrategyKind
+from tfdist import _compat, precision
+from tfdist.cluster.loopback import accepts_connections
+from tfdist.cluster.resolver import cluster_resolver, listening_as
+from tfdist.cluster.servers import LocalCluster, serve
+from tfdist.config.schema import AllReduce, Config, DataParallel, StrategyKind
 from tfdist.config.validation import (
     check_batch_split,
     check_pipeline_devices,
@@ -25,15 +32,18 @@ from tfdist.config.validation import (
     placement_pairs,
     tensor_parallel_size,
 )
-from tfdist.errors import ConfigError
-from tfdist.strategies import data_parallel, horovod, multi_worker, parameter_server
+from tfdist.errors import ClusterError, ConfigError
+from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import configure_runtime, local_devices
+from tfdist.strategies.horovod import AdasumWithoutMpiError, HorovodStrategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+from tfdist.strategies.parameter_server import ParameterServerStrategy
 from tfdist.strategies.pipeline import PipelineStrategy
-from tfdist.strategies.process_group import HorovodProcesses, ProcessGroup, WorkerProcesses
+from tfdist.strategies.process_group import ProcessGroup, make_process_group
 from tfdist.strategies.replica_groups import ProcessLayoutError
 from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["make_strategy"]
+__all__ = ["make_strategy", "serves_only"]
 
 
 def make_strategy(config: Config) -> tf.distribute.Strategy:
@@ -46,60 +56,183 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
       ConfigError: the machine cannot honour the config (missing devices, no
         TPU, nccl without GPUs), or the global batch does not split evenly
         over the replicas.
+      ClusterError: the cluster's tasks did not start.
     """
     gpus = configure_runtime(config)
-    kind = config.strategy.kind
-    if kind == StrategyKind.ONE_DEVICE:
-        strategy = data_parallel.make_one_device(local_devices(config, gpus)[0])
-    elif kind == StrategyKind.MIRRORED:
-        strategy = data_parallel.make_mirrored(config, local_devices(config, gpus), gpus)
-    elif kind == StrategyKind.MULTI_WORKER_MIRRORED:
-        strategy = multi_worker.from_config(config)
-    elif kind == StrategyKind.PIPELINE:
-        devices = local_devices(config, gpus)
-        check_pipeline_devices(config, devices)
-        p = config.pipeline
-        with _same_layout_in_every_process(config):
-            strategy = PipelineStrategy(
-                p.num_stages,
-                p.num_micro_batches,
-                schedule=p.schedule.value,
-                devices=devices,
-                boundaries=list(p.boundaries) or None,
-                balance_by=p.balance_by.value,
-                recompute=p.recompute,
-                tensor_parallel_size=tensor_parallel_size(config, len(devices)),
-                data_parallel=_process_group(config),
-            )
-    elif kind == StrategyKind.PARAMETER_SERVER:
-        strategy = parameter_server.from_config(config)
-    elif kind == StrategyKind.HOROVOD:
-        strategy = _horovod(config)
-    elif kind == StrategyKind.TENSOR_PARALLEL:
-        devices = local_devices(config, gpus)
-        check_tensor_parallel_devices(config, devices)
-        with _same_layout_in_every_process(config):
-            strategy = TensorParallelStrategy(
-                devices, group_size=tensor_parallel_size(config, len(devices)), placement=placement_pairs(config),
-                data_parallel=_process_group(config),
-            )
-    elif kind == StrategyKind.TPU:
-        strategy = data_parallel.make_tpu(config)
-    else:  # config validation rejects kinds this version cannot build
-        raise AssertionError(f"unhandled strategy kind {kind}")
+    strategy = _BUILDERS[config.strategy.kind](config, gpus)
     check_batch_split(config, strategy.num_replicas_in_sync)
     precision.apply_policy(config.precision)
     return strategy
 
 
+def serves_only(config: Config) -> bool:
+    """On a parameter-server job's worker or ps task, serves until the chief is done and returns True;
+    False on every task that trains."""
+    if config.strategy.kind != StrategyKind.PARAMETER_SERVER:
+        return False
+    resolver = cluster_resolver(config)
+    if resolver.cluster_spec().jobs and resolver.task_type in ("worker", "ps"):
+        with listening_as(resolver):
+            serve(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id,
+                  threads=config.parameter_server.threads_per_task)
+        return True
+    return False
+
+
+def _one_device(config: Config, gpus: int) -> tf.distribute.Strategy:
+    return tf.distribute.OneDeviceStrategy(local_devices(config, gpus)[0])
+
+
+def _mirrored(config: Config, gpus: int) -> MirroredStrategy:
+    s = config.strategy
+    if s.all_reduce == AllReduce.NCCL and not gpus:
+        raise ConfigError("strategy.all_reduce", "nccl needs GPUs and this machine has none; use auto, "
+                          "hierarchical_copy or reduction_to_one_device.", s.all_reduce.value)
+    cross_device_ops = {
+        AllReduce.AUTO: lambda: None,
+        AllReduce.NCCL: lambda: tf.distribute.NcclAllReduce(num_packs=s.num_packs),
+        AllReduce.HIERARCHICAL_COPY: lambda: tf.distribute.HierarchicalCopyAllReduce(num_packs=s.num_packs),
+        AllReduce.REDUCTION_TO_ONE_DEVICE: tf.distribute.ReductionToOneDevice,
+    }[s.all_reduce]()
+    return MirroredStrategy(devices=local_devices(config, gpus), cross_device_ops=cross_device_ops)
+
+
+def _multi_worker(config: Config, gpus: int = 0) -> MultiWorkerMirroredStrategy:
+    """With CommunicationOptions (implementation, packing, timeout) and the cluster's start-up and
+    heartbeat timeouts; a task that does not start in time is a ClusterError naming it."""
+    s = config.strategy
+    implementations = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=s.bytes_per_pack,
+        timeout_seconds=s.collective_timeout_seconds,
+        implementation={AllReduce.AUTO: implementations.AUTO, AllReduce.RING: implementations.RING,
+                        AllReduce.NCCL: implementations.NCCL}[s.all_reduce],
+    )
+    resolver = cluster_resolver(config)
+    if resolver.cluster_spec().jobs:
+        _compat.configure_coordination_service(
+            resolver.cluster_spec(),
+            startup_timeout_seconds=config.cluster.startup_timeout_seconds,
+            heartbeat_timeout_seconds=config.cluster.heartbeat_timeout_seconds,
+        )
+    try:
+        with listening_as(resolver):
+            return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+    except tf.errors.DeadlineExceededError:
+        spec = resolver.cluster_spec().as_dict()
+        missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()
+                   for i, address in enumerate(addresses) if not accepts_connections(address)]
+        raise ClusterError(
+            f"tasks {', '.join(missing) or '(unknown)'} did not start within "
+            f"cluster.startup_timeout_seconds={config.cluster.startup_timeout_seconds:g}."
+        ) from None
+
+
+def _parameter_server(config: Config, gpus: int = 0) -> ParameterServerStrategy:
+    """The chief's strategy: on the cluster from TF_CONFIG or the `cluster` section, or, when neither
+    names one, on a `LocalCluster` started here (`strategy.local_cluster`)."""
+    p = config.parameter_server
+    resolver = cluster_resolver(config)
+    jobs = resolver.cluster_spec().as_dict()
+    cluster = None
+    if not jobs:
+        cluster = LocalCluster(p.num_workers, p.num_ps, threads=p.threads_per_task, restart_workers=p.restart_workers)
+        cluster.start()
+        resolver = cluster.resolver()
+    elif not jobs.get("ps") or not jobs.get("worker"):
+        raise ConfigError("cluster", "needs `ps` and `worker` tasks for strategy.kind=parameter_server.", jobs)
+    elif resolver.task_type != "chief":
+        raise ConfigError("cluster.task_type", "must be chief to coordinate; workers and parameter servers serve "
+                          "(`tfdist train` does that).", resolver.task_type)
+    partitioner = None
+    if p.min_shard_bytes:
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=p.min_shard_bytes, max_shards=p.max_shards)
+    with listening_as(resolver):
+        strategy = ParameterServerStrategy(resolver, variable_partitioner=partitioner,
+                                           steps_per_execution=p.steps_per_execution)
+    strategy.local_cluster = cluster
+    return strategy
+
+
+def _horovod(config: Config, gpus: int = 0) -> HorovodStrategy:
+    h = config.horovod
+    try:
+        return HorovodStrategy(
+            op=h.op.value,
+            fp16_compression=h.fp16_compression,
+            fusion_threshold_bytes=h.fusion_threshold_bytes,
+            # Horovod 0.28 crashes re-forming an elastic job when both of these are fixed (validation).
+            cycle_time_ms=None if h.elastic else h.cycle_time_ms,
+            timeline=h.timeline,
+            stall_check_seconds=h.stall_check_seconds,
+            stall_shutdown_seconds=h.stall_shutdown_seconds,
+            backward_passes_per_step=h.backward_passes_per_step,
+            elastic_commit_batches=h.elastic_commit_batches if h.elastic else None,
+        )
+    except ImportError as error:
+        raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind.value) from None
+    except AdasumWithoutMpiError:
+        raise ConfigError("horovod.op", "adasum needs Horovod's MPI controller: launch with `horovodrun --mpi` "
+                          "(this job runs on Gloo, where Horovod has no Adasum).", "adasum") from None
+
+
+def _pipeline(config: Config, gpus: int) -> PipelineStrategy:
+    devices = local_devices(config, gpus)
+    check_pipeline_devices(config, devices)
+    p = config.pipeline
+    with _same_layout_in_every_process(config):
+        return PipelineStrategy(
+            p.num_stages,
+            p.num_micro_batches,
+            schedule=p.schedule.value,
+            devices=devices,
+            boundaries=list(p.boundaries) or None,
+            balance_by=p.balance_by.value,
+            recompute=p.recompute,
+            tensor_parallel_size=tensor_parallel_size(config, len(devices)),
+            data_parallel=_process_group(config),
+        )
+
+
+def _tensor_parallel(config: Config, gpus: int) -> TensorParallelStrategy:
+    devices = local_devices(config, gpus)
+    check_tensor_parallel_devices(config, devices)
+    with _same_layout_in_every_process(config):
+        return TensorParallelStrategy(devices, group_size=tensor_parallel_size(config, len(devices)),
+                                      placement=placement_pairs(config), data_parallel=_process_group(config))
+
+
+def _tpu(config: Config, gpus: int = 0) -> tf.distribute.TPUStrategy:
+    """TPUStrategy when TPUClusterResolver finds a TPU; else a ConfigError."""
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.strategy.tpu or None)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as e:
+        raise ConfigError("strategy.kind", f"tpu needs a TPU, and none was found ({str(e).splitlines()[0]}). "
+                          "Set strategy.tpu to its name or address, or choose another kind.", "tpu") from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+_BUILDERS: dict[StrategyKind, Callable[[Config, int], tf.distribute.Strategy]] = {
+    StrategyKind.ONE_DEVICE: _one_device,
+    StrategyKind.MIRRORED: _mirrored,
+    StrategyKind.MULTI_WORKER_MIRRORED: _multi_worker,
+    StrategyKind.PIPELINE: _pipeline,
+    StrategyKind.PARAMETER_SERVER: _parameter_server,
+    StrategyKind.HOROVOD: _horovod,
+    StrategyKind.TENSOR_PARALLEL: _tensor_parallel,
+    StrategyKind.TPU: _tpu,
+}
+
+# `strategy.data_parallel`: the strategy whose processes a pipeline or tensor-parallel job trains across.
+_DATA_PARALLEL_BACKENDS = {DataParallel.MULTI_WORKER: _multi_worker, DataParallel.HOROVOD: _horovod}
+
+
 def _process_group(config: Config) -> Optional[ProcessGroup]:
-    """The processes a pipeline or tensor-parallel job trains across (`strategy.data_parallel`), if any."""
-    data_parallel = config.strategy.data_parallel
-    if data_parallel == DataParallel.MULTI_WORKER:
-        return WorkerProcesses(multi_worker.from_config(config))
-    if data_parallel == DataParallel.HOROVOD:
-        return HorovodProcesses(_horovod(config))
-    return None
+    backend = _DATA_PARALLEL_BACKENDS.get(config.strategy.data_parallel)
+    return make_process_group(backend(config)) if backend else None
 
 
 @contextlib.contextmanager
@@ -112,10 +245,3 @@ def _same_layout_in_every_process(config: Config):
         key = "strategy.devices" if s.devices else "strategy.logical_devices"
         raise ConfigError(key, f"must give every process as many devices: {error}",
                           list(s.devices) or s.logical_devices) from None
-
-
-def _horovod(config: Config) -> horovod.HorovodStrategy:
-    try:
-        return horovod.from_config(config)
-    except ImportError as error:
-        raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind.value) from None

@@ -36,99 +36,26 @@ Example (under `horovodrun -np 2 -H localhost:2 --gloo python train.py`):
 from __future__ import annotations
 
 import os
-import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import distribute_lib, distribute_utils, input_util, mirrored_strategy
+from tfdist._compat.tf_distribute import distribute_lib, distribute_utils, input_util, mirrored_strategy
 
 from tfdist import _compat
-from tfdist.config.schema import Config, HorovodOp
-from tfdist.errors import ClusterError, ConfigError
+from tfdist.config.schema import HorovodOp
+from tfdist.errors import ClusterError
+from tfdist.horovod.all_reduce import HorovodAllReduce
+from tfdist.horovod.liveness import collectives_are_down
+from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
 
-__all__ = ["HorovodAllReduce", "HorovodStrategy", "from_config", "collectives_are_down"]
+__all__ = ["AdasumWithoutMpiError", "HorovodStrategy"]
 
 _OPS = tuple(op.value for op in HorovodOp)
 DEFAULT_STEP_TIMEOUT_SECONDS = 600.0  # long enough for a large model's step or a slow evaluation
 _HOROVOD_STALL_CHECK_SECONDS = 60.0  # Horovod's own default
-_PROBE_SECONDS = 2.0  # a shut-down Horovod fails a collective in milliseconds
-
-
-class HorovodAllReduce(tf.distribute.CrossDeviceOps):
-    """Cross-device ops whose reductions run across Horovod's processes.
-
-    All-reduces of a batch of values are the optimizer's gradient all-reduce:
-    they use the configured `op` and compression, in one grouped (fused)
-    all-reduce. Single reductions (metric reads, `strategy.reduce`) are exact
-    sums or means.
-
-    Args:
-      hvd: the initialised `horovod.tensorflow` module.
-      op: `average`, `sum` or `adasum` (see `HorovodConfig.op`).
-      fp16_compression: send float gradients as float16.
-    """
-
-    def __init__(self, hvd, *, op: str = "average", fp16_compression: bool = False):
-        super().__init__()
-        self._hvd = hvd
-        self.op = op
-        self._compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
-
-    @property
-    def _num_between_graph_workers(self):
-        return self._hvd.size()  # never take TensorFlow's one-device shortcut
-
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        op = self._hvd.Average if reduce_op == tf.distribute.ReduceOp.MEAN else self._hvd.Sum
-        reduced = self._hvd.allreduce(_local_value(per_replica_value), op=op)
-        return cross_device_ops_lib.simple_broadcast(reduced, destinations, always_mirrored=True)
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        reduced = self._all_reduce_group(reduce_op, [_local_value(v) for v, _ in value_destination_pairs])
-        return [
-            cross_device_ops_lib.simple_broadcast(r, destinations, always_mirrored=True)
-            for r, (_, destinations) in zip(reduced, value_destination_pairs)
-        ]
-
-    def _all_reduce(self, reduce_op, value, replica_id, options):
-        """The replica-context all-reduce (no merge_call) Keras's optimizers use."""
-        flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
-        return tf.nest.pack_sequence_as(value, self._all_reduce_group(reduce_op, flat))
-
-    def _all_reduce_group(self, reduce_op, tensors: list) -> list:
-        """One grouped (fused) all-reduce of a step's gradients, with the configured op."""
-        # Keras scales each rank's loss by 1/size, so a sum of the gradients is
-        # their mean; `sum` and `adasum` want each rank's own gradient.
-        size = float(self._hvd.size())
-        if reduce_op == tf.distribute.ReduceOp.MEAN:
-            op, pre, post = self._hvd.Average, 1.0, 1.0
-        elif self.op == "average":
-            op, pre, post = self._hvd.Sum, 1.0, 1.0
-        elif self.op == "sum":
-            op, pre, post = self._hvd.Sum, size, 1.0
-        else:
-            # horovod 0.28.1's grouped_allreduce fails for Adasum on Python 3 (it reads
-            # a list comprehension's variable), so Adasum goes tensor by tensor;
-            # Horovod still fuses the tensors that are ready in the same cycle.
-            return [
-                self._hvd.allreduce(t, op=self._hvd.Adasum, compression=self._compression, prescale_factor=size)
-                for t in tensors
-            ]
-        return self._hvd.grouped_allreduce(
-            tensors, op=op, compression=self._compression, prescale_factor=pre, postscale_factor=post
-        )
-
-
-def _local_value(value) -> tf.Tensor:
-    """The one local replica's value, dense (Horovod reduces dense tensors)."""
-    values = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
-    if len(values) != 1:
-        raise ValueError(f"HorovodStrategy runs one replica per process; got {len(values)} local values.")
-    return tf.convert_to_tensor(values[0])
 
 
 class _HorovodExtended(mirrored_strategy.MirroredExtended):
@@ -212,7 +139,7 @@ class _HorovodExtended(mirrored_strategy.MirroredExtended):
         )
 
 
-class HorovodStrategy(distribute_lib.Strategy):
+class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
     """A tf.distribute strategy whose cross-replica reductions are Horovod collectives.
 
     Run one process per device under `horovodrun`. Options that configure
@@ -231,6 +158,9 @@ class HorovodStrategy(distribute_lib.Strategy):
         with a one-line error (tfdist's step watchdog; default 600 s), and
         Horovod's stall inspector shuts down after it too; 0 turns both off.
       device: this process's device; default: its GPU by local rank, else its CPU.
+      backward_passes_per_step: batches whose gradients are accumulated before one all-reduce and update.
+      elastic_commit_batches: train elastically (under an elastic horovodrun, `fit` goes on when ranks
+        are lost or added), committing the state every this many batches; None: not elastic.
 
     Raises:
       ImportError: Horovod is not installed (one line saying how to install it).
@@ -251,6 +181,8 @@ class HorovodStrategy(distribute_lib.Strategy):
         stall_check_seconds: Optional[float] = None,
         stall_shutdown_seconds: Optional[float] = None,
         device: Optional[str] = None,
+        backward_passes_per_step: int = 1,
+        elastic_commit_batches: Optional[int] = None,
     ):
         if op not in _OPS:
             raise ValueError(f"`op` must be one of {', '.join(_OPS)}. Received: {op!r}")
@@ -277,10 +209,11 @@ class HorovodStrategy(distribute_lib.Strategy):
         self.hvd = hvd
         # With op average, gradient clipping sees the all-reduced gradient, as on one process (`_compat`).
         self.clips_after_all_reduce = op == "average"
-        _compat.install_clipping_after_all_reduce()
         self.stall_shutdown_seconds = timeout
+        self.accumulation_steps = backward_passes_per_step
+        self.elastic_commit_batches = elastic_commit_batches
+        self._elastic_resets = 0
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None
-        _compat.install_trainer_hooks()  # for `keras_hooks`
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
         super().__init__(_HorovodExtended(self, device or _local_device(hvd), cross_device_ops, hvd))
 
@@ -297,8 +230,29 @@ class HorovodStrategy(distribute_lib.Strategy):
     def size(self) -> int:
         return self.hvd.size()
 
+    multi_process = True
+
+    def input_workers(self) -> tuple[int, Optional[int]]:
+        context = self.extended._input_context()
+        # Elastic: the ranks change, so tf.distribute shards at each distribution instead.
+        return context.num_input_pipelines, None if self.elastic_commit_batches else context.input_pipeline_id
+
+    def fit(self, model: keras.Model, fit: Callable, *, epochs: int, callbacks: list) -> keras.callbacks.History:
+        if not self.elastic_commit_batches:
+            return fit(epochs=epochs, callbacks=callbacks)
+        from tfdist.horovod import elastic_fit
+
+        history = elastic_fit.fit(model, fit, epochs=epochs, callbacks=callbacks,
+                                      batches_per_commit=self.elastic_commit_batches)
+        self._elastic_resets = history.resets
+        return history
+
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        return {"cluster": f"{self.size} Horovod rank(s), one process per device"}
+        report = {"cluster": f"{self.size} Horovod rank(s), one process per device"}
+        if self.elastic_commit_batches:
+            report["elastic"] = {"resets": self._elastic_resets, "ranks": self.size,
+                                 "optimizer_steps": int(model.optimizer.iterations.numpy())}
+        return report
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (an all-reduced maximum); every rank must call it, in step."""
@@ -375,50 +329,3 @@ def _local_device(hvd) -> str:
 
 class AdasumWithoutMpiError(ValueError):
     """`op` adasum in a job launched without Horovod's MPI controller."""
-
-
-def from_config(config: Config) -> HorovodStrategy:
-    """The strategy from the config's `horovod` section.
-
-    Raises:
-      ConfigError: `horovod.op` adasum in a job launched on Gloo.
-    """
-    h = config.horovod
-    try:
-        return HorovodStrategy(
-            op=h.op.value,
-            fp16_compression=h.fp16_compression,
-            fusion_threshold_bytes=h.fusion_threshold_bytes,
-            # Horovod 0.28 crashes re-forming an elastic job when both of these are fixed (validation).
-            cycle_time_ms=None if h.elastic else h.cycle_time_ms,
-            timeline=h.timeline,
-            stall_check_seconds=h.stall_check_seconds,
-            stall_shutdown_seconds=h.stall_shutdown_seconds,
-        )
-    except AdasumWithoutMpiError:
-        raise ConfigError(
-            "horovod.op",
-            "adasum needs Horovod's MPI controller: launch with `horovodrun --mpi` (this job runs on Gloo, "
-            "where Horovod has no Adasum).",
-            "adasum",
-        ) from None
-
-
-def collectives_are_down(hvd) -> bool:
-    """True when a Horovod collective fails at once: Horovod shut down after losing a rank.
-
-    A healthy Horovod would wait for the other ranks to join the probe, so the
-    probe runs in a thread and is given up after `_PROBE_SECONDS`.
-    """
-    failed = threading.Event()
-
-    def probe():
-        try:
-            hvd.allreduce(tf.constant(0.0), name="tfdist_liveness_probe", op=hvd.Sum)
-        except tf.errors.OpError:
-            failed.set()
-
-    thread = threading.Thread(target=probe, name="tfdist-horovod-probe", daemon=True)
-    thread.start()
-    thread.join(_PROBE_SECONDS)
-    return failed.is_set()

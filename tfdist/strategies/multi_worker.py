@@ -28,23 +28,17 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfdist._compat import (
-    configure_coordination_service,
-    install_clipping_after_all_reduce,
-    install_trainer_hooks,
-    peer_answers,
-)
-from tfdist.config.schema import AllReduce, Config
+from tfdist._compat import peer_answers
 from tfdist.errors import ClusterError, error_reason
-from tfdist.strategies.cluster import accepts_connections, cluster_resolver, listening_as
+from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 
-__all__ = ["MultiWorkerMirroredStrategy", "from_config"]
+__all__ = ["MultiWorkerMirroredStrategy"]
 
 _HEALTH_CHECK_MS = 5000  # a live peer answers in milliseconds
 
 
-class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerMirroredStrategy(StrategyContract, tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` whose `reduce` takes nests.
 
     Example:
@@ -59,8 +53,6 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        install_clipping_after_all_reduce()
-        install_trainer_hooks()  # for `keras_hooks`
 
     def keras_hooks(self, model):
         # Keras's own train function would reduce every log in a collective of its own, every step.
@@ -75,6 +67,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return parent.reduce(reduce_op, v, None if rank == 0 else axis)
 
         return tf.nest.map_structure(reduce_one, value)
+
+    multi_process = True
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` is set on any worker (an all-reduced sum); every worker must call it, in step."""
@@ -95,42 +89,3 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
         peers = [f"/job:{job}/replica:0/task:{i}" for job in spec.jobs for i in range(spec.num_tasks(job))]
         return [peer for peer in peers if peer != me and not peer_answers(peer, _HEALTH_CHECK_MS)]
-
-
-def from_config(config: Config) -> MultiWorkerMirroredStrategy:
-    """The strategy with CommunicationOptions (implementation, packing, timeout)
-    and the cluster's start-up and heartbeat timeouts from config.
-
-    Raises:
-      ClusterError: a task did not start within cluster.startup_timeout_seconds.
-    """
-    s = config.strategy
-    implementations = tf.distribute.experimental.CommunicationImplementation
-    implementation = {
-        AllReduce.AUTO: implementations.AUTO,
-        AllReduce.RING: implementations.RING,
-        AllReduce.NCCL: implementations.NCCL,
-    }[s.all_reduce]
-    options = tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=s.bytes_per_pack,
-        timeout_seconds=s.collective_timeout_seconds,
-        implementation=implementation,
-    )
-    resolver = cluster_resolver(config)
-    if resolver.cluster_spec().jobs:
-        configure_coordination_service(
-            resolver.cluster_spec(),
-            startup_timeout_seconds=config.cluster.startup_timeout_seconds,
-            heartbeat_timeout_seconds=config.cluster.heartbeat_timeout_seconds,
-        )
-    try:
-        with listening_as(resolver):
-            return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
-    except tf.errors.DeadlineExceededError:
-        spec = resolver.cluster_spec().as_dict()
-        missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()
-                   for i, address in enumerate(addresses) if not accepts_connections(address)]
-        raise ClusterError(
-            f"tasks {', '.join(missing) or '(unknown)'} did not start within "
-            f"cluster.startup_timeout_seconds={config.cluster.startup_timeout_seconds:g}."
-        ) from None

@@ -44,16 +44,16 @@ from typing import Any, Optional
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute.coordinator import cluster_coordinator
+from tfdist._compat.tf_distribute import cluster_coordinator
 
 from tfdist import _compat
-from tfdist.config.schema import Config
-from tfdist.errors import ClusterError, ConfigError, error_reason
+from tfdist.errors import ClusterError, error_reason
 from tfdist.layers.sharded_embedding import shard_placement
-from tfdist.strategies.cluster import accepts_connections, cluster_resolver, listening_as
-from tfdist.strategies.ps_cluster import LocalCluster, serve
+from tfdist.strategies.base import StrategyContract
+from tfdist.cluster.loopback import accepts_connections
+from tfdist.cluster.servers import LocalCluster
 
-__all__ = ["ParameterServerStrategy", "CoordinatedDataset", "from_config"]
+__all__ = ["ParameterServerStrategy", "CoordinatedDataset"]
 
 IN_FLIGHT_STEPS_PER_WORKER = 2
 # What a scheduled step can raise when a task is lost.
@@ -63,7 +63,7 @@ _COORDINATOR_ERRORS = (
 LOG_INTERVAL_SECONDS = 0.25  # how often a training step's logs are read from the parameter servers
 
 
-class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+class ParameterServerStrategy(StrategyContract, tf.distribute.experimental.ParameterServerStrategy):
     """`tf.distribute.experimental.ParameterServerStrategy` that Keras 3's `fit` can use.
 
     Args:
@@ -73,22 +73,27 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         decides how many shards each `tfdist.layers.ShardedEmbedding` table is
         cut into. Other variables stay whole: a Keras 3 variable cannot hold
         TensorFlow's `ShardedVariable` (its gradient needs a single `handle`).
+      steps_per_execution: training steps per scheduled function.
     """
 
-    def __init__(self, cluster_resolver, variable_partitioner=None):
+    input_built_by_chief = True  # the chief builds what every worker reads
+
+    def __init__(self, cluster_resolver, variable_partitioner=None, steps_per_execution: int = 1):
         super().__init__(cluster_resolver)  # no partitioner: TF would cut every Keras variable
         self.shard_partitioner = variable_partitioner
+        self.steps_per_execution = steps_per_execution
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self.cluster_jobs: dict = cluster_resolver.cluster_spec().as_dict()
         self.num_workers = len(self.cluster_jobs.get("worker", []))
         self.local_cluster: Optional[LocalCluster] = None  # set when tfdist started the cluster
-        _compat.install_trainer_hooks()
-        _compat.install_atomic_parameter_server_updates()
         _hold_back_coordinator_logs()
 
     @property
     def coordinator(self) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
         return self._coordinator
+
+    def input_workers(self) -> tuple[int, None]:
+        return self.num_workers, None
 
     def wait_for_steps(self) -> None:
         """Returns once every scheduled step has finished (`Throughput` times completed steps with it).
@@ -123,7 +128,7 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         return CoordinatedDataset(self, dataset)
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """The step functions Keras's trainer uses for `model` (see `_compat.install_trainer_hooks`)."""
+        """The step functions Keras's trainer uses for `model` (see `tfdist._compat.patches`)."""
         train_function, read_logs = _train_function(self, model)
 
         def metrics_result():
@@ -364,51 +369,3 @@ def _hold_back_coordinator_logs() -> None:
     logger = logging.getLogger("tensorflow")  # TensorFlow's Python logging, which the coordinator uses
     if not any(isinstance(f, _CoordinatorLogFilter) for f in logger.filters):
         logger.addFilter(_CoordinatorLogFilter())
-
-
-def from_config(config: Config) -> ParameterServerStrategy:
-    """The chief's strategy: on the cluster from TF_CONFIG or the `cluster` section, or,
-    when neither names one, on a `LocalCluster` started here (`strategy.local_cluster`).
-
-    Raises:
-      ConfigError: the cluster has no parameter servers, or this task is not the chief.
-      ClusterError: a local task did not start.
-    """
-    p = config.parameter_server
-    resolver = cluster_resolver(config)
-    jobs = resolver.cluster_spec().as_dict()
-    cluster = None
-    if not jobs:
-        cluster = LocalCluster(
-            p.num_workers, p.num_ps, threads=p.threads_per_task, restart_workers=p.restart_workers
-        )
-        cluster.start()
-        resolver = cluster.resolver()
-    elif not jobs.get("ps") or not jobs.get("worker"):
-        raise ConfigError("cluster", "needs `ps` and `worker` tasks for strategy.kind=parameter_server.", jobs)
-    elif resolver.task_type != "chief":
-        raise ConfigError(
-            "cluster.task_type",
-            "must be chief to coordinate; workers and parameter servers serve (`tfdist train` does that).",
-            resolver.task_type,
-        )
-    partitioner = None
-    if p.min_shard_bytes:
-        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=p.min_shard_bytes, max_shards=p.max_shards
-        )
-    with listening_as(resolver):
-        strategy = ParameterServerStrategy(resolver, variable_partitioner=partitioner)
-    strategy.local_cluster = cluster
-    return strategy
-
-
-def serve_if_not_chief(config: Config) -> bool:
-    """On a worker or parameter-server task, serves until killed and returns True."""
-    resolver = cluster_resolver(config)
-    if resolver.cluster_spec().jobs and resolver.task_type in ("worker", "ps"):
-        with listening_as(resolver):
-            serve(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id,
-                  threads=config.parameter_server.threads_per_task)
-        return True
-    return False

@@ -155,9 +155,9 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         self._verbose = verbose
         self._sequence = schedules.global_order(self._orders)
         self._partitions: dict[int, partition_lib.Partition] = {}
+        self._micro_batch_sizes: dict[int, int] = {}  # per model: the micro-batch its step was traced with
         super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)],
                          processes=processes)
-        _compat.install_trainer_hooks()  # predictions find their model through `keras_hooks`
 
     @property
     def peak_stashed_micro_batches(self) -> list[int]:
@@ -219,6 +219,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         if key not in self._partitions:
             with tf.init_scope():  # plan eagerly, once, outside the traced step
                 micro = max(1, (batch or 32 * self.num_micro_batches) // self.num_micro_batches)
+                if batch:
+                    self._micro_batch_sizes[key] = micro
                 partition = partition_lib.split(
                     model,
                     self.num_stages,
@@ -329,6 +331,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 "stage_memory_bytes": self.stage_memory(model),
             }
         }
+        if id(model) in self._micro_batch_sizes:
+            report["micro_batch_size"] = self._micro_batch_sizes[id(model)]
         if self.tensor_parallel_size > 1:
             report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
         return report

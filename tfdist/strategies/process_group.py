@@ -31,11 +31,11 @@ import threading
 from typing import Callable, Optional
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_util, cross_device_utils
-from tensorflow.python.eager import context
-from tensorflow.python.ops import collective_ops
+from tfdist._compat.tf_distribute import collective_ops, collective_util, context, cross_device_utils
 
 from tfdist.errors import ClusterError
+from tfdist.strategies.horovod import HorovodStrategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 __all__ = ["DATA_PARALLEL", "HorovodProcesses", "ProcessGroup", "WorkerProcesses", "make_process_group"]
 
@@ -170,9 +170,6 @@ def make_process_group(data_parallel) -> Optional[ProcessGroup]:
     Raises:
       ValueError: an unknown name or strategy.
     """
-    from tfdist.strategies.horovod import HorovodStrategy
-    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
-
     if isinstance(data_parallel, ProcessGroup) or data_parallel is None or data_parallel == "local":
         return data_parallel if isinstance(data_parallel, ProcessGroup) else None
     if data_parallel == "multi_worker":

@@ -41,8 +41,8 @@ from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import device_util, distribute_utils, input_util, mirrored_strategy, values
+from tfdist._compat.tf_distribute import (cross_device_ops_lib, device_util, distribute_utils, input_util,
+                                          mirrored_strategy, values)
 
 from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica
@@ -252,6 +252,13 @@ class ReplicaGroupsStrategy(MirroredStrategy):
             "text": f"{processes} process(es) x {len(self.replicas)} replica(s) x {stages} stage(s) x "
                     f"{tensor_parallel_size} tensor-parallel",
         }
+
+    @property
+    def multi_process(self) -> bool:
+        return self.processes is not None
+
+    def input_workers(self) -> tuple[int, int]:
+        return (self.processes.size, self.processes.index) if self.processes else (1, 0)
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` is set in any process (every process must call it, in step)."""

@@ -35,9 +35,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
-from tensorflow.python.framework import ops
+from tfdist._compat.tf_distribute import ops
 
-from tfdist import _compat
 from tfdist.errors import ConfigError
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.placement import balance_by_memory, device_for_scope, place_computation, unknown_layers
@@ -112,8 +111,6 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         if outside:
             raise ValueError(f"`placement` must use the devices of the first group {first.devices}. Received: {outside}")
         self.placement = dict(placement)
-        if self.placement:
-            _compat.install_trainer_hooks()
 
     def before_build(self, config, build_model: Callable[[], keras.Model]) -> None:
         """With `placement.balance_by_memory`, places the layers of a throwaway build (for `tfdist train`)."""

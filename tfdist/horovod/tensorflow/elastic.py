@@ -29,7 +29,7 @@ from horovod.common.exceptions import HorovodInternalError  # noqa: E402
 import horovod.tensorflow as _hvd  # noqa: E402
 
 from tfdist.horovod.tensorflow.variables import broadcast_variables  # noqa: E402
-from tfdist.strategies.horovod import collectives_are_down  # noqa: E402
+from tfdist.horovod.liveness import collectives_are_down  # noqa: E402
 
 __all__ = ["TensorFlowKerasState", "run"]
 

@@ -7,7 +7,7 @@ scripts use, built on Horovod's collective ops on tensors (which do work), so
 such a script runs on Keras 3 by changing only its import line:
 
     import horovod.tensorflow.keras as hvd   # before
-    import tfdist.horovod.tensorflow.keras as hvd   # after (tfdist.horovod_keras is the same module)
+    import tfdist.horovod.tensorflow.keras as hvd   # after (tfdist.horovod_keras, deprecated, is the same module)
 
 The process-level functions (`init`, `size`, `rank`, `allreduce`, ...) are
 Horovod's own. `DistributedOptimizer` wraps a Keras 3 optimizer (as Keras's

@@ -31,13 +31,14 @@ import threading
 import time
 from typing import Callable, Optional, TextIO
 
-from tfdist import process_tree
 from tfdist.checkpoint_store import EXIT_PREEMPTED, EXIT_TERMINATED, SIGTERM_RECEIVED
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
-from tfdist.loopback import free_loopback_ports
+from tfdist.cluster.loopback import free_loopback_ports
+from tfdist.cluster.roles import MULTI_PROCESS_KINDS, cluster_of
+from tfdist.launch import process_tree
 
-__all__ = ["MULTI_PROCESS_KINDS", "Task", "cluster_of", "plan", "run"]
+__all__ = ["Task", "plan", "run"]
 
 STOP_GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 # Once a task has failed, the others' collectives cannot finish: they get this long, then SIGKILL
@@ -52,7 +53,6 @@ _POLL_SECONDS = 0.2
 _HOROVOD_PREFIX = re.compile(r"\[(\d+)\]<(stdout|stderr)>:")
 _HOROVOD_FAILURE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 # The kinds whose job is several processes; every other kind runs in one.
-MULTI_PROCESS_KINDS = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER, StrategyKind.HOROVOD)
 
 
 @dataclasses.dataclass
@@ -130,14 +130,6 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
             finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
             tasks.append(Task(role, index, train, {**env, "TF_CONFIG": tf_config}, reports, finishes))
     return tasks
-
-
-def cluster_of(roles: list[str], addresses: list[str]) -> dict[str, list[str]]:
-    """The cluster spec (role -> addresses, in task order) of tasks with these roles and addresses."""
-    cluster: dict[str, list[str]] = {}
-    for role, address in zip(roles, addresses):
-        cluster.setdefault(role, []).append(address)
-    return cluster
 
 
 def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[], list[Task]]] = None,

@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 from tfdist.errors import ClusterError
-from tfdist.loopback import accepts_connections, free_loopback_ports
+from tfdist.cluster.loopback import accepts_connections, free_loopback_ports
 from tfdist.tf_startup import QUIET_LOG_LEVEL
 
 __all__ = ["LocalCluster", "serve"]
@@ -131,7 +131,7 @@ class LocalCluster:
     def _spawn(self, job: str, index: int) -> None:
         command = [
             sys.executable, "-c", "import sys, json; from tfdist.tf_startup import import_tensorflow; "
-            "import_tensorflow(); from tfdist.strategies.ps_cluster import serve; "
+            "import_tensorflow(); from tfdist.cluster.servers import serve; "
             "serve(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), threads=int(sys.argv[4]))",
             json.dumps(self.cluster_spec), job, str(index), str(self.threads),
         ]

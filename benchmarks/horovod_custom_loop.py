@@ -1,6 +1,6 @@
 """The custom-loop part of `tfdist bench horovod`: `tfdist.horovod.tensorflow`'s tape against a hand-written loop.
 
-Run on every rank (`horovodrun -np 2 ... python -m tfdist.bench.horovod_custom_loop OUT ...`).
+Run on every rank (`horovodrun -np 2 ... python benchmarks/horovod_custom_loop.py OUT ...`).
 Both loops train the same model on the same synthetic images in the same
 processes: one with `hvd.DistributedGradientTape` (Keras 3 variables, through
 tfdist), one that calls Horovod's `grouped_allreduce` on the gradient tensors

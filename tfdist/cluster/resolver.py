@@ -1,4 +1,4 @@
-"""Where the tasks of a multi-process job are: the cluster resolver, free loopback ports, liveness."""
+"""Where the tasks of a multi-process job are: the cluster from the config, TF_CONFIG, Slurm or Kubernetes."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import os
 
 import tensorflow as tf
 
+from tfdist.cluster import kubernetes, slurm
 from tfdist.config.schema import ClusterResolverKind, Config
 from tfdist.config.validation import check_address
 from tfdist.errors import ClusterError, ConfigError
-from tfdist.loopback import accepts_connections, free_loopback_ports
 
-__all__ = ["accepts_connections", "cluster_resolver", "free_loopback_ports", "listening_as"]
+__all__ = ["cluster_resolver", "listening_as"]
 
 
 def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterResolver:
@@ -26,13 +26,9 @@ def cluster_resolver(config: Config) -> tf.distribute.cluster_resolver.ClusterRe
     """
     c = config.cluster
     if c.resolver == ClusterResolverKind.SLURM:
-        from tfdist import slurm
-
         return slurm.resolver(config)
     if c.resolver == ClusterResolverKind.KUBERNETES:
-        from tfdist import k8s
-
-        return k8s.resolver(config)
+        return kubernetes.resolver(config)
     tf_config = os.environ.get("TF_CONFIG", "").strip()
     if c.workers and tf_config:
         raise ConfigError(

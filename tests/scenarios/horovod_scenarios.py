@@ -82,9 +82,9 @@ def _seeded_weights(seed):
 
 
 def keras_api_matches_single_process(accumulation="1"):
-    """The Horovod Keras API (`tfdist.horovod_keras`): each rank fits its half of
+    """The Horovod Keras API (`tfdist.horovod.tensorflow.keras`): each rank fits its half of
     every batch with a DistributedOptimizer; compared with one plain process."""
-    import tfdist.horovod_keras as hvd
+    import tfdist.horovod.tensorflow.keras as hvd
 
     accumulation = int(accumulation)
     hvd.init()

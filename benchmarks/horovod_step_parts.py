@@ -1,6 +1,6 @@
 """Where tfdist's Horovod step spends its time, against the hand-written one (part of `tfdist bench baselines`).
 
-Run on every rank: `horovodrun -np 2 ... python -m tfdist.bench.horovod_step_parts OUT REPEATS STEPS KEY=VALUE ...`
+Run on every rank: `horovodrun -np 2 ... python benchmarks/horovod_step_parts.py OUT REPEATS STEPS KEY=VALUE ...`
 (the overrides of the baselines' tfdist job). In one 2-rank job, on the same
 batches, four ways to train take turns, each peeling off one layer:
 
@@ -35,7 +35,7 @@ def main(out: str, repeats: int, steps: int, overrides: list[str]) -> None:
     import tensorflow as tf
 
     from tfdist import _compat, load_config, prepare
-    from tfdist.bench.handwritten import LEARNING_RATE, digits_cnn, gradient_step
+    from handwritten import LEARNING_RATE, digits_cnn, gradient_step  # beside this script
     from tfdist.callbacks import Throughput
 
     config = load_config(None, overrides)

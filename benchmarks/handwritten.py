@@ -22,7 +22,7 @@ then times `steps` steps by wall clock. The chief (rank 0) writes
   `hvd.grouped_allreduce(gradients, op=hvd.Average)`, variables broadcast from
   rank 0 after the first step; timed from after warm-up to after the last step.
 
-    python -m tfdist.bench.handwritten --kind horovod --out OUT --per_replica_batch 64 ...
+    python benchmarks/handwritten.py --kind horovod --out OUT --per_replica_batch 64 ...
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from tfdist import ClusterError  # noqa: E402
 from tfdist.callbacks import Checkpoint  # noqa: E402
 from tfdist.layers import ShardedEmbedding  # noqa: E402
 from tfdist.strategies.parameter_server import ParameterServerStrategy  # noqa: E402
-from tfdist.strategies.ps_cluster import LocalCluster  # noqa: E402
+from tfdist.cluster.servers import LocalCluster  # noqa: E402
 
 
 def _data(n=512, features=16, classes=4, seed=0):

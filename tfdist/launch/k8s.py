@@ -1,25 +1,18 @@
-"""Kubernetes: the manifests of a tfdist job, and the cluster its pods find.
+"""`tfdist k8s`: the Kubernetes manifests of a tfdist job.
 
 `tfdist k8s` writes, for a multi-worker or parameter-server job, a ConfigMap
 holding the resolved config, a headless Service, and one Indexed Job per role
 (`--flavor jobs`, no operator needed), or one JobSet with a replicated job per
 role (`--flavor jobset`: one workload, so Kueue admits every role together).
-Each pod runs `tfdist train` with `cluster.resolver: kubernetes`: its role and
-the job's shape come from the environment the manifest gives it, its index
-from `JOB_COMPLETION_INDEX`, and every task's address from the pods' stable
-hostnames (`HOST.SUBDOMAIN`, the Service's DNS records). A Horovod job is an
+Each pod runs `tfdist train` with `cluster.resolver: kubernetes` and finds its
+cluster from the environment written here (`tfdist.cluster.kubernetes`). A Horovod job is an
 MPIJob (kubeflow.org/v2beta1) whose launcher runs horovodrun over the worker
 pods; `--flavor tfjob` writes the training operator's TFJob (kubeflow.org/v1),
 which sets TF_CONFIG itself.
-
-`TFDIST_K8S_ADDRESSES` (JSON, hostname -> host:port) overrides where a hostname
-points: it exists so a job's pods can run as local processes on loopback, as
-the tests do.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -29,17 +22,13 @@ import yaml
 
 from tfdist.config import to_dict
 from tfdist.config.schema import ClusterResolverKind, Config, StrategyKind
-from tfdist.config.validation import check_address
+from tfdist.cluster.kubernetes import HOST_ENV, ROLE_ENV, TASKS_ENV
+from tfdist.cluster.roles import MULTI_PROCESS_KINDS
 from tfdist.errors import ConfigError
-from tfdist.launch import MULTI_PROCESS_KINDS
 
-__all__ = ["Job", "FLAVORS", "manifests", "resolver", "write"]
+__all__ = ["Job", "FLAVORS", "manifests", "write"]
 
 FLAVORS = ("jobs", "jobset", "tfjob")
-ROLE_ENV = "TFDIST_K8S_ROLE"
-TASKS_ENV = "TFDIST_K8S_TASKS"  # the job's shape: "ps=1,chief=1,worker=2"
-HOST_ENV = "TFDIST_K8S_HOST"  # a pod's hostname: "digits-{role}-{index}.digits"
-ADDRESSES_ENV = "TFDIST_K8S_ADDRESSES"
 CONFIG_DIR = "/etc/tfdist"
 CONFIG_FILE = f"{CONFIG_DIR}/config.yaml"
 CONTAINER = "tensorflow"  # the name TFJob's operator looks for; kept for every flavor
@@ -133,38 +122,6 @@ def _literal_if_multiline(dumper: yaml.SafeDumper, text: str):
 
 
 _PlainDumper.add_representer(str, _literal_if_multiline)
-
-
-def resolver(config: Config):
-    """This pod's cluster resolver, from the environment its manifest gave it.
-
-    Raises:
-      ConfigError: not in a pod `tfdist k8s` described, or an address off
-        loopback without `cluster.allow_non_loopback`.
-    """
-    import tensorflow as tf
-
-    missing = [v for v in ("JOB_COMPLETION_INDEX", ROLE_ENV, TASKS_ENV, HOST_ENV) if v not in os.environ]
-    if missing:
-        raise ConfigError("cluster.resolver", f"kubernetes needs the environment of a pod `tfdist k8s` wrote; "
-                          f"{', '.join(missing)} unset.", "kubernetes")
-    try:
-        overrides = json.loads(os.environ.get(ADDRESSES_ENV) or "{}")
-        shape = {role: int(count) for role, count in
-                 (part.split("=") for part in os.environ[TASKS_ENV].split(","))}
-    except ValueError as e:
-        raise ConfigError("cluster.resolver", f"kubernetes: a malformed {TASKS_ENV} or {ADDRESSES_ENV} ({e}).",
-                          "kubernetes") from None
-    cluster = {}
-    for role, count in shape.items():
-        hosts = [os.environ[HOST_ENV].format(role=role, index=i) for i in range(count)]
-        cluster[role] = [overrides.get(host, f"{host}:{config.cluster.port_base}") for host in hosts]
-        for index, address in enumerate(cluster[role]):
-            check_address(address, f"the {role} {index} pod", config.cluster.allow_non_loopback)
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), task_type=os.environ[ROLE_ENV],
-        task_id=int(os.environ["JOB_COMPLETION_INDEX"]), rpc_layer="grpc",
-    )
 
 
 def _check(config: Config, job: Job) -> None:

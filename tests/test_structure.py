@@ -1,0 +1,114 @@
+"""The layout keeps its architecture: imports run down the layers, never in a cycle, and strategies are
+asked only through their contract (docs/architecture.md draws the layers)."""
+
+import ast
+import os
+import re
+
+from helpers import ROOT
+
+# Lowest first. A module may import from its own layer and the ones before it.
+LAYERS = [
+    ("foundation", ["tfdist.errors", "tfdist.config", "tfdist.tf_startup", "tfdist.checkpoint_store",
+                    "tfdist.user_code", "tfdist._compat"]),
+    ("contract", ["tfdist.strategies.base"]),
+    ("parts", ["tfdist.cluster", "tfdist.parallel", "tfdist.layers", "tfdist.data", "tfdist.horovod",
+               "tfdist.precision", "tfdist.optimizers", "tfdist.models", "tfdist.reporting"]),
+    ("strategies", ["tfdist.strategies", "tfdist.callbacks"]),
+    ("training", ["tfdist.training", "tfdist.horovod_keras"]),
+    ("entry points", ["tfdist.launch", "tfdist.bench", "tfdist.cli", "tfdist"]),
+]
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for directory, _, files in os.walk(os.path.join(ROOT, "tfdist")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[module.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _owner(name: str):
+    """The module `name` lives in (`tfdist.cluster.roles.cluster_of` -> `tfdist.cluster.roles`)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> set[str]:
+    """The tfdist modules `module` imports, at any depth of its code (a function's lazy import counts)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(MODULES[module]).read())):
+        if isinstance(node, ast.Import):
+            found |= {_owner(alias.name) for alias in node.names if alias.name.startswith("tfdist")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfdist"):
+            found |= {_owner(f"{node.module}.{alias.name}") for alias in node.names}
+    return found - {None, module}
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def _layer(module: str) -> int:
+    matches = [(len(prefix), rank) for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    return max(matches)[1]
+
+
+def test_every_module_has_a_layer():
+    assert all(_layer(module) is not None for module in MODULES)
+
+
+def test_imports_run_down_the_layers():
+    upward = [f"{module} ({LAYERS[_layer(module)][0]}) imports {target} ({LAYERS[_layer(target)][0]})"
+              for module, targets in GRAPH.items() for target in targets if _layer(target) > _layer(module)]
+    assert upward == []
+
+
+def test_the_runtime_never_imports_the_launchers_nor_horovod_the_strategies():
+    crossing = [(module, target) for module, targets in GRAPH.items() for target in targets
+                if (module.startswith("tfdist.cluster") and target.startswith("tfdist.launch"))
+                or (module.startswith("tfdist.horovod.") and target.startswith("tfdist.strategies"))]
+    assert crossing == []
+
+
+def test_there_are_no_import_cycles():
+    cycles, visiting, done = [], [], set()
+
+    def visit(module):
+        if module in visiting:
+            cycles.append(visiting[visiting.index(module):] + [module])
+            return
+        if module in done:
+            return
+        visiting.append(module)
+        for target in sorted(GRAPH[module]):
+            visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(GRAPH):
+        visit(module)
+    assert cycles == []
+
+
+STRATEGY = re.compile(r"(\b|_)strategy\b|get_strategy\(")  # `strategy`, `model.distribute_strategy`, ...
+
+
+def test_strategies_are_asked_only_through_the_contract():
+    probes = []
+    for module, path in MODULES.items():
+        if module == "tfdist.strategies.base":
+            continue
+        source = open(path).read()
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                    and node.args and STRATEGY.search(ast.get_source_segment(source, node.args[0]))):
+                probes.append(f"{module}:{node.lineno} {ast.get_source_segment(source, node)}")
+    assert probes == []

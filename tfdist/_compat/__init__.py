@@ -1,0 +1,55 @@
+"""The only place tfdist reaches into Keras or TensorFlow internals, or probes optional packages.
+
+By concern:
+- `versions`: the versions every function here was checked against
+  (TensorFlow 2.21, Keras 3.15); importing this package warns once outside them;
+- `patches`: what tfdist changes in Keras, installed together and once
+  (`tfdist.strategies.base.install_patches`);
+- `keras_internals` and `tensorflow_internals`: private state tfdist reads;
+- `tf_distribute`: the private TensorFlow classes the strategies extend;
+- `optional`: Horovod, NVML and the profiler's protobuf, on first use.
+
+Each function names the public behaviour it needs and why no public API gives it.
+"""
+
+from tfdist._compat.keras_internals import (
+    build_for_training,
+    graph_nodes,
+    keras_global_seed_state,
+    keras_reduce_per_replica,
+    loss_tracker,
+)
+from tfdist._compat.optional import horovod, nvml, xspace
+from tfdist._compat.patches import forget_step_functions, gradient_weight, keras_step_function, training_epoch_iterator
+from tfdist._compat.tensorflow_internals import (
+    auto_shard,
+    configure_coordination_service,
+    needs_gradient,
+    partition_graphs,
+    peer_answers,
+    remake_variables,
+)
+from tfdist._compat.versions import TESTED_VERSIONS, check_versions
+
+__all__ = [
+    "TESTED_VERSIONS",
+    "auto_shard",
+    "build_for_training",
+    "check_versions",
+    "configure_coordination_service",
+    "forget_step_functions",
+    "gradient_weight",
+    "graph_nodes",
+    "horovod",
+    "keras_global_seed_state",
+    "keras_reduce_per_replica",
+    "keras_step_function",
+    "loss_tracker",
+    "needs_gradient",
+    "nvml",
+    "partition_graphs",
+    "peer_answers",
+    "remake_variables",
+    "training_epoch_iterator",
+    "xspace",
+]

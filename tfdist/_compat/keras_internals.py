@@ -1,0 +1,70 @@
+"""Keras's private state that tfdist reads: a model's layer graph, its loss tracker, the global seed, the
+reduction of a step's logs, the build before training."""
+
+from __future__ import annotations
+
+__all__ = ["build_for_training", "graph_nodes", "keras_global_seed_state", "keras_reduce_per_replica", "loss_tracker"]
+
+def graph_nodes(model):
+    """The layer graph of a Sequential or functional Keras model.
+
+    Keras has no public API for a model's nodes (which layer consumes which
+    tensors); pipeline partitioning needs it to know what crosses a stage
+    boundary. Returns `(nodes, inputs, outputs)`: `nodes` lists
+    `(operation, input KerasTensors, output KerasTensors)` in an order where
+    every node comes after the nodes it consumes; `inputs` and `outputs` are
+    the model's KerasTensors.
+
+    Raises:
+      ValueError: the model is subclassed (it has no layer graph) or unbuilt.
+    """
+    import keras
+
+    graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
+    if graph is None or not hasattr(graph, "_nodes_by_depth"):
+        raise ValueError(
+            f"`model` must be a built Sequential or functional model to be split into "
+            f"pipeline stages; a subclassed model has no layer graph. Received: {model.name}"
+        )
+    nodes = []
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            if node.operation is None or node.is_input:
+                continue
+            nodes.append((node.operation, list(node.input_tensors), list(node.outputs)))
+    return nodes, list(graph.inputs), list(graph.outputs)
+
+def loss_tracker(model):
+    """The `Mean` metric behind the `loss` entry of Keras's training logs.
+
+    A training step written outside `Model.train_step` (the pipelined one)
+    must update it as Keras's own step does; Keras keeps it private.
+    """
+    return model._loss_tracker
+
+def build_for_training(model, epoch_iterator) -> None:
+    """Makes every variable `fit` will train with (optimizer slots, metrics) now, from the data's shapes.
+
+    Under a distribution strategy `fit` does this before `on_train_begin`; without
+    one Keras waits for the first step's tracing, too late to restore them.
+    Shapes only: no batch is read, so the input order stays as it would be.
+    """
+    spec = epoch_iterator.data_adapter.get_tf_dataset().element_spec
+    model._symbolic_build(data_batch=spec)
+
+def keras_global_seed_state():
+    """The variable behind Keras's unseeded random ops (`keras.random.normal()` without a seed)."""
+    from keras.src.random.seed_generator import global_seed_generator
+
+    return global_seed_generator().state
+
+def keras_reduce_per_replica(outputs, strategy):
+    """Keras's reduction of a training step's per-replica outputs to the logs it shows.
+
+    A strategy that builds its own training function (a multi-step loop Keras's
+    cannot run) must hand Keras the logs its own function would; Keras keeps
+    the reduction private.
+    """
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    return reduce_per_replica(outputs, strategy, reduction="auto")

@@ -1,0 +1,280 @@
+"""The patches tfdist makes to Keras: step functions a strategy supplies, resumable epoch iterators, gradient
+clipping after the all-reduce, gradient weights by batch share, atomic parameter-server updates.
+
+They are installed together, once (`install_patches`), and each falls back to
+Keras's own behaviour for a strategy that asks for nothing. How a patch asks a
+strategy is given to it (`tfdist.strategies.base` passes the contract's
+answers), so this module imports nothing of tfdist's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Callable
+
+__all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
+           "training_epoch_iterator"]
+
+# How the patches ask a strategy: `keras_hooks(strategy, model)` and `clips_after_all_reduce(strategy)`.
+_ASK: dict[str, Callable] = {}
+
+
+def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable) -> None:
+    """Installs every patch, once; later calls change nothing.
+
+    Args:
+      keras_hooks: `(strategy, model)` -> the step functions the strategy supplies for `model`, or None.
+      clips_after_all_reduce: `(strategy)` -> whether gradient clipping follows the all-reduce.
+    """
+    _ASK.setdefault("keras_hooks", keras_hooks)
+    _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
+    _install_trainer_hooks()
+    _install_clipping_after_all_reduce()
+    _install_atomic_parameter_server_updates()
+
+_STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
+
+_TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result", "_maybe_symbolic_build")
+
+_ORIGINAL_TRAINER_METHODS: dict = {}
+
+def _install_trainer_hooks() -> None:
+    """Lets a strategy supply the step functions Keras 3's TensorFlow trainer runs.
+
+    Keras 3 builds `fit`/`evaluate`/`predict` step functions around
+    `strategy.run` on the calling process, and offers no way to schedule them
+    elsewhere (tf.keras had `_cluster_coordinator`; Keras 3 dropped it). For a
+    model whose strategy has `keras_hooks(model)`, the trainer's
+    `make_*_function` install the functions that dict names (`train_function`,
+    `test_function`, `predict_function`) instead of Keras's, and
+    `get_metrics_result` calls its `metrics_result` if it has one. An
+    iterator the strategy hands Keras (`experimental_distribute_dataset`) that
+    has `on_step_group(first, last, steps_per_epoch)` hears, before each call
+    of the train function, which of the epoch's steps that call is for: Keras
+    passes it only the iterator, and a last group of `steps_per_execution` may
+    be short. Before its first step, Keras builds the model from the first
+    batch averaged over the replicas, which fails when that batch does not
+    divide over them (3 validation examples on 2 replicas: "AddN must have the
+    same size and shape", keras-team/keras#19246); the build here takes the
+    first replica's part, which has the shapes it needs. Everything else keeps
+    Keras's own methods. Idempotent.
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
+
+    if _ORIGINAL_TRAINER_METHODS:
+        return
+    _ORIGINAL_TRAINER_METHODS.update({name: getattr(TensorFlowTrainer, name) for name in _TRAINER_HOOKS})
+
+    def hooks_of(model):
+        # Made once per compile: `compile` makes a new `_compile_config`, and a
+        # recompiled model (new optimizer or loss) needs new step functions.
+        compiled_as = getattr(model, "_compile_config", None)
+        cached = model.__dict__.get("_tfdist_hooks")
+        if cached is None or cached[0] is not compiled_as:
+            model.__dict__["_tfdist_hooks"] = (compiled_as, _ASK["keras_hooks"](model.distribute_strategy, model))
+        return model.__dict__["_tfdist_hooks"][1]
+
+    def step_function_maker(name: str):
+        attribute = name.replace("make_", "")
+
+        def make(self, force=False):
+            hooks = hooks_of(self)
+            if attribute not in (hooks or {}):
+                return _ORIGINAL_TRAINER_METHODS[name](self, force=force)
+            setattr(self, attribute, hooks[attribute])
+            return getattr(self, attribute)
+
+        return make
+
+    def get_metrics_result(self):
+        import tensorflow as tf
+
+        hooks = hooks_of(self)
+        # In a traced step (Keras's own compute_metrics) the graph reads the metrics itself.
+        if "metrics_result" in (hooks or {}) and tf.executing_eagerly():
+            return hooks["metrics_result"]()
+        return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        import tensorflow as tf
+
+        if iterator is not None and self._distribute_strategy is not None:
+            for _, _, batches in iterator:  # as Keras does: the first batch
+                local = self._distribute_strategy.experimental_local_results
+                data_batch = tf.nest.map_structure(
+                    lambda v: local(v)[0] if isinstance(v, tf.distribute.DistributedValues) else v, next(batches))
+                break
+        return _ORIGINAL_TRAINER_METHODS["_maybe_symbolic_build"](self, data_batch=data_batch)
+
+    next_group = TFEpochIterator.__next__
+    init = TFEpochIterator.__init__
+    get_iterator = TFEpochIterator._get_iterator
+
+    def init_recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        global _LATEST_EPOCH_ITERATOR
+        _LATEST_EPOCH_ITERATOR = weakref.ref(self)
+
+    def get_iterator_resumed(self):
+        # Called whenever Keras starts a new iterator over the dataset.
+        skip = self.__dict__.pop("_tfdist_skip_batches", 0)
+        self.__dict__["_tfdist_batches"] = skip
+        if not skip:
+            return get_iterator(self)
+        dataset = self.data_adapter.get_tf_dataset().skip(skip)  # global batches: before any sharding
+        return self._distribute_strategy.experimental_distribute_dataset(dataset)
+
+    def next_group_told(self):
+        first, last, iterator = next_group(self)
+        resume_at = self.__dict__.pop("_tfdist_first_step", 0)
+        while first < resume_at:  # steps a checkpoint already took: Keras's counter moves, no data is read
+            first, last, iterator = next_group(self)
+        # An iterator made before the patches were installed has no count yet.
+        self.__dict__["_tfdist_batches"] = self.__dict__.get("_tfdist_batches", 0) + last - first + 1
+        if hasattr(iterator, "on_step_group"):
+            iterator.on_step_group(first, last, self.num_batches)
+        return first, last, iterator
+
+    for name in _STEP_FUNCTION_MAKERS:
+        setattr(TensorFlowTrainer, name, step_function_maker(name))
+    TensorFlowTrainer.get_metrics_result = get_metrics_result
+    TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
+    TFEpochIterator.__init__ = init_recorded
+    TFEpochIterator._get_iterator = get_iterator_resumed
+    TFEpochIterator.__next__ = next_group_told
+
+_LATEST_EPOCH_ITERATOR = None
+
+def training_epoch_iterator():
+    """The epoch iterator `fit` made last: in a callback's `on_train_begin`, the one training reads.
+
+    tfdist's hooks (the trainer hooks) let it resume: set `_tfdist_skip_batches`
+    (global batches the next iterator over the dataset skips, inside tf.data) and
+    `_tfdist_first_step` (the epoch's first step to run) before the epoch starts;
+    `_tfdist_batches` counts the batches read from the current iterator.
+    """
+    return _LATEST_EPOCH_ITERATOR() if _LATEST_EPOCH_ITERATOR is not None else None
+
+def forget_step_functions(model) -> None:
+    """Has the next `fit`/`evaluate`/`predict` make `model`'s step functions again (Keras's, or a strategy's
+    hooks): they bake in what they were traced with, such as the number of replicas."""
+    model.__dict__.pop("_tfdist_hooks", None)
+    model.train_function = model.test_function = model.predict_function = None
+
+def keras_step_function(model, attribute: str):
+    """Keras's own step function (`train_function`, ...) for `model`, for a hook to wrap."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    maker = "make_" + attribute
+    _ORIGINAL_TRAINER_METHODS.get(maker, getattr(TensorFlowTrainer, maker))(model, force=True)
+    return getattr(model, attribute)
+
+def _install_clipping_after_all_reduce() -> None:
+    """Lets a strategy clip gradients after the all-reduce, as one device would.
+
+    Keras 3 clips (`clipnorm`, `global_clipnorm`, `clipvalue`) each replica's
+    gradient before its optimizer all-reduces them, so with two replicas a
+    step moved a variable by 0.043 where `lr * clipnorm` is 0.025, and TF's
+    own strategies do the same. Keras has no hook between the two. Under a
+    strategy whose `clips_after_all_reduce` is true, the gradients are
+    all-reduced first, clipped, and divided by the number of replicas, so the
+    all-reduce Keras runs next gives the clipped global gradient. It costs one
+    more all-reduce per step, only when clipping is on. Other strategies keep
+    Keras's behaviour. Idempotent.
+    """
+    import tensorflow as tf
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    if getattr(BaseOptimizer, "_tfdist_clips_after_all_reduce", False):
+        return
+    keras_clip = BaseOptimizer._clip_gradients
+
+    def _clip_gradients(self, grads):
+        weight = getattr(_GRADIENT_WEIGHT, "value", None)
+        if weight is not None:
+            grads = [_scaled(g, weight) for g in grads]
+        context = tf.distribute.get_replica_context()
+        clipping = self.clipnorm or self.global_clipnorm or self.clipvalue
+        if (
+            not clipping
+            or context is None
+            or context.num_replicas_in_sync == 1
+            or not _ASK["clips_after_all_reduce"](tf.distribute.get_strategy())
+        ):
+            return keras_clip(self, grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+        summed = list(grads)
+        for i, g in zip(present, reduced):
+            summed[i] = g
+        replicas = context.num_replicas_in_sync
+        return [None if g is None else g / replicas for g in keras_clip(self, summed)]
+
+    BaseOptimizer._clip_gradients = _clip_gradients
+    BaseOptimizer._tfdist_clips_after_all_reduce = True
+
+# Set per replica (MirroredStrategy traces each replica in a thread of its own).
+_GRADIENT_WEIGHT = threading.local()
+
+
+@contextlib.contextmanager
+
+def gradient_weight(weight):
+    """Within it, this replica's optimizer multiplies its gradients by `weight` before
+    they are all-reduced (and clipped). Needs `install_clipping_after_all_reduce`.
+
+    Keras scales each replica's loss by 1 / replicas, which is right only when
+    every replica holds as many examples; there is no hook between the gradient
+    and its all-reduce but the optimizer's `_clip_gradients`.
+    """
+    previous = getattr(_GRADIENT_WEIGHT, "value", None)
+    _GRADIENT_WEIGHT.value = weight
+    try:
+        yield
+    finally:
+        _GRADIENT_WEIGHT.value = previous
+
+def _scaled(gradient, weight):
+    import tensorflow as tf
+
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(weight, gradient.values.dtype), gradient.indices,
+                                gradient.dense_shape)
+    return gradient * tf.cast(weight, gradient.dtype)
+
+def _install_atomic_parameter_server_updates() -> None:
+    """Makes Keras 3's `assign_add`/`assign_sub` atomic for variables on parameter servers.
+
+    Keras 3 updates a variable by read-modify-write (`assign(self + value)`).
+    When two workers update the same parameter-server variable at once, one
+    worker's update is overwritten and lost (measured: 16 of 192 optimizer
+    steps). TensorFlow's own AssignAdd/AssignSub run on the parameter server
+    under the variable's lock, as tf.keras used them. Other variables keep
+    Keras's code. Idempotent.
+    """
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.tensorflow.core import Variable
+
+    if getattr(Variable, "_tfdist_atomic_updates", False):
+        return
+    keras_add, keras_sub = Variable.assign_add, Variable.assign_sub
+
+    def on_parameter_server(variable) -> bool:
+        return not in_stateless_scope() and "/job:ps/" in (getattr(variable._value, "device", "") or "")
+
+    def assign_add(self, value):
+        if on_parameter_server(self):
+            return self._value.assign_add(self._convert_to_tensor(value, dtype=self._value.dtype))
+        return keras_add(self, value)
+
+    def assign_sub(self, value):
+        if on_parameter_server(self):
+            return self._value.assign_sub(self._convert_to_tensor(value, dtype=self._value.dtype))
+        return keras_sub(self, value)
+
+    Variable.assign_add, Variable.assign_sub = assign_add, assign_sub
+    Variable._tfdist_atomic_updates = True

@@ -1,0 +1,121 @@
+"""TensorFlow's private APIs that tfdist reads, each with the public behaviour it needs and why no public API
+gives it. (The private classes tfdist's strategies extend are in `tf_distribute`.)"""
+
+from __future__ import annotations
+
+__all__ = ["auto_shard", "configure_coordination_service", "needs_gradient", "partition_graphs", "peer_answers",
+           "remake_variables"]
+
+def peer_answers(peer: str, timeout_ms: int) -> bool:
+    """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's
+    collective health check: the private check MultiWorkerMirroredStrategy's own
+    health thread uses (checked against TF 2.21). An unreachable, restarted or
+    silent peer fails it."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().check_collective_ops_peer_health(peer, timeout_in_ms=timeout_ms)
+        return True
+    except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError, tf.errors.DeadlineExceededError):
+        return False
+
+def configure_coordination_service(
+    cluster_spec, *, startup_timeout_seconds: float, heartbeat_timeout_seconds: float
+) -> None:
+    """Sets the multi-worker coordination service's timeouts before TF starts.
+
+    MultiWorkerMirroredStrategy configures this service itself with TensorFlow's
+    defaults: a peer that never starts is waited for an hour, with no public
+    option to change it. Configured here first, the strategy keeps our settings
+    (it only configures the service when none is set), so a missing peer fails
+    after `startup_timeout_seconds` and a dead one after
+    `heartbeat_timeout_seconds`.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    jobs = cluster_spec.as_dict()
+    leader_job = "chief" if "chief" in jobs else "worker"
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=f"/job:{leader_job}/replica:0/task:0",
+        cluster_register_timeout_in_ms=int(startup_timeout_seconds * 1000),
+        heartbeat_timeout_in_ms=int(heartbeat_timeout_seconds * 1000),
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker")
+            if job in jobs
+        ],
+    )
+    # Without the barrier, the register timeout is not enforced: the first
+    # collective waits for missing tasks forever.
+    context.context().coordination_service.cluster_register_with_barrier = True
+
+def needs_gradient(tensor) -> bool:
+    """Whether a gradient tape in scope records `tensor` (so something needs its gradient)."""
+    from tensorflow.python.eager import record
+
+    return bool(record.should_record_backprop([tensor]))
+
+def remake_variables(variables_in_contexts, optimizer=None) -> None:
+    """Makes each Keras variable's TensorFlow storage again, inside its context, keeping its value.
+
+    Keras 3 cannot move a variable once it is made, and a pipeline knows its
+    stages only after the model, and often the optimizer, are built. The Keras
+    object stays (so `model.weights`, names, checkpoints and optimizer slot
+    lists do not change); its storage (`_value`) is made again the way Keras
+    makes it, by the variable creators and device of the context, and every
+    copy takes the value of the old copy at its position. Keras optimizers key
+    the variables they train by their storage's id (`_var_key`), so
+    `optimizer` (and the optimizer it wraps, for loss scaling) is re-keyed.
+
+    Args:
+      variables_in_contexts: (Keras variable, context manager) pairs.
+      optimizer: the Keras optimizer training these variables, if any.
+    """
+    optimizers = []
+    while optimizer is not None:
+        optimizers.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    remade = [variable for variable, _ in variables_in_contexts]
+    old_keys = [{o._var_key(v): v for v in remade} for o in optimizers]
+    for variable, context in variables_in_contexts:
+        old = variable._value
+        with context:
+            variable._initialize(old.read_value())
+        for new_copy, old_copy in zip(getattr(variable._value, "values", ()), getattr(old, "values", ())):
+            new_copy.assign(old_copy.read_value())  # copies of sync-on-read state may differ
+    for o, keys in zip(optimizers, old_keys):
+        if o.built:
+            o._trainable_variables_indices = {o._var_key(v): i for i, v in enumerate(o._trainable_variables)}
+        excluded = getattr(o, "_exclude_from_weight_decay", None)
+        if excluded:
+            o._exclude_from_weight_decay = {o._var_key(keys[k]) if k in keys else k for k in excluded}
+        o._exclude_from_weight_decay_cache = {}
+
+def partition_graphs(run) -> list:
+    """The graphs TensorFlow's runtime executed for the functions `run()` instantiated, per device.
+
+    A step's cross-device copies exist only after placement: TensorFlow splits
+    each function's graph per device and joins the parts with `_Send`/`_Recv`
+    pairs. Eager TensorFlow records those partition graphs in its run metadata
+    (`tf.compat.v1.RunMetadata.function_graphs`), which has no public switch in
+    TF2. Functions instantiated before `run()` are not recorded.
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        run()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
+
+def auto_shard(dataset, num_shards: int, index):
+    """TensorFlow's auto-sharding of `dataset` by its own `auto_shard_policy` (what tf.distribute applies)."""
+    from tensorflow.python.distribute import input_ops
+
+    return input_ops.auto_shard_dataset(dataset, num_shards, index, num_shards)

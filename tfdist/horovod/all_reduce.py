@@ -1,0 +1,85 @@
+"""`HorovodAllReduce`: tf.distribute cross-device ops whose reductions are Horovod collectives.
+
+`tfdist.HorovodStrategy` reduces through it, and so do the process groups of a
+pipeline or tensor-parallel job whose replicas span Horovod's ranks.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tfdist._compat.tf_distribute import cross_device_ops_lib
+
+__all__ = ["HorovodAllReduce"]
+
+
+class HorovodAllReduce(tf.distribute.CrossDeviceOps):
+    """Cross-device ops whose reductions run across Horovod's processes.
+
+    All-reduces of a batch of values are the optimizer's gradient all-reduce:
+    they use the configured `op` and compression, in one grouped (fused)
+    all-reduce. Single reductions (metric reads, `strategy.reduce`) are exact
+    sums or means.
+
+    Args:
+      hvd: the initialised `horovod.tensorflow` module.
+      op: `average`, `sum` or `adasum` (see `HorovodConfig.op`).
+      fp16_compression: send float gradients as float16.
+    """
+
+    def __init__(self, hvd, *, op: str = "average", fp16_compression: bool = False):
+        super().__init__()
+        self._hvd = hvd
+        self.op = op
+        self._compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
+
+    @property
+    def _num_between_graph_workers(self):
+        return self._hvd.size()  # never take TensorFlow's one-device shortcut
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        op = self._hvd.Average if reduce_op == tf.distribute.ReduceOp.MEAN else self._hvd.Sum
+        reduced = self._hvd.allreduce(_local_value(per_replica_value), op=op)
+        return cross_device_ops_lib.simple_broadcast(reduced, destinations, always_mirrored=True)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        reduced = self._all_reduce_group(reduce_op, [_local_value(v) for v, _ in value_destination_pairs])
+        return [
+            cross_device_ops_lib.simple_broadcast(r, destinations, always_mirrored=True)
+            for r, (_, destinations) in zip(reduced, value_destination_pairs)
+        ]
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        """The replica-context all-reduce (no merge_call) Keras's optimizers use."""
+        flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+        return tf.nest.pack_sequence_as(value, self._all_reduce_group(reduce_op, flat))
+
+    def _all_reduce_group(self, reduce_op, tensors: list) -> list:
+        """One grouped (fused) all-reduce of a step's gradients, with the configured op."""
+        # Keras scales each rank's loss by 1/size, so a sum of the gradients is
+        # their mean; `sum` and `adasum` want each rank's own gradient.
+        size = float(self._hvd.size())
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            op, pre, post = self._hvd.Average, 1.0, 1.0
+        elif self.op == "average":
+            op, pre, post = self._hvd.Sum, 1.0, 1.0
+        elif self.op == "sum":
+            op, pre, post = self._hvd.Sum, size, 1.0
+        else:
+            # horovod 0.28.1's grouped_allreduce fails for Adasum on Python 3 (it reads
+            # a list comprehension's variable), so Adasum goes tensor by tensor;
+            # Horovod still fuses the tensors that are ready in the same cycle.
+            return [
+                self._hvd.allreduce(t, op=self._hvd.Adasum, compression=self._compression, prescale_factor=size)
+                for t in tensors
+            ]
+        return self._hvd.grouped_allreduce(
+            tensors, op=op, compression=self._compression, prescale_factor=pre, postscale_factor=post
+        )
+
+
+def _local_value(value) -> tf.Tensor:
+    """The one local replica's value, dense (Horovod reduces dense tensors)."""
+    values = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
+    if len(values) != 1:
+        raise ValueError(f"HorovodStrategy runs one replica per process; got {len(values)} local values.")
+    return tf.convert_to_tensor(values[0])

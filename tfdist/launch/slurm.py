@@ -1,0 +1,99 @@
+"""`tfdist slurm`: the sbatch script that runs a tfdist job.
+
+One `srun` of `tfdist train` over every task (each finds its cluster with
+`cluster.resolver: slurm`, see `tfdist.cluster.slurm`), or, for Horovod,
+`horovodrun` over the job's nodes (Gloo; it reaches other nodes by ssh).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Optional
+
+from tfdist.checkpoint_store import EXIT_PREEMPTED
+from tfdist.cluster.roles import MULTI_PROCESS_KINDS, roles
+from tfdist.config.schema import Config, StrategyKind
+from tfdist.errors import ConfigError
+
+__all__ = ["sbatch_script"]
+
+
+def sbatch_script(
+    config: Config,
+    train_args: list[str],
+    *,
+    tasks: int,
+    nodes: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+    partition: Optional[str] = None,
+    time_limit: Optional[str] = None,
+    overcommit: bool = False,
+    requeue: bool = False,
+    workdir: Optional[str] = None,
+) -> str:
+    """The sbatch script that trains `config` with `tasks` tasks.
+
+    Args:
+      config: the job's config (its kind decides srun or horovodrun).
+      train_args: the `tfdist train` flags every task gets (--config, --set, --metrics_out).
+      tasks: Slurm tasks (processes); one per GPU on GPU nodes.
+      nodes, gpus_per_node, partition, time_limit: the matching #SBATCH options when given.
+      overcommit: let more tasks than CPUs share a node (#SBATCH --overcommit).
+      requeue: when the job is preempted (its tasks exit 75 after SIGTERM),
+        `scontrol requeue` it, so it runs again and resumes from checkpoint.dir.
+      workdir: where the tasks run (default: the current directory).
+
+    Raises:
+      ConfigError: a kind that does not run on several processes, or counts that do not fit it.
+    """
+    kind = config.strategy.launched_as
+    if kind not in MULTI_PROCESS_KINDS:
+        raise ConfigError("strategy.kind", "runs in one process; Slurm jobs take multi_worker_mirrored, "
+                          "parameter_server or horovod.", kind.value)
+    if tasks < 1 or (nodes is not None and not 1 <= nodes <= tasks):
+        raise ConfigError("--tasks", f"must be at least 1 and at least --nodes ({nodes}).", tasks)
+    roles(kind, tasks, config.parameter_server.num_ps)  # refuses too few tasks now, not in the job
+    options = [f"--job-name=tfdist-{kind.value}", f"--ntasks={tasks}", "--output=tfdist-%j.out"]
+    options += [f"--nodes={nodes}"] if nodes else []
+    options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    options += [f"--partition={partition}"] if partition else []
+    options += [f"--time={time_limit}"] if time_limit else []
+    options += ["--overcommit"] if overcommit else []
+    options += ["--requeue", "--open-mode=append"] if requeue else []  # one output file across runs
+    train = [sys.executable, "-m", "tfdist.cli", "train", *train_args]
+    lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "set -euo pipefail",
+             f"cd {shlex.quote(workdir or os.getcwd())}"]
+    if kind == StrategyKind.HOROVOD:
+        if nodes and tasks % nodes:
+            raise ConfigError("--tasks", f"must divide evenly over the {nodes} nodes for horovodrun's host list.",
+                              tasks)
+        per_node = tasks // (nodes or 1)
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        lines += [
+            "# horovodrun over the job's nodes (Gloo; other nodes are reached by ssh).",
+            f'hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/:{per_node}/" | paste -sd, -)',
+            shlex.join([horovodrun, "-np", str(tasks), "--gloo"]) + ' -H "$hosts" ' + shlex.join(train),
+        ]
+    else:
+        if (nodes or 1) > 1 and not config.cluster.allow_non_loopback:
+            lines.insert(2 + len(options), _OFF_LOOPBACK_NOTE)
+            print(f"tfdist: warning: {_OFF_LOOPBACK_NOTE[2:]}", file=sys.stderr)
+        srun = ["srun", "--kill-on-bad-exit=1", *train, "--set=cluster.resolver=slurm"]
+        lines.append(shlex.join(srun))
+    if requeue:
+        lines[-1] += " || code=$?"
+        lines += [f'if [ "${{code:-0}}" -eq {EXIT_PREEMPTED} ]; then',
+                  '  echo "tfdist: preempted; requeueing job $SLURM_JOB_ID"',
+                  '  scontrol requeue "$SLURM_JOB_ID"',
+                  "fi",
+                  'exit "${code:-0}"']
+    return "\n".join(lines) + "\n"
+
+
+_OFF_LOOPBACK_NOTE = (
+    "# Tasks on several nodes talk over the nodes' network, and tf.distribute's gRPC servers have no "
+    "authentication: tfdist refuses addresses off loopback until the job sets "
+    "cluster.allow_non_loopback=true (add --set cluster.allow_non_loopback=true on a network you trust)."
+)

@@ -1,0 +1,143 @@
+"""The contract between a strategy and the rest of tfdist: every member it may provide, with its default.
+
+Training, the callbacks, the layers and the Keras hooks ask a strategy only
+through `contract(strategy)`, never with `hasattr`. tfdist's strategies mix in
+`StrategyContract` and override what they need; TensorFlow's own strategies
+(`OneDeviceStrategy`, `TPUStrategy`, a user's `tf.distribute.MirroredStrategy`)
+get the defaults, which are what a one-process strategy that needs nothing
+special would answer. So a new strategy touches its own module and the
+factory that builds it from config, and nothing else.
+
+Example:
+
+    >>> import tensorflow as tf
+    >>> contract(tf.distribute.OneDeviceStrategy("/cpu:0")).is_chief
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from tfdist._compat.patches import install_patches as _install_patches
+from tfdist.errors import ClusterError
+
+__all__ = ["StrategyContract", "contract", "install_patches"]
+
+
+class StrategyContract:
+    """What a tfdist strategy may tell training; mix it in before the TensorFlow strategy class."""
+
+    def __new__(cls, *args, **kwargs):
+        # Keras's trainer and optimizer ask the strategy through the contract. In `__new__`, which every
+        # construction runs, since some strategies call a TensorFlow base class's `__init__` directly.
+        install_patches()
+        return super().__new__(cls)
+
+    # --- The step -----------------------------------------------------------------------------
+    #: Gradient clipping sees the all-reduced gradient, as on one device (Keras clips each replica's).
+    clips_after_all_reduce: bool = False
+    #: Batches whose gradients are accumulated locally before one update (Horovod's backward passes).
+    accumulation_steps: int = 1
+    #: Training steps per call of the train function (parameter servers: per scheduled closure).
+    steps_per_execution: int = 1
+    #: How variables are cut into shards (parameter servers' `ShardedEmbedding`); None keeps them whole.
+    shard_partitioner: Any = None
+
+    @property
+    def tensor_parallel_group(self):
+        """The `DeviceGroup` a tensor-parallel layer built now splits over; None outside tensor parallelism."""
+        return None
+
+    def keras_hooks(self, model) -> Optional[dict[str, Callable]]:
+        """Keras's step functions to replace for `model` (`train_function`, ..., `metrics_result`), or None."""
+        return None
+
+    # --- Building the model -------------------------------------------------------------------
+    def before_build(self, config, build_model: Callable) -> None:
+        """Runs before the model is built under the scope (tensor parallel: place layers by memory)."""
+
+    def check_model(self, config, model) -> None:
+        """Raises the ConfigError the built model reveals (an unknown `pipeline.boundaries` layer, ...)."""
+
+    # --- Input --------------------------------------------------------------------------------
+    #: The chief builds the input every worker reads (parameter servers), so a validation set's size
+    #: must be known before it is split.
+    input_built_by_chief: bool = False
+
+    def input_workers(self) -> tuple[int, Optional[int]]:
+        """(input pipelines of the job, this process's index among them, or None when the index is not
+        fixed: the chief feeds every worker, or an elastic job's ranks change)."""
+        resolver = self.cluster_resolver  # a cluster of all-reduce workers (MultiWorkerMirroredStrategy), or none
+        spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        chiefs, workers = spec.get("chief", []), spec.get("worker", [])
+        if not chiefs + workers:
+            return 1, 0
+        return len(chiefs + workers), resolver.task_id + (len(chiefs) if resolver.task_type == "worker" else 0)
+
+    # --- The job ------------------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process reports and writes checkpoints: in a cluster, the chief, else worker 0."""
+        resolver = self.cluster_resolver
+        jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        if not jobs:
+            return True
+        if "chief" in jobs:
+            return resolver.task_type == "chief"
+        return resolver.task_type == "worker" and resolver.task_id == 0
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device this process trains on (a replica may span several)."""
+        return list(self.extended.worker_devices)
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether the job has other processes that `any_process` must agree with."""
+        return False
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is set in any process of the job; a collective every process calls in step."""
+        return flag
+
+    def fit(self, model, fit: Callable, *, epochs: int, callbacks: list):
+        """Runs `fit(epochs=..., callbacks=...)`, a partial `model.fit`, and returns its History (elastic
+        Horovod runs it under `hvd.elastic.run`)."""
+        return fit(epochs=epochs, callbacks=callbacks)
+
+    def wait_for_steps(self) -> None:
+        """Returns once every step called so far has finished (parameter servers queue them)."""
+
+    def job_error(self, error) -> Optional[ClusterError]:
+        """The one-line ClusterError for a failed step that means a lost peer; None for any other failure."""
+        return None
+
+    def job_report(self, model) -> dict[str, Any]:
+        """Entries for the summary and `--metrics_out`: the cluster, partition, device groups, placement."""
+        return {}
+
+
+class _TensorFlowStrategy(StrategyContract):
+    """One of TensorFlow's own strategies, answering with the contract's defaults."""
+
+    def __new__(cls, strategy):  # a view of a strategy that exists: it installs nothing
+        return object.__new__(cls)
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+
+    def __getattr__(self, name):  # cluster_resolver, extended, ...: the strategy's own
+        return getattr(self._strategy, name)
+
+
+def install_patches() -> None:
+    """Installs tfdist's patches to Keras (`tfdist._compat.patches`), asking strategies through the contract.
+    Once: every tfdist strategy calls it when made, and `Checkpoint`, which resumes through them."""
+    _install_patches(keras_hooks=lambda strategy, model: contract(strategy).keras_hooks(model),
+                     clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce)
+
+
+def contract(strategy) -> StrategyContract:
+    """The strategy's answers to the contract: its own if it is a tfdist strategy, else the defaults."""
+    return strategy if isinstance(strategy, StrategyContract) else _TensorFlowStrategy(strategy)
