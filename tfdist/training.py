@@ -76,11 +76,11 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
         return models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes)
 
     # What a strategy needs before the model is built, and the config errors it can see in the model.
-    answers.before_build(config, build_model)
+    answers.before_build(build_model)
     keras.utils.set_random_seed(train.seed)  # a probe build may have drawn from it; the model starts as without
     with strategy.scope():
         model = build_model()
-        answers.check_model(config, model)
+        answers.check_model(model)
         optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=answers.accumulation_steps)
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),

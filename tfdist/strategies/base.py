@@ -54,10 +54,10 @@ class StrategyContract:
         return None
 
     # --- Building the model -------------------------------------------------------------------
-    def before_build(self, config, build_model: Callable) -> None:
+    def before_build(self, build_model: Callable) -> None:
         """Runs before the model is built under the scope (tensor parallel: place layers by memory)."""
 
-    def check_model(self, config, model) -> None:
+    def check_model(self, model) -> None:
         """Raises the ConfigError the built model reveals (an unknown `pipeline.boundaries` layer, ...)."""
 
     # --- Input --------------------------------------------------------------------------------

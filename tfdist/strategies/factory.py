@@ -200,7 +200,9 @@ def _tensor_parallel(config: Config, gpus: int) -> TensorParallelStrategy:
     check_tensor_parallel_devices(config, devices)
     with _same_layout_in_every_process(config):
         return TensorParallelStrategy(devices, group_size=tensor_parallel_size(config, len(devices)),
-                                      placement=placement_pairs(config), data_parallel=_process_group(config))
+                                      placement=placement_pairs(config),
+                                      balance_by_memory=config.placement.balance_by_memory,
+                                      data_parallel=_process_group(config))
 
 
 def _tpu(config: Config, gpus: int = 0) -> tf.distribute.TPUStrategy:

@@ -292,7 +292,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             )
         return "\n".join(lines)
 
-    def check_model(self, config, model: keras.Model) -> None:
+    def check_model(self, model: keras.Model) -> None:
         """What the first step would refuse, as config errors before any (for `tfdist train`).
 
         Raises:
@@ -301,13 +301,13 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         """
         layers = [op for op, _, _ in _compat.graph_nodes(model)[0]]
         names = [op.name for op in layers]
-        unknown = [name for name in config.pipeline.boundaries if name not in names]
+        unknown = [b for b in self._boundaries or () if isinstance(b, str) and b not in names]
         if unknown:
             raise ConfigError(
                 "pipeline.boundaries", f"must name layers of the {model.name} model ({', '.join(names)}).", unknown
             )
         random = [op.name for op in layers if partition_lib.draws_random_numbers(op)]
-        if config.pipeline.recompute and random:
+        if self.recompute and random:
             raise ConfigError(
                 "pipeline.recompute",
                 f"cannot be used with the {model.name} model: its layers {', '.join(random)} draw random numbers, "

@@ -59,6 +59,8 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
       placement: layer name -> device of the first group, for layers built in
         this strategy's scope (see `tfdist.parallel.placement`); the other
         groups place the same layers at the same positions.
+      balance_by_memory: before `tfdist train` builds the model, place its
+        layers over the first group by their memory (from a throwaway build).
       data_parallel: `local`, `multi_worker`, `horovod` or a strategy for
         them: train the groups of every process of a multi-process job data
         parallel (see `PipelineStrategy`).
@@ -75,6 +77,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         *,
         group_size: Optional[int] = None,
         placement: Optional[Mapping[str, str]] = None,
+        balance_by_memory: bool = False,
         data_parallel: Union[str, tf.distribute.Strategy] = "local",
     ):
         if devices is None:
@@ -90,6 +93,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         super().__init__([group.devices for group in self.groups], processes=processes)
         self.placement: dict[str, str] = {}
         self.place(placement or {})
+        self.balance_by_memory = balance_by_memory
 
     @property
     def tensor_parallel_group(self) -> DeviceGroup:
@@ -112,14 +116,14 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
             raise ValueError(f"`placement` must use the devices of the first group {first.devices}. Received: {outside}")
         self.placement = dict(placement)
 
-    def before_build(self, config, build_model: Callable[[], keras.Model]) -> None:
-        """With `placement.balance_by_memory`, places the layers of a throwaway build (for `tfdist train`)."""
-        if config.placement.balance_by_memory:
+    def before_build(self, build_model: Callable[[], keras.Model]) -> None:
+        """With `balance_by_memory`, places the layers of a throwaway build (for `tfdist train`)."""
+        if self.balance_by_memory:
             with DeviceGroup(self.groups[0].devices[:1]).scope():
                 probe = build_model()  # on one device: only its layers' names and sizes are wanted
             self.place(balance_by_memory(probe, self.groups[0].devices))
 
-    def check_model(self, config, model: keras.Model) -> None:
+    def check_model(self, model: keras.Model) -> None:
         """Raises ConfigError when `placement.layers` names a layer the model does not have."""
         unknown = unknown_layers(model, self.placement)
         if unknown:
