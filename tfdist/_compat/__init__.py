@@ -20,7 +20,14 @@ from tfdist._compat.keras_internals import (
     loss_tracker,
 )
 from tfdist._compat.optional import horovod, nvml, xspace
-from tfdist._compat.patches import forget_step_functions, gradient_weight, keras_step_function, training_epoch_iterator
+from tfdist._compat.patches import (
+    batches_read,
+    forget_step_functions,
+    gradient_weight,
+    keras_step_function,
+    resume_epoch_iterator,
+    training_epoch_iterator,
+)
 from tfdist._compat.tensorflow_internals import (
     auto_shard,
     configure_coordination_service,
@@ -34,6 +41,7 @@ from tfdist._compat.versions import TESTED_VERSIONS, check_versions
 __all__ = [
     "TESTED_VERSIONS",
     "auto_shard",
+    "batches_read",
     "build_for_training",
     "check_versions",
     "configure_coordination_service",
@@ -50,6 +58,7 @@ __all__ = [
     "partition_graphs",
     "peer_answers",
     "remake_variables",
+    "resume_epoch_iterator",
     "training_epoch_iterator",
     "xspace",
 ]

@@ -15,7 +15,7 @@ import weakref
 from typing import Callable
 
 __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
-           "training_epoch_iterator"]
+           "training_epoch_iterator", "resume_epoch_iterator", "batches_read"]
 
 # How the patches ask a strategy: `keras_hooks(strategy, model)` and `clips_after_all_reduce(strategy)`.
 _ASK: dict[str, Callable] = {}
@@ -148,14 +148,22 @@ def _install_trainer_hooks() -> None:
 _LATEST_EPOCH_ITERATOR = None
 
 def training_epoch_iterator():
-    """The epoch iterator `fit` made last: in a callback's `on_train_begin`, the one training reads.
-
-    tfdist's hooks (the trainer hooks) let it resume: set `_tfdist_skip_batches`
-    (global batches the next iterator over the dataset skips, inside tf.data) and
-    `_tfdist_first_step` (the epoch's first step to run) before the epoch starts;
-    `_tfdist_batches` counts the batches read from the current iterator.
-    """
+    """The epoch iterator `fit` made last: in a callback's `on_train_begin`, the one training reads."""
     return _LATEST_EPOCH_ITERATOR() if _LATEST_EPOCH_ITERATOR is not None else None
+
+
+def resume_epoch_iterator(iterator, *, skip_batches: int, first_step: int) -> None:
+    """Has `fit` resume mid-run (the checkpoint callback's half of the handshake; the trainer hooks
+    above do the rest): the next iterator over the dataset skips `skip_batches` global batches
+    inside tf.data, and the epoch starts at step `first_step` without reading data for the steps
+    before it."""
+    iterator.__dict__["_tfdist_skip_batches"] = skip_batches
+    iterator.__dict__["_tfdist_first_step"] = first_step
+
+
+def batches_read(iterator) -> int:
+    """Global batches read from `iterator`'s current pass over the dataset (skipped ones included)."""
+    return iterator.__dict__.get("_tfdist_batches", 0)
 
 def forget_step_functions(model) -> None:
     """Has the next `fit`/`evaluate`/`predict` make `model`'s step functions again (Keras's, or a strategy's

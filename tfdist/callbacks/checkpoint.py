@@ -131,8 +131,9 @@ class Checkpoint(Preemption):
         if meta is not None:
             self.resumed_from_step = self._step = meta["step"]
             self.model._initial_epoch = meta["epoch"]  # Keras starts its epoch loop there
-            self._iterator._tfdist_skip_batches = meta["iterator_batches"]
-            self._iterator._tfdist_first_step = self._resume_step_in_epoch = meta["step_in_epoch"]
+            self._resume_step_in_epoch = meta["step_in_epoch"]
+            _compat.resume_epoch_iterator(self._iterator, skip_batches=meta["iterator_batches"],
+                                          first_step=meta["step_in_epoch"])
             # fit resets the metrics when the epoch begins; they are read again then.
             self._resumed_metrics = self.store.prefix(meta["step"]) if meta["step_in_epoch"] else None
             if not self._keeps_iterator() and meta["epoch"] > 0:
@@ -194,7 +195,7 @@ class Checkpoint(Preemption):
         if self._steps_per_epoch and step_in_epoch >= self._steps_per_epoch:
             epoch, step_in_epoch = epoch + 1, 0  # the epoch is done: resume at the next one's start
         meta = {"epoch": epoch, "step_in_epoch": step_in_epoch,
-                "iterator_batches": self._iterator._tfdist_batches if step_in_epoch or self._keeps_iterator() else 0}
+                "iterator_batches": _compat.batches_read(self._iterator) if step_in_epoch or self._keeps_iterator() else 0}
         if self.write:
             self.store.save(self._step, self._state().write, {**meta, **self._shape()})
         else:
