@@ -23,15 +23,16 @@ $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that
 # TensorFlow's XLA headers include, and Open MPI (Horovod's MPI controller, which Adasum needs);
-# Slurm and munge, which the tests start as a real one-node cluster.
+# Slurm and munge, which the tests start as a real one-node cluster; sshd, by which horovodrun
+# reaches the network-namespace hosts of `tfdist launch --hosts`.
 SYSTEM_PACKAGES := bazel-bootstrap cmake libhighwayhash-dev libfarmhash-dev libopenmpi-dev openmpi-bin \
-                   slurm-wlm munge
-$(STAMPS)/system: | $(BIN)/python
+                   slurm-wlm munge openssh-server
+$(STAMPS)/system: Makefile | $(BIN)/python
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES); }
 	mkdir -p $(STAMPS) && touch $@
 
 # Horovod, built once per TensorFlow version and cached outside the repo.
-$(STAMPS)/horovod: $(STAMPS)/tfdist $(STAMPS)/system tools/install_horovod.sh
+$(STAMPS)/horovod: $(STAMPS)/tfdist tools/install_horovod.sh | $(STAMPS)/system
 	tools/install_horovod.sh $(BIN)
 	mkdir -p $(STAMPS) && touch $@
 

@@ -25,7 +25,7 @@ from typing import Callable
 from absl import app, flags
 from absl import logging as absl_logging
 
-from tfdist.errors import ClusterError, ConfigError
+from tfdist.errors import ClusterError, ConfigError, HostsError
 from tfdist.tf_startup import import_tensorflow, quiet_tensorflow_log
 
 # Each command takes only its own flags (the table at the end); the help strings are shown per command.
@@ -46,6 +46,10 @@ _CHIEF = flags.DEFINE_bool("chief", False, "Add a chief task to a multi-worker j
 _MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 0, "Run the job again after a failure, up to this many times "
                                      "(it resumes from checkpoint.dir); preemptions (exit 75) do not count.",
                                      lower_bound=0)
+_HOSTS = flags.DEFINE_integer("hosts", 0, "Run the tasks on this many hosts: network namespaces of this machine "
+                               "on a private bridge (needs root; 0: every task on loopback).", lower_bound=0)
+_LINK = flags.DEFINE_string("link", None, "With --hosts: each host's link rate in tc's notation (100mbit, 1gbit, "
+                            "10gbit); unshaped when omitted.")
 _TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")
 _NODES = flags.DEFINE_integer("nodes", None, "Nodes (#SBATCH --nodes).")
 _GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "GPUs per node (#SBATCH --gpus-per-node).")
@@ -129,15 +133,25 @@ def _train_args() -> list[str]:
 
 def _launch_command(args) -> None:
     from tfdist.launch import local as launch
+    from tfdist.launch.hosts import NamespaceHosts
 
     if args:
         _fail(f"`launch` takes no arguments. Received: {' '.join(args)}")
     config = _load()
+    if _LINK.value and not _HOSTS.value:
+        _fail("--link shapes the links of --hosts: give --hosts N too.")
+    hosts = NamespaceHosts(_HOSTS.value, _LINK.value) if _HOSTS.value else None
 
     def plan():
-        return launch.plan(config, _train_args(), workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value)
+        return launch.plan(config, _train_args(), workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value,
+                           hosts=hosts)
 
-    sys.exit(launch.run(plan(), max_restarts=_MAX_RESTARTS.value, replan=plan))
+    try:
+        code = launch.run(plan(), max_restarts=_MAX_RESTARTS.value, replan=plan, hosts=hosts)
+    finally:
+        if hosts:
+            hosts.close()  # every process left in them, the namespaces, links and bridge
+    sys.exit(code)
 
 
 def _slurm_command(args) -> None:
@@ -195,7 +209,8 @@ _COMMANDS = {
     "bench": _Command("run a benchmark and print its one-line summary", (_JSON, *_JOB, _REPEATS, _PLOT, _MODEL,
                       _IMAGE_SIZE, _BATCH_PER_DEVICE), _bench_command, positional="NAME"),
     "launch": _Command("run every task of a multi-process job on this machine",
-                       (_WORKERS, _PS, _CHIEF, _MAX_RESTARTS, *_JOB, _METRICS_OUT), _launch_command),
+                       (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, *_JOB, _METRICS_OUT),
+                       _launch_command),
     "slurm": _Command("print an sbatch script for the job: tfdist slurm ... | sbatch",
                       (_TASKS, _NODES, _GPUS_PER_NODE, _PARTITION, _TIME, _OVERCOMMIT, _REQUEUE, *_JOB,
                        _METRICS_OUT), _slurm_command),
@@ -274,6 +289,9 @@ def main(argv: list[str]) -> None:
         _COMMANDS[argv[1]].run(argv[2:])
     except ConfigError as e:
         _fail(str(e))
+    except HostsError as e:
+        print(f"tfdist: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_RUNTIME)
     except ClusterError as e:
         print(f"tfdist: error: {e}", file=sys.stderr)
         sys.stdout.flush()

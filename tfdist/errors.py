@@ -26,6 +26,10 @@ class ConfigError(ValueError):
         super().__init__(message)
 
 
+class HostsError(RuntimeError):
+    """`tfdist launch --hosts` cannot make its network-namespace hosts here (not root, no `ip`, `tc` or sshd)."""
+
+
 class ClusterError(RuntimeError):
     """A multi-process job lost, or never found, one of its tasks.
 

@@ -8,6 +8,7 @@ calls them with the numbers it found.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 
@@ -370,7 +371,7 @@ def check_address(address: str, key: str, allow_non_loopback: bool) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(key, "must be host:port with a port from 1 to 65535.", address)
-    if allow_non_loopback or _resolves_to_loopback_only(host.strip("[]")):
+    if allow_non_loopback or _resolves_to_loopback_only(host.strip("[]")) or _on_launched_hosts(host):
         return
     raise ConfigError(
         key,
@@ -379,6 +380,19 @@ def check_address(address: str, key: str, allow_non_loopback: bool) -> None:
         "cluster.allow_non_loopback: true to use a trusted network.",
         address,
     )
+
+
+# `tfdist launch --hosts` runs tasks in network namespaces on a private subnet of their own, on a bridge
+# with no route off the machine, and names that subnet here: its addresses pass as loopback ones do.
+HOSTS_SUBNET_ENV = "TFDIST_HOSTS_SUBNET"
+
+
+def _on_launched_hosts(host: str) -> bool:
+    try:
+        subnet = ipaddress.ip_network(os.environ.get(HOSTS_SUBNET_ENV, ""))
+        return subnet.is_private and ipaddress.ip_address(host) in subnet
+    except ValueError:
+        return False
 
 
 def _resolves_to_loopback_only(host: str) -> bool:

@@ -1,8 +1,13 @@
-"""`tfdist launch`: every task of a multi-process job as local processes on loopback.
+"""`tfdist launch`: every task of a multi-process job as local processes, on loopback or on namespace hosts.
 
     tfdist launch --workers 2 --config configs/default.yaml --set strategy.kind=multi_worker_mirrored
     tfdist launch --workers 2 --ps 1 --config configs/parameter_server.yaml
     tfdist launch --workers 2 --config configs/horovod.yaml      # runs horovodrun for you
+    tfdist launch --workers 2 --hosts 2 --link 1gbit --config ...  # on 2 hosts linked at 1 Gbit/s
+
+With `--hosts`, the tasks run on network-namespace hosts of this machine
+(`tfdist.launch.hosts`): parameter servers each on a host of their own, the
+other tasks spread over the rest; horovodrun reaches its hosts with ssh.
 
 Each task is `tfdist train` with the same config and its own `TF_CONFIG`
 (ports on 127.0.0.1 chosen free); Horovod jobs are one `horovodrun -np N
@@ -37,6 +42,7 @@ from tfdist.errors import ConfigError
 from tfdist.cluster.loopback import free_loopback_ports
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS, cluster_of
 from tfdist.launch import process_tree
+from tfdist.launch.hosts import NamespaceHosts
 
 __all__ = ["Task", "plan", "run"]
 
@@ -81,7 +87,8 @@ class Task:
         return self.role if self.role == "horovodrun" else f"{self.role} {self.index}"
 
 
-def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, chief: bool = False) -> list[Task]:
+def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, chief: bool = False,
+         hosts: Optional[NamespaceHosts] = None) -> list[Task]:
     """The tasks that run `config` on this machine.
 
     Args:
@@ -90,6 +97,7 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
       workers: worker processes (Horovod: ranks).
       ps: parameter servers (parameter_server kind; 0 takes `parameter_server.num_ps`).
       chief: add a chief to a multi-worker job (the parameter_server kind always has one).
+      hosts: run the tasks on these namespace hosts instead of loopback (Horovod: starts their sshd).
 
     Raises:
       ConfigError: the counts do not fit the kind, or the config already names a cluster.
@@ -104,36 +112,80 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
         raise ConfigError("--ps", f"only applies with strategy.kind=parameter_server, not {kind.value}.", ps)
     train = [sys.executable, "-m", "tfdist.cli", "train", *train_args]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(hosts.environment() if hosts else {})
     if kind == StrategyKind.HOROVOD:
         if chief:
             raise ConfigError("--chief", "does not apply to Horovod, whose rank 0 reports.", True)
         horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        command = [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", *train]
-        return [Task("horovodrun", 0, command, env, reports=True)]
+        return [Task("horovodrun", 0, [horovodrun, "-np", str(workers), *_horovod_hosts(workers, hosts), "--gloo",
+                                       *train], env, reports=True)]
     if kind not in MULTI_PROCESS_KINDS:
+        several = ", ".join(k.value for k in MULTI_PROCESS_KINDS)
         if workers > 1 or chief:
-            several = ", ".join(k.value for k in MULTI_PROCESS_KINDS)
             raise ConfigError("--workers", f"must be 1: strategy.kind={kind.value} runs in one process "
                               f"({several} run in several).", workers)
+        if hosts:
+            raise ConfigError("--hosts", f"applies to jobs of several processes ({several}), not to "
+                              f"strategy.kind={kind.value}.", hosts.count)
         return [Task("worker", 0, train, env, reports=True)]
     if kind == StrategyKind.PARAMETER_SERVER:
         ps = ps or config.parameter_server.num_ps
         chief = True
     roles = ["chief"] * chief + ["worker"] * workers + ["ps"] * ps
-    cluster = cluster_of(roles, [f"127.0.0.1:{port}" for port in free_loopback_ports(len(roles))])
+    on_host = _host_of_each(roles, hosts.count) if hosts else [None] * len(roles)
+    if hosts:
+        ports = [_FIRST_PORT + on_host[:i].count(host) for i, host in enumerate(on_host)]
+        addresses = [f"{hosts.addresses[host]}:{port}" for host, port in zip(on_host, ports)]
+    else:
+        addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(len(roles))]
+    cluster = cluster_of(roles, addresses)
     tasks = []
-    for role in ("chief", "worker", "ps"):
-        for index in range(len(cluster.get(role, []))):
-            tf_config = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
-            reports = role == "chief" or (not chief and role == "worker" and index == 0)
-            # Under a parameter-server chief, workers and parameter servers serve until stopped.
-            finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
-            tasks.append(Task(role, index, train, {**env, "TF_CONFIG": tf_config}, reports, finishes))
+    for role, host in zip(roles, on_host):
+        index = sum(task.role == role for task in tasks)
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
+        reports = role == "chief" or (not chief and role == "worker" and index == 0)
+        # Under a parameter-server chief, workers and parameter servers serve until stopped.
+        finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
+        command = hosts.command(host, train) if hosts else train
+        tasks.append(Task(role, index, command, {**env, "TF_CONFIG": tf_config}, reports, finishes))
     return tasks
 
 
+_FIRST_PORT = 2222  # on a namespace host: every host has its own ports, all free
+
+
+def _host_of_each(roles: list[str], hosts: int) -> list[int]:
+    """The host of each task (`roles` lists the parameter servers last): parameter servers on the last
+    hosts, one each, so that what they serve crosses a link; the chief and workers round-robin over
+    the others.
+
+    Raises:
+      ConfigError: too few hosts for the parameter servers and one more, or more hosts than tasks.
+    """
+    servers = roles.count("ps")
+    if hosts > len(roles):
+        raise ConfigError("--hosts", f"must be at most the job's {len(roles)} tasks ({', '.join(roles)}).", hosts)
+    if servers and hosts < servers + 1:
+        raise ConfigError("--hosts", f"must be at least {servers + 1}: each parameter server on a host of its own, "
+                          "and one for the chief and workers.", hosts)
+    others = hosts - servers
+    return [i % others for i in range(len(roles) - servers)] + list(range(others, hosts))
+
+
+def _horovod_hosts(ranks: int, hosts: Optional[NamespaceHosts]) -> list[str]:
+    """horovodrun's host flags: every rank on this machine, or spread over the namespace hosts (whose
+    sshd it reaches them by; Gloo and the rendezvous use the hosts' interface)."""
+    if not hosts:
+        return ["-H", f"localhost:{ranks}"]
+    if hosts.count > ranks:
+        raise ConfigError("--hosts", f"must be at most the job's {ranks} Horovod ranks (--workers).", hosts.count)
+    slots = [ranks // hosts.count + (i < ranks % hosts.count) for i in range(hosts.count)]
+    return ["-H", ",".join(f"{address}:{n}" for address, n in zip(hosts.addresses, slots)),
+            "--network-interface", hosts.tag, "--ssh-identity-file", hosts.start_ssh()]
+
+
 def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[], list[Task]]] = None,
-        out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+        hosts: Optional[NamespaceHosts] = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Runs every task until the job is done or one fails; returns the exit code.
 
     Args:
@@ -144,10 +196,11 @@ def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[
         max_restarts above 0, and does not use one up (up to MAX_PREEMPTIONS).
         A stop by SIGINT or SIGTERM of the launcher is not restarted.
       replan: the tasks of a restart (fresh ports), when given.
+      hosts: the namespace hosts the tasks run on, if any (what runs in them is part of the job).
     """
     failures = preemptions = 0
     while True:
-        job = _Job(tasks, out, err)
+        job = _Job(tasks, out, err, hosts)
         code = job.run()
         preempted = code == EXIT_PREEMPTED and preemptions < MAX_PREEMPTIONS
         if code == 0 or job.signalled is not None or not max_restarts or (
@@ -169,8 +222,9 @@ def exit_code(returncode: int) -> int:
 
 
 class _Job:
-    def __init__(self, tasks: list[Task], out: TextIO, err: TextIO):
+    def __init__(self, tasks: list[Task], out: TextIO, err: TextIO, hosts: Optional[NamespaceHosts]):
         self.tasks = tasks
+        self.hosts = hosts
         self.out, self.err = out, err
         self.processes: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -268,7 +322,10 @@ class _Job:
         for task, process in zip(self.tasks, self.processes):
             if process.poll() is not None:
                 continue
-            for pid in process_tree.descendants(process.pid):
+            pids = process_tree.descendants(process.pid)
+            if task.role == "horovodrun" and self.hosts:
+                pids += self.hosts.pids()  # ranks on namespace hosts are their sshd's children
+            for pid in pids:
                 if process_tree.is_stopped(pid):
                     rank = process_tree.horovod_rank(pid) if task.role == "horovodrun" else None
                     name = task.name if rank is None else f"rank {rank}"
