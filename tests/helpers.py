@@ -4,11 +4,14 @@ import ast
 import collections
 import json
 import os
+import pty
 import random
 import re
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from tfdist.cluster.loopback import free_loopback_ports as free_ports  # noqa: F401
 
@@ -92,6 +95,51 @@ def run_tfdist(*args, timeout=120, env=None):
         cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
+
+
+def launch_job(metrics, *flags, terminal=False):
+    """`tfdist launch FLAGS --metrics_out METRICS`; with `terminal`, its stdout is a pseudo-terminal."""
+    command = tfdist_command("launch", *flags, "--metrics_out", str(metrics))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not terminal:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reader, writer = pty.openpty()
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, env=env)
+    os.close(writer)
+    proc.terminal = reader
+    return proc
+
+
+def launch_output(proc, timeout=240):
+    """(stdout, stderr) once the launcher has exited; a pseudo-terminal's end reads as EOF."""
+    if hasattr(proc, "terminal"):
+        out = b""
+        while True:
+            try:
+                chunk = os.read(proc.terminal, 4096)
+            except OSError:  # the pseudo-terminal's writer has gone
+                break
+            if not chunk:
+                break
+            out += chunk
+        os.close(proc.terminal)
+        out = out.decode(errors="replace")
+    else:
+        out = proc.stdout.read()
+    err = proc.stderr.read()
+    proc.wait(timeout=timeout)
+    return out, err
+
+
+def read_until(proc, text):
+    """Reads the launcher's stdout until `text` appears; returns what was read."""
+    seen = ""
+    while text not in seen:
+        chunk = proc.stdout.readline()
+        if not chunk:
+            pytest.fail(f"the launcher ended before {text!r}: {seen[-2000:]} {proc.stderr.read()[-2000:]}")
+        seen += chunk
+    return seen
 
 
 def train_with_metrics(tmp_path, config, *overrides, timeout=400):

@@ -8,7 +8,7 @@ import os
 import tempfile
 from typing import Any, Mapping
 
-__all__ = ["format_summary", "write_json"]
+__all__ = ["format_summary", "megabytes", "write_json"]
 
 
 def write_json(path: str, payload: Mapping[str, Any]) -> None:
@@ -37,6 +37,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def megabytes(size: float) -> str:
+    """`1234567` -> `1.23 MB`; small sizes in bytes."""
+    return f"{size / 1e6:.2f} MB" if size >= 10_000 else f"{size:,.0f} bytes"
 
 
 def _short(device: str) -> str:
@@ -76,6 +81,10 @@ def format_summary(result: Mapping[str, Any]) -> str:
             else "not measured (no steps after callbacks.throughput_warmup_steps)"
         ),
     ]
+    if "link_bytes_per_step" in result:
+        link = result["link_bytes_per_step"]
+        lines.append(f"  link traffic    {megabytes(link['sent'])} sent, {megabytes(link['received'])} received "
+                     "a step (this host's link)")
     if "input_stalls" in result:
         first, *rest = result["input_stalls"].removeprefix("input stalls: ").splitlines()
         lines += [f"  input stalls    {first}", *(f"{'':18}{line.strip()}" for line in rest)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from typing import Any, Optional, TextIO
 
@@ -25,6 +26,7 @@ import tensorflow as tf
 from tfdist import data, models, precision
 from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption, RestoreOnlyBackup, Throughput,
                               weights_digest)
+from tfdist.config.environment import HOST_INTERFACE_ENV
 from tfdist.config.schema import Config
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
@@ -126,7 +128,8 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Ch
                                    list[keras.callbacks.Callback]]:
     cfg = job.config.callbacks
     throughput = Throughput(
-        job.config.train.global_batch_size, warmup_steps=cfg.throughput_warmup_steps
+        job.config.train.global_batch_size, warmup_steps=cfg.throughput_warmup_steps,
+        link=os.environ.get(HOST_INTERFACE_ENV),  # on a namespace host of `tfdist launch --hosts`
     )
     callbacks: list[keras.callbacks.Callback] = [throughput]
     chief = is_chief(job.strategy)
@@ -217,6 +220,8 @@ def run(
         "resumed_from_step": checkpoint.resumed_from_step if checkpoint else 0,
         "final_weights_digest": weights_digest(job.model),
     }
+    if throughput.link_bytes_per_step is not None:
+        result["link_bytes_per_step"] = throughput.link_bytes_per_step
     if stalls is not None and stalls.report:
         result["input_wait_share"] = stalls.input_wait_share
         result["input_stalls"] = stalls.report

@@ -2,15 +2,13 @@
 
 import json
 import os
-import pty
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 
-from helpers import ROOT, processes_with, run_tfdist, task_pid, tfdist_command
+from helpers import launch_job, launch_output, processes_with, read_until, run_tfdist, task_pid
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -18,55 +16,10 @@ MULTI_WORKER = ["--config", "configs/default.yaml", "--set", "strategy.kind=mult
                 "--set", "train.steps_per_epoch=6"]
 
 
-def _launch(metrics, *flags, terminal=False):
-    """`tfdist launch FLAGS --metrics_out METRICS`; with `terminal`, its stdout is a pseudo-terminal."""
-    command = tfdist_command("launch", *flags, "--metrics_out", str(metrics))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not terminal:
-        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    reader, writer = pty.openpty()
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, env=env)
-    os.close(writer)
-    proc.terminal = reader
-    return proc
-
-
-def _finish(proc, timeout=240):
-    """(stdout, stderr) once the launcher has exited; a pseudo-terminal's end reads as EOF."""
-    if hasattr(proc, "terminal"):
-        out = b""
-        while True:
-            try:
-                chunk = os.read(proc.terminal, 4096)
-            except OSError:  # the pseudo-terminal's writer has gone
-                break
-            if not chunk:
-                break
-            out += chunk
-        os.close(proc.terminal)
-        out = out.decode(errors="replace")
-    else:
-        out = proc.stdout.read()
-    err = proc.stderr.read()
-    proc.wait(timeout=timeout)
-    return out, err
-
-
-def _wait_for(proc, text):
-    """Reads the launcher's stdout until `text` appears; returns what was read."""
-    seen = ""
-    while text not in seen:
-        chunk = proc.stdout.readline()
-        if not chunk:
-            pytest.fail(f"the launcher ended before {text!r}: {seen[-2000:]} {proc.stderr.read()[-2000:]}")
-        seen += chunk
-    return seen
-
-
 def test_a_multi_worker_job_runs_from_one_command_with_its_progress_bar_and_leaves_nothing(tmp_path):
     metrics = tmp_path / "metrics.json"
-    proc = _launch(metrics, "--workers", "2", *MULTI_WORKER, "--set", "train.epochs=2", terminal=True)
-    out, err = _finish(proc)
+    proc = launch_job(metrics, "--workers", "2", *MULTI_WORKER, "--set", "train.epochs=2", terminal=True)
+    out, err = launch_output(proc)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(metrics.read_text())
     assert result["strategy"] == "multi_worker_mirrored" and result["num_replicas"] == 2
@@ -77,9 +30,9 @@ def test_a_multi_worker_job_runs_from_one_command_with_its_progress_bar_and_leav
 
 def test_a_parameter_server_job_stops_its_servers_when_the_chief_is_done(tmp_path):
     metrics = tmp_path / "metrics.json"
-    proc = _launch(metrics, "--workers", "2", "--ps", "1", "--config", "configs/parameter_server.yaml",
+    proc = launch_job(metrics, "--workers", "2", "--ps", "1", "--config", "configs/parameter_server.yaml",
                    "--set", "train.epochs=3")
-    out, err = _finish(proc)
+    out, err = launch_output(proc)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(metrics.read_text())
     assert result["cluster"] == "2 worker(s), 1 parameter server(s)"  # the launcher's, not a local cluster
@@ -90,8 +43,8 @@ def test_a_parameter_server_job_stops_its_servers_when_the_chief_is_done(tmp_pat
 @pytest.mark.horovod
 def test_a_horovod_job_runs_horovodrun_for_you(tmp_path):
     metrics = tmp_path / "metrics.json"
-    proc = _launch(metrics, "--workers", "2", "--config", "configs/horovod.yaml", "--set", "train.epochs=2")
-    out, err = _finish(proc)
+    proc = launch_job(metrics, "--workers", "2", "--config", "configs/horovod.yaml", "--set", "train.epochs=2")
+    out, err = launch_output(proc)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(metrics.read_text())["num_replicas"] == 2
     assert out.count("tfdist summary") == 1 and "<stdout>" not in out  # rank 0 unprefixed, as a plain run
@@ -130,13 +83,13 @@ def test_the_task_that_failed_stalled_or_was_preempted_is_named_in_one_line(
         tmp_path, flags, variable, value, fault, expected, code, within, checkpoints):
     metrics = tmp_path / "metrics.json"
     checkpoint_dir = ["--set", f"checkpoint.dir={tmp_path / 'checkpoints'}"] * checkpoints
-    proc = _launch(metrics, "--workers", "2", *flags, "--set", "train.epochs=100", "--set", "train.verbose=2",
+    proc = launch_job(metrics, "--workers", "2", *flags, "--set", "train.epochs=100", "--set", "train.verbose=2",
                    *checkpoint_dir)
     try:
-        _wait_for(proc, "Epoch 3/")
+        read_until(proc, "Epoch 3/")
         os.kill(task_pid(str(metrics), variable, value), fault)
         faulted = time.monotonic()
-        out, err = _finish(proc, timeout=120)
+        out, err = launch_output(proc, timeout=120)
     finally:
         proc.kill()
     elapsed = time.monotonic() - faulted
@@ -153,12 +106,12 @@ def test_the_task_that_failed_stalled_or_was_preempted_is_named_in_one_line(
 
 def test_sigterm_to_the_launcher_reaches_every_task(tmp_path):
     metrics = tmp_path / "metrics.json"
-    proc = _launch(metrics, "--workers", "2", "--ps", "1", "--config", "configs/parameter_server.yaml",
+    proc = launch_job(metrics, "--workers", "2", "--ps", "1", "--config", "configs/parameter_server.yaml",
                    "--set", "train.epochs=100", "--set", "train.verbose=2")
     try:
-        _wait_for(proc, "Epoch 2/")
+        read_until(proc, "Epoch 2/")
         proc.send_signal(signal.SIGTERM)
-        out, err = _finish(proc, timeout=60)
+        out, err = launch_output(proc, timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM

@@ -1,4 +1,4 @@
-"""Samples per second and step time: completed work over wall time, inside `model.fit`.
+"""Samples per second, step time and a host link's bytes per step: completed work over wall time, inside `model.fit`.
 
 Keras reports neither. Each epoch's figure is the steps that finished in a
 window of wall time divided by that window. The window opens when the epoch
@@ -15,6 +15,11 @@ ParameterServerStrategy: the coordinator's join), and the window's ends wait
 for it: once when warm-up ends and once at each epoch's last step, where the
 epoch's logs would wait anyway.
 
+Given a network interface (`link=`, as on the namespace hosts of `tfdist
+launch --hosts`), the window also reads the interface's byte counters at its
+ends, so the bytes the host's link carried per step are measured over the same
+steps, validation and start-up left out.
+
 Example:
 
     >>> throughput = Throughput(global_batch_size=64)
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import keras
 
@@ -37,11 +42,14 @@ __all__ = ["Throughput", "Window"]
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """One epoch's measured window: `steps` finished between `start` and `end` (perf_counter seconds)."""
+    """One epoch's measured window: `steps` finished between `start` and `end` (perf_counter seconds),
+    while the link sent `sent` bytes and received `received` (0 without a link)."""
 
     start: float
     end: float
     steps: int
+    sent: int = 0
+    received: int = 0
 
     @property
     def seconds(self) -> float:
@@ -54,12 +62,14 @@ class Throughput(keras.callbacks.Callback):
     Args:
       global_batch_size: examples per step over all replicas.
       warmup_steps: steps at the start of training left out of the figures.
+      link: a network interface whose bytes per step to measure too
+        (`link_bytes_per_step`), or None.
 
     Attributes:
       windows: the measured window of each epoch that has one, in order.
     """
 
-    def __init__(self, global_batch_size: int, *, warmup_steps: int = 5):
+    def __init__(self, global_batch_size: int, *, warmup_steps: int = 5, link: Optional[str] = None):
         super().__init__()
         if global_batch_size < 1:
             raise ValueError(f"`global_batch_size` must be >= 1. Received: {global_batch_size}")
@@ -67,6 +77,7 @@ class Throughput(keras.callbacks.Callback):
             raise ValueError(f"`warmup_steps` must be >= 0. Received: {warmup_steps}")
         self.global_batch_size = global_batch_size
         self.warmup_steps = warmup_steps
+        self.link = link
         self.windows: list[Window] = []
         self._steps_seen = 0
         self._wait_for_steps: Callable[[], None] = _nothing
@@ -82,6 +93,7 @@ class Throughput(keras.callbacks.Callback):
         # Nothing is queued between epochs: the last one's logs waited for all its steps.
         self._start = time.perf_counter() if self._steps_seen >= self.warmup_steps else None
         self._end = self._start
+        self._bytes_at_start = self._bytes_at_end = self._link_bytes()
 
     def on_train_batch_end(self, batch, logs=None):
         steps = batch - self._last_batch  # > 1 with steps_per_execution
@@ -92,17 +104,18 @@ class Throughput(keras.callbacks.Callback):
         warmup_ends = self._start is None and self._steps_seen >= self.warmup_steps
         if warmup_ends or last_of_epoch:
             self._wait_for_steps()
-        now = time.perf_counter()
+        now, link_bytes = time.perf_counter(), self._link_bytes()
         if warmup_ends:
-            self._start = now
+            self._start, self._bytes_at_start = now, link_bytes
         elif self._start is not None:
             self._steps += steps
-        self._end = now
+        self._end, self._bytes_at_end = now, link_bytes
 
     def on_epoch_end(self, epoch, logs=None):
         if not self._steps:
             return
-        window = Window(self._start, self._end, self._steps)
+        (sent0, received0), (sent1, received1) = self._bytes_at_start, self._bytes_at_end
+        window = Window(self._start, self._end, self._steps, sent1 - sent0, received1 - received0)
         self.windows.append(window)
         if logs is not None:
             logs["samples_per_sec"] = self.global_batch_size * window.steps / window.seconds
@@ -127,6 +140,23 @@ class Throughput(keras.callbacks.Callback):
     def step_time_ms(self) -> float:
         """Measured wall time per measured step, in milliseconds (0 before any)."""
         return 1000 * self.measured_seconds / self.measured_steps if self.windows else 0.0
+
+    @property
+    def link_bytes_per_step(self) -> Optional[dict[str, float]]:
+        """Bytes the link sent and received per measured step; None without a link or a measured step."""
+        if not self.link or not self.windows:
+            return None
+        steps = self.measured_steps
+        return {"sent": sum(w.sent for w in self.windows) / steps,
+                "received": sum(w.received for w in self.windows) / steps}
+
+    def _link_bytes(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) by the link so far, from Linux's counters; (0, 0) without one."""
+        if not self.link:
+            return 0, 0
+        statistics = f"/sys/class/net/{self.link}/statistics"
+        with open(f"{statistics}/tx_bytes") as sent, open(f"{statistics}/rx_bytes") as received:
+            return int(sent.read()), int(received.read())
 
 
 def _nothing() -> None:

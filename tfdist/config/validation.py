@@ -23,6 +23,7 @@ from tfdist.config.schema import (
     PrecisionPolicy,
     StrategyKind,
 )
+from tfdist.config.environment import HOSTS_SUBNET_ENV
 from tfdist.config.sources import DataSource, data_source, model_source
 from tfdist.errors import ConfigError
 
@@ -382,12 +383,8 @@ def check_address(address: str, key: str, allow_non_loopback: bool) -> None:
     )
 
 
-# `tfdist launch --hosts` runs tasks in network namespaces on a private subnet of their own, on a bridge
-# with no route off the machine, and names that subnet here: its addresses pass as loopback ones do.
-HOSTS_SUBNET_ENV = "TFDIST_HOSTS_SUBNET"
-
-
 def _on_launched_hosts(host: str) -> bool:
+    """Whether `host` is on the private subnet of `tfdist launch --hosts`, whose bridge leads nowhere else."""
     try:
         subnet = ipaddress.ip_network(os.environ.get(HOSTS_SUBNET_ENV, ""))
         return subnet.is_private and ipaddress.ip_address(host) in subnet

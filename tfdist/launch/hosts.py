@@ -37,14 +37,11 @@ import subprocess
 import time
 from typing import Optional
 
-from tfdist.config.validation import HOSTS_SUBNET_ENV as SUBNET_ENV
+from tfdist.config.environment import HOST_INTERFACE_ENV, HOSTS_SUBNET_ENV
 from tfdist.errors import ConfigError, HostsError
 
-__all__ = ["NamespaceHosts", "link_bits_per_second", "SUBNET_ENV", "INTERFACE_ENV"]
+__all__ = ["NamespaceHosts", "link_bits_per_second"]
 
-# Tasks accept cluster addresses in SUBNET_ENV's subnet (the loopback rule's one exception, see
-# tfdist.config.validation) and read their link's byte counters from INTERFACE_ENV's interface.
-INTERFACE_ENV = "TFDIST_HOST_INTERFACE"
 _OWNERS = "/run/tfdist/hosts"
 _NETNS_ETC = "/etc/netns"  # files here replace /etc's inside a namespace, under `ip netns exec`
 _SSH_KEYS = os.path.join(os.path.expanduser("~"), ".cache", "tfdist", "ssh")
@@ -157,7 +154,7 @@ class NamespaceHosts:
 
     def environment(self) -> dict[str, str]:
         """What every task on these hosts gets in its environment."""
-        return {SUBNET_ENV: str(self.subnet), INTERFACE_ENV: self.tag}
+        return {HOSTS_SUBNET_ENV: str(self.subnet), HOST_INTERFACE_ENV: self.tag}
 
     def pids(self) -> list[int]:
         """Every process running in the hosts (horovodrun's ranks are sshd's children, not the launcher's)."""

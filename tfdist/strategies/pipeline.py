@@ -59,6 +59,7 @@ from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
+from tfdist.reporting import megabytes
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import default_devices, split_cpu
 from tfdist.strategies.process_group import make_process_group
@@ -287,7 +288,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             held = memory[stage.index]
             lines.append(
                 f"  stage {stage.index} on {where}: {_layer_span(stage.layer_names)} ({stage.num_params:,} params, "
-                f"holds {_megabytes(held['params'])} of weights and {_megabytes(held['optimizer'])} of "
+                f"holds {megabytes(held['params'])} of weights and {megabytes(held['optimizer'])} of "
                 f"optimizer state{'; ' + times if times else ''})"
             )
         return "\n".join(lines)
@@ -388,10 +389,6 @@ def _layer_span(names: Sequence[str]) -> str:
     """A stage's layers for the printout: all of a few, else the first and last and how many
     (MobileNetV2's stages hold about 75 each; `--metrics_out` lists them all)."""
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} layers)"
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.2f} MB" if size >= 10_000 else f"{size:,} bytes"
 
 
 def _static_batch(data) -> Optional[int]:
