@@ -1,0 +1,148 @@
+"""`tfdist launch --hosts N --link RATE`: jobs across network-namespace hosts, and nothing left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, launch_job, launch_output, processes_with, read_until, run_tfdist, task_pid
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300),
+              pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")]
+
+GRADIENT_BYTES = 153_128  # the digits CNN's float32 weights (configs/default.yaml's model)
+SHORT = ["--set", "train.epochs=1", "--set", "train.steps_per_epoch=15"]
+KINDS = {
+    "multi_worker": ["--workers", "2", "--config", "configs/default.yaml",
+                     "--set", "strategy.kind=multi_worker_mirrored"],
+    "parameter_server": ["--workers", "1", "--config", "configs/parameter_server.yaml"],
+    "horovod": ["--workers", "2", "--config", "configs/horovod.yaml"],
+}
+
+
+def leftovers():
+    """What of any job's hosts is still here: namespaces, links, /etc/netns files, owner files."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    found = [name for name in namespaces if name.startswith("tfd")]
+    found += [link for link in os.listdir("/sys/class/net") if link.startswith("tfd")]
+    found += [f"/etc/netns/{name}" for name in os.listdir("/etc/netns")] if os.path.isdir("/etc/netns") else []
+    found += os.listdir("/run/tfdist/hosts") if os.path.isdir("/run/tfdist/hosts") else []
+    return found
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[pytest.mark.horovod] if k == "horovod" else [])
+                                  for k in KINDS])
+def test_every_multi_process_kind_trains_across_two_hosts_and_leaves_nothing(tmp_path, kind):
+    metrics = tmp_path / "metrics.json"
+    proc = launch_job(metrics, "--hosts", "2", "--link", "1gbit", *KINDS[kind], *SHORT)
+    out, err = launch_output(proc)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(metrics.read_text())
+    link = result["link_bytes_per_step"]
+    if kind == "parameter_server":  # the worker reads every variable and sends every gradient each step
+        assert link["sent"] >= GRADIENT_BYTES and link["received"] >= GRADIENT_BYTES, link
+    else:
+        # A ring all-reduce over 2 hosts: each sends and receives 2 (N - 1) / N = 1 x the gradient bytes.
+        for direction in ("sent", "received"):
+            assert 0.95 <= link[direction] / GRADIENT_BYTES <= 1.10, link
+    assert "link traffic" in out
+    assert leftovers() == [] and processes_with(str(metrics)) == []
+
+
+def test_a_killed_task_and_an_interrupted_launcher_leave_nothing(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    long = ["--set", "train.epochs=100", "--set", "train.verbose=2"]
+    proc = launch_job(metrics, "--hosts", "2", *KINDS["multi_worker"], *long)
+    try:
+        read_until(proc, "Epoch 2/")
+        os.kill(task_pid(str(metrics), "TF_CONFIG", '"index": 1'), signal.SIGKILL)
+        out, err = launch_output(proc, timeout=60)
+    finally:
+        proc.kill()
+    assert err.strip().splitlines()[-1].startswith("tfdist launch: error: worker 1 failed (killed by SIGKILL)"), err
+    assert leftovers() == [] and processes_with(str(metrics)) == []
+
+    proc = launch_job(metrics, "--hosts", "2", "--link", "100mbit", *KINDS["multi_worker"], *long)
+    try:
+        read_until(proc, "Epoch 2/")
+        proc.send_signal(signal.SIGINT)
+        out, err = launch_output(proc, timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert leftovers() == [] and processes_with(str(metrics)) == []
+
+
+def test_the_hosts_of_a_launcher_killed_outright_are_removed_by_the_next_job():
+    made = subprocess.Popen([sys.executable, "-c", "import time; from tfdist.launch.hosts import NamespaceHosts; "
+                             "hosts = NamespaceHosts(2, '1gbit'); print(hosts.tag, flush=True); time.sleep(60)"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    tag = made.stdout.readline().strip()
+    made.kill()  # SIGKILL: it cannot clean up
+    made.wait()
+    abandoned = {f"{tag}-h0", f"{tag}-h1", tag, f"{tag}v0", f"{tag}v1"}
+    assert abandoned <= set(leftovers()), leftovers()
+
+    from tfdist.launch.hosts import NamespaceHosts
+
+    with NamespaceHosts(1) as hosts:  # one host: whatever else is here is the abandoned job's
+        assert set(leftovers()) == {f"{hosts.tag}-h0", hosts.tag, f"{hosts.tag}v0", f"/etc/netns/{hosts.tag}-h0",
+                                    hosts.tag}, leftovers()
+    assert leftovers() == []
+
+
+def test_a_link_carries_its_rate(tmp_path):
+    from tfdist.launch.hosts import NamespaceHosts
+
+    stream = ("import socket, sys, time\n"
+              "if sys.argv[1] == 'serve':\n"
+              "    server = socket.create_server((sys.argv[2], 5001)); print('ready', flush=True)\n"
+              "    connection, _ = server.accept(); received = 0; start = time.perf_counter()\n"
+              "    while chunk := connection.recv(1 << 20): received += len(chunk)\n"
+              "    print(received * 8 / (time.perf_counter() - start))\n"
+              "else:\n"
+              "    connection = socket.create_connection((sys.argv[2], 5001)); end = time.perf_counter() + 2\n"
+              "    while time.perf_counter() < end: connection.sendall(b'x' * (1 << 16))\n")
+    with NamespaceHosts(2, "100mbit") as hosts:
+        server = subprocess.Popen(hosts.command(1, [sys.executable, "-c", stream, "serve", hosts.addresses[1]]),
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        subprocess.run(hosts.command(0, [sys.executable, "-c", stream, "send", hosts.addresses[1]]), timeout=30)
+        bits_per_second = float(server.communicate(timeout=30)[0])
+        sent, _ = hosts.link_bytes(0)
+    assert 0.85e8 <= bits_per_second <= 1.02e8, bits_per_second
+    assert sent >= bits_per_second / 8 * 1.5  # the host's counters saw the stream
+    assert leftovers() == []
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--link", "1gbit", *KINDS["multi_worker"]], "--link shapes the links of --hosts: give --hosts N too."),
+    (["--hosts", "2", "--link", "fast", *KINDS["multi_worker"]], "`--link` must be a rate in tc's notation"),
+    (["--hosts", "3", *KINDS["multi_worker"]], "`--hosts` must be at most the job's 2 tasks"),
+    (["--hosts", "2", "--workers", "1", "--config", "configs/default.yaml"],
+     "`--hosts` applies to jobs of several processes"),
+    (["--hosts", "3", *KINDS["horovod"]], "`--hosts` must be at most the job's 2 Horovod ranks"),
+])
+def test_hosts_that_do_not_fit_the_job_are_one_line_and_leave_nothing(flags, message):
+    proc = run_tfdist("launch", *flags)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("tfdist: error: " + message), lines
+    assert leftovers() == []
+
+
+def test_without_root_or_tc_it_is_one_line_saying_what_is_missing(monkeypatch):
+    from tfdist.errors import HostsError
+    from tfdist.launch import hosts
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(HostsError, match=r"^--hosts needs root: .* leave out --hosts to run on loopback\)$"):
+        hosts.NamespaceHosts(2)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(hosts.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    with pytest.raises(HostsError, match=r"^--hosts needs tc \(Debian: apt-get install iproute2\)$"):
+        hosts.NamespaceHosts(2)
+    assert leftovers() == []
