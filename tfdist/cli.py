@@ -33,13 +33,18 @@ _CONFIG = flags.DEFINE_string("config", None, "YAML config file; the built-in de
 _SET = flags.DEFINE_multi_string("set", [], "Override one key: section.key=value, the value in YAML (repeatable).")
 _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the job's results as JSON here.")
 _JSON = flags.DEFINE_string("json", None, "Write the benchmark's JSON here.")
-_PLOT = flags.DEFINE_string("plot", None, "scaling and synthetic: write the speed-up plot (PNG) here.")
+_PLOT = flags.DEFINE_string("plot", None, "network, scaling and synthetic: write the plot (PNG) here.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per variant (the median is taken).", lower_bound=1)
-_MODEL = flags.DEFINE_string("model", None, "synthetic: the model, a model.name (e.g. keras.applications.ResNet50).")
+_MODEL = flags.DEFINE_string("model", None, "synthetic, network: the model, a model.name "
+                              "(e.g. keras.applications.ResNet50).")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "synthetic: side of the square images (default 64).",
                                    lower_bound=4)
 _BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "synthetic: images per device per step "
                                          "(default 32).", lower_bound=1)
+_LINKS = flags.DEFINE_string("links", None, "network: the link rates to run at, comma-separated "
+                             "(default 100mbit,1gbit,10gbit).")
+_KINDS = flags.DEFINE_string("kinds", None, "network: the kinds to run, comma-separated "
+                             "(default multi_worker,horovod,parameter_server).")
 _WORKERS = flags.DEFINE_integer("workers", 1, "Worker processes (launch) or pods (k8s); under Horovod, ranks.")
 _PS = flags.DEFINE_integer("ps", 0, "Parameter servers (0: parameter_server.num_ps).", lower_bound=0)
 _CHIEF = flags.DEFINE_bool("chief", False, "Add a chief task to a multi-worker job.")
@@ -114,7 +119,8 @@ def _bench_command(args) -> None:
         )
     config = _load() if (_CONFIG.value or _SET.value) else None
     options = {name: flag.value for name, flag in
-               (("model", _MODEL), ("image_size", _IMAGE_SIZE), ("batch_per_device", _BATCH_PER_DEVICE))
+               (("model", _MODEL), ("image_size", _IMAGE_SIZE), ("batch_per_device", _BATCH_PER_DEVICE),
+                ("links", _LINKS), ("kinds", _KINDS))
                if flag.value is not None}
     result = bench.run(args[0], config=config, repeats=_REPEATS.value, plot_path=_PLOT.value, **options)
     if _JSON.value:
@@ -207,7 +213,7 @@ _COMMANDS = {
     "train": _Command("train the configured model and print the summary", (*_JOB, _METRICS_OUT), _train_command),
     "config": _Command("print the resolved config as YAML", _JOB, _config_command),
     "bench": _Command("run a benchmark and print its one-line summary", (_JSON, *_JOB, _REPEATS, _PLOT, _MODEL,
-                      _IMAGE_SIZE, _BATCH_PER_DEVICE), _bench_command, positional="NAME"),
+                      _IMAGE_SIZE, _BATCH_PER_DEVICE, _LINKS, _KINDS), _bench_command, positional="NAME"),
     "launch": _Command("run every task of a multi-process job on this machine",
                        (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, *_JOB, _METRICS_OUT),
                        _launch_command),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 from typing import Any, Optional, TextIO
@@ -169,8 +170,9 @@ def run(
 
     Returns:
       `strategy`, `devices`, `num_replicas`, `global_batch_size`, `precision`,
-      `samples_per_sec`, `step_time_ms`, `epochs`, `steps_per_epoch` and
-      `final` (the last epoch's Keras logs).
+      `samples_per_sec`, `step_time_ms`, `epochs`, `steps_per_epoch`,
+      `trainable_bytes` and `final` (the last epoch's Keras logs); on a
+      namespace host, `link_bytes_per_step`.
 
     Raises:
       ClusterError: a multi-worker job lost a task, or a Horovod job a rank.
@@ -219,6 +221,8 @@ def run(
         "final": final,
         "resumed_from_step": checkpoint.resumed_from_step if checkpoint else 0,
         "final_weights_digest": weights_digest(job.model),
+        # What one replica's gradients weigh, as the all-reduce or a parameter server moves them.
+        "trainable_bytes": sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in job.model.trainable_variables),
     }
     if throughput.link_bytes_per_step is not None:
         result["link_bytes_per_step"] = throughput.link_bytes_per_step

@@ -46,7 +46,7 @@ def test_each_job_keeps_the_batch_per_device():
 @pytest.mark.parametrize("args, message", [
     (["bench", "synthetic"], "`model` is needed by the synthetic benchmark"),
     (["bench", "synthetic", "--model", "resnet"], "`model` must be a built-in model"),
-    (["bench", "overhead", "--model", "mlp"], "`model` only applies to `bench synthetic`."),
+    (["bench", "overhead", "--model", "mlp"], "`model` only applies to `bench synthetic` or `bench network`."),
 ])
 def test_bad_flags_are_one_line(args, message):
     proc = run_tfdist(*args)

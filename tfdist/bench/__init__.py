@@ -22,6 +22,7 @@ BENCHMARKS = {
     "data_parallel_pipeline": "tfdist.bench.data_parallel_pipeline",
     "horovod": "tfdist.bench.horovod",
     "input_pipeline": "tfdist.bench.input_pipeline",
+    "network": "tfdist.bench.network",
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",
@@ -33,23 +34,29 @@ BENCHMARKS = {
 }
 
 
-_PLOTTED = ("scaling", "synthetic")
+_PLOTTED = ("network", "scaling", "synthetic")
+# The options (besides config and repeats) a benchmark takes from its own flags.
+_OPTIONS = {"synthetic": ("model", "image_size", "batch_per_device"), "network": ("model", "links", "kinds")}
 
 
 def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_path: Optional[str] = None,
         **options) -> dict[str, Any]:
-    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (scaling, synthetic) gets its plot.
+    """Runs benchmark `name`; `config` replaces its default setting; `plot_path` (network, scaling,
+    synthetic) gets its plot.
 
     A benchmark that fixes its own setting says why in `CONFIG_UNUSED` and is
     run through its `measure`; the others take the config in `run`. `options`
-    are the synthetic benchmark's (`model`, `image_size`, `batch_per_device`).
+    are those `_OPTIONS` lists for the benchmark (synthetic: `model`,
+    `image_size`, `batch_per_device`; network: `model`, `links`, `kinds`).
     """
     module = importlib.import_module(BENCHMARKS[name])
     if plot_path and name not in _PLOTTED:
         raise ConfigError("plot", f"only applies to `bench {' or '.join(_PLOTTED)}`; {name} draws no plot.",
                           plot_path)
-    if options and name != "synthetic":
-        raise ConfigError(next(iter(options)), "only applies to `bench synthetic`.", next(iter(options.values())))
+    for option, value in options.items():
+        if option not in _OPTIONS.get(name, ()):
+            takers = " or ".join(f"`bench {b}`" for b, taken in _OPTIONS.items() if option in taken)
+            raise ConfigError(option, f"only applies to {takers}.", value)
     unused = getattr(module, "CONFIG_UNUSED", None)
     if unused:
         if config is not None:

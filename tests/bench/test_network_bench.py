@@ -1,0 +1,60 @@
+"""`tfdist bench network`: the algorithm's bytes, the overlap formula, and a real run checked against the counters."""
+
+import os
+
+import pytest
+
+from helpers import run_tfdist
+from tfdist.bench.network import algorithm_bytes, markdown_table, measure, overlap
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespace hosts need root")
+
+
+def test_the_algorithms_bytes():
+    assert algorithm_bytes("multi_worker", 1000, hosts=2) == {"sent": 1000, "received": 1000}
+    assert algorithm_bytes("horovod", 1000, hosts=4) == {"sent": 1500, "received": 1500}  # 2 (N - 1) / N
+    assert algorithm_bytes("parameter_server", 1000) == {"sent": 1000, "received": 1000}  # gradients out, weights in
+
+
+def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
+    assert overlap(10, 4, 14) == 0
+    assert overlap(10, 4, 10) == 1
+    assert overlap(10, 4, 12) == pytest.approx(0.5)
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
+    result = measure(links=["1gbit"], kinds=["multi_worker", "parameter_server"], repeats=1, steps=20)
+    assert set(result["table"]) == {"multi_worker", "parameter_server"}
+    gradient_bytes = result["gradient_bytes"]
+    for kind, (row,) in result["table"].items():
+        assert row["link"] == "1gbit" and row["samples_per_sec"] > 0 and row["compute_ms"] > 0
+        measured = row["link_bytes_per_step"]
+        # From the host link's counters: at least the algorithm's bytes, and nothing sent twice.
+        for direction in ("sent", "received"):
+            assert 1.0 <= measured[direction] / gradient_bytes <= 1.10, (kind, measured)
+        assert row["comm_ms"] == pytest.approx(1000 * max(measured.values()) * 8 / 1e9)
+    assert result["figures"]["bytes_within_tolerance"] is True
+    assert result["figures"]["overlap_multi_worker_link"] == "1gbit"
+    assert "overlap_parameter_server" not in result["figures"]
+    assert "--hosts 2 --link 1gbit" in result["jobs"]["multi_worker@1gbit"]
+    assert markdown_table(result).count("\n") == 3
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kinds", "ring"], "`kinds` must be among multi_worker, horovod, parameter_server"),
+    (["--links", "fast"], "`--link` must be a rate in tc's notation"),
+    (["--set", "train.epochs=1"], "`config` is not used by the network benchmark"),
+])
+def test_bad_options_are_one_line(flags, message):
+    proc = run_tfdist("bench", "network", *flags)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_its_options_are_refused_by_other_benchmarks():
+    proc = run_tfdist("bench", "overhead", "--links", "1gbit")
+    assert proc.returncode == 2 and "`links` only applies to `bench network`." in proc.stderr
