@@ -1,7 +1,8 @@
 """One worker of a two-process MultiWorkerMirroredStrategy job that fits with steps_per_execution=3.
 
-`python multi_worker_steps.py TF_CONFIG OUT` saves the trained weights and the
-History to OUT (.npz) when this task is the chief. test_multi_worker.py starts two.
+`python multi_worker_steps.py TF_CONFIG OUT [COMPRESSION]` saves the trained weights and the
+History to OUT (.npz) when this task is the chief; COMPRESSION (float16, bfloat16) is the
+gradients' dtype on the wire. test_multi_worker.py starts two.
 """
 
 import json
@@ -30,7 +31,8 @@ def train(strategy, steps_per_execution=3):
 
 if __name__ == "__main__":
     os.environ["TF_CONFIG"] = sys.argv[1]
-    model, history = train(MultiWorkerMirroredStrategy())
+    compression = sys.argv[3] if len(sys.argv) > 3 else None
+    model, history = train(MultiWorkerMirroredStrategy(gradient_compression=compression))
     if json.loads(sys.argv[1])["task"]["index"] == 0:
         np.savez(sys.argv[2], *model.get_weights(), loss=np.array(history["loss"]),
                  iterations=int(model.optimizer.iterations.numpy()))

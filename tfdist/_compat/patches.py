@@ -17,21 +17,27 @@ from typing import Callable
 __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read"]
 
-# How the patches ask a strategy: `keras_hooks(strategy, model)` and `clips_after_all_reduce(strategy)`.
+# How the patches ask a strategy: `keras_hooks(strategy, model)`, `clips_after_all_reduce(strategy)`
+# and `gradient_all_reduce(strategy)`.
 _ASK: dict[str, Callable] = {}
 
 
-def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable) -> None:
+def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
+                    gradient_all_reduce: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
       keras_hooks: `(strategy, model)` -> the step functions the strategy supplies for `model`, or None.
       clips_after_all_reduce: `(strategy)` -> whether gradient clipping follows the all-reduce.
+      gradient_all_reduce: `(strategy)` -> None for Keras's gradient all-reduce, or the dtype name
+        gradients cross the network in ("" for their own), all-reduced last layer first.
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
+    _ASK.setdefault("gradient_all_reduce", gradient_all_reduce)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
+    _install_gradient_all_reduce()
     _install_atomic_parameter_server_updates()
 
 _STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
@@ -222,6 +228,49 @@ def _install_clipping_after_all_reduce() -> None:
 
     BaseOptimizer._clip_gradients = _clip_gradients
     BaseOptimizer._tfdist_clips_after_all_reduce = True
+
+def _install_gradient_all_reduce() -> None:
+    """Lets a strategy all-reduce the gradients last layer first, and compressed.
+
+    Keras 3 all-reduces every gradient in one call, in the order of the
+    variables: first layer first. Its gradient is the last the backward pass
+    makes, and collectives run in the order they are issued, so no gradient's
+    all-reduce can start before the whole backward pass is done. Issued last
+    layer first, and packed (`CommunicationOptions.bytes_per_pack`), the first
+    packs go out while earlier layers' gradients are still being computed. A
+    compression dtype (float16, bfloat16) casts each floating-point gradient
+    before the all-reduce and back after it, as Horovod's fp16 compression
+    does: half the bytes on the wire. Idempotent.
+    """
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer, "_tfdist_gradient_all_reduce", False):
+        return
+    keras_all_reduce = TFOptimizer._all_reduce_sum_gradients
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        context = tf.distribute.get_replica_context()
+        wire = _ASK["gradient_all_reduce"](tf.distribute.get_strategy()) if context is not None else None
+        if wire is None:
+            return keras_all_reduce(self, grads_and_vars)
+        pairs = list(grads_and_vars)
+        backward = [i for i, (g, _) in enumerate(pairs) if g is not None][::-1]
+        wire_dtype = tf.as_dtype(wire) if wire else None
+
+        def compressed(g):
+            dense = isinstance(g, tf.Tensor) and g.dtype.is_floating
+            return tf.cast(g, wire_dtype) if wire_dtype and dense and g.dtype.size > wire_dtype.size else g
+
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [compressed(pairs[i][0]) for i in backward])
+        for i, r in zip(backward, reduced):
+            gradient, variable = pairs[i]
+            pairs[i] = (tf.cast(r, gradient.dtype) if isinstance(r, tf.Tensor) else r, variable)
+        return pairs
+
+    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    TFOptimizer._tfdist_gradient_all_reduce = True
+
 
 # Set per replica (MirroredStrategy traces each replica in a thread of its own).
 _GRADIENT_WEIGHT = threading.local()

@@ -83,6 +83,12 @@ class AllReduce(str, enum.Enum):
     RING = "ring"
 
 
+class GradientCompression(str, enum.Enum):
+    NONE = "none"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
 class PrecisionPolicy(str, enum.Enum):
     FLOAT32 = "float32"
     MIXED_FLOAT16 = "mixed_float16"
@@ -165,6 +171,10 @@ class StrategyConfig:
         (0 lets TensorFlow decide).
       collective_timeout_seconds: a collective that waits longer than this fails
         instead of hanging (multi_worker_mirrored).
+      gradient_compression: for multi_worker_mirrored: `fp16` or `bf16` sends
+        the gradients at half their bytes, cast before the all-reduce and back
+        after it (Horovod jobs set `horovod.fp16_compression`); `none` sends
+        them as they are.
       tpu: the TPU to connect to (name or grpc:// address, `local` on a TPU VM)
         for strategy.kind=tpu; empty lets TPUClusterResolver look for one.
       tensor_parallel_size: devices that each tensor-parallel layer splits
@@ -185,6 +195,7 @@ class StrategyConfig:
     num_packs: int = bounded(1, low=1)
     bytes_per_pack: int = bounded(0, low=0)
     collective_timeout_seconds: float = bounded(300.0, low=0, low_open=True)
+    gradient_compression: GradientCompression = GradientCompression.NONE
     tpu: str = ""
     tensor_parallel_size: int = bounded(0, low=0, high=64)
     data_parallel: DataParallel = DataParallel.LOCAL

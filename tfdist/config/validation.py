@@ -18,6 +18,7 @@ from tfdist.config.schema import (
     Config,
     DataParallel,
     FeatureDtype,
+    GradientCompression,
     HorovodConfig,
     ModelName,
     PrecisionPolicy,
@@ -123,6 +124,13 @@ def _check_strategy(config: Config) -> None:
             "strategy.bytes_per_pack",
             "only applies to strategy.kind=multi_worker_mirrored; leave it at 0 otherwise.",
             s.bytes_per_pack,
+        )
+    if s.gradient_compression != GradientCompression.NONE and s.kind != StrategyKind.MULTI_WORKER_MIRRORED:
+        raise ConfigError(
+            "strategy.gradient_compression",
+            "only applies to strategy.kind=multi_worker_mirrored (Horovod jobs set horovod.fp16_compression); "
+            f"strategy.kind is {s.kind.value}.",
+            s.gradient_compression.value,
         )
     for i, name in enumerate(s.devices):
         parse_device(name, f"strategy.devices[{i}]")

@@ -37,6 +37,9 @@ class StrategyContract:
     # --- The step -----------------------------------------------------------------------------
     #: Gradient clipping sees the all-reduced gradient, as on one device (Keras clips each replica's).
     clips_after_all_reduce: bool = False
+    #: None leaves the gradients' all-reduce to Keras; a dtype name ("" for the gradients' own) has
+    #: tfdist all-reduce them last layer first, in that dtype (`_compat.patches`).
+    gradient_all_reduce: Optional[str] = None
     #: Batches whose gradients are accumulated locally before one update (Horovod's backward passes).
     accumulation_steps: int = 1
     #: Training steps per call of the train function (parameter servers: per scheduled closure).
@@ -135,7 +138,8 @@ def install_patches() -> None:
     """Installs tfdist's patches to Keras (`tfdist._compat.patches`), asking strategies through the contract.
     Once: every tfdist strategy calls it when made, and `Checkpoint`, which resumes through them."""
     _install_patches(keras_hooks=lambda strategy, model: contract(strategy).keras_hooks(model),
-                     clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce)
+                     clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce,
+                     gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce)
 
 
 def contract(strategy) -> StrategyContract:

@@ -24,7 +24,7 @@ from tfdist import _compat, precision
 from tfdist.cluster.loopback import accepts_connections
 from tfdist.cluster.resolver import cluster_resolver, listening_as
 from tfdist.cluster.servers import LocalCluster, serve
-from tfdist.config.schema import AllReduce, Config, DataParallel, StrategyKind
+from tfdist.config.schema import AllReduce, Config, DataParallel, GradientCompression, StrategyKind
 from tfdist.config.validation import (
     check_batch_split,
     check_pipeline_devices,
@@ -97,6 +97,10 @@ def _mirrored(config: Config, gpus: int) -> MirroredStrategy:
     return MirroredStrategy(devices=local_devices(config, gpus), cross_device_ops=cross_device_ops)
 
 
+_WIRE_DTYPES = {GradientCompression.NONE: None, GradientCompression.FP16: "float16",
+                GradientCompression.BF16: "bfloat16"}
+
+
 def _multi_worker(config: Config, gpus: int = 0) -> MultiWorkerMirroredStrategy:
     """With CommunicationOptions (implementation, packing, timeout) and the cluster's start-up and
     heartbeat timeouts; a task that does not start in time is a ClusterError naming it."""
@@ -117,7 +121,8 @@ def _multi_worker(config: Config, gpus: int = 0) -> MultiWorkerMirroredStrategy:
         )
     try:
         with listening_as(resolver):
-            return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+            return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options,
+                                               gradient_compression=_WIRE_DTYPES[s.gradient_compression])
     except tf.errors.DeadlineExceededError:
         spec = resolver.cluster_spec().as_dict()
         missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()
