@@ -14,6 +14,7 @@ def test_the_algorithms_bytes():
     assert algorithm_bytes("multi_worker", 1000, hosts=2) == {"sent": 1000, "received": 1000}
     assert algorithm_bytes("horovod", 1000, hosts=4) == {"sent": 1500, "received": 1500}  # 2 (N - 1) / N
     assert algorithm_bytes("parameter_server", 1000) == {"sent": 1000, "received": 1000}  # gradients out, weights in
+    assert algorithm_bytes("multi_worker_fp16", 1000, hosts=2) == {"sent": 500, "received": 500}
 
 
 def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
@@ -28,20 +29,23 @@ def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
 @pytest.mark.timeout(600)
 def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
     result = measure(links=["1gbit"], kinds=["multi_worker", "parameter_server"], repeats=1, steps=20)
-    assert set(result["table"]) == {"multi_worker", "parameter_server"}
+    assert set(result["table"]) == {"multi_worker", "multi_worker_fp16", "parameter_server"}
     gradient_bytes = result["gradient_bytes"]
     for kind, (row,) in result["table"].items():
         assert row["link"] == "1gbit" and row["samples_per_sec"] > 0 and row["compute_ms"] > 0
         measured = row["link_bytes_per_step"]
+        wire_bytes = gradient_bytes / 2 if kind.endswith("_fp16") else gradient_bytes
         # From the host link's counters: at least the algorithm's bytes, and nothing sent twice.
         for direction in ("sent", "received"):
-            assert 1.0 <= measured[direction] / gradient_bytes <= 1.10, (kind, measured)
+            assert 1.0 <= measured[direction] / wire_bytes <= 1.10, (kind, measured)
         assert row["comm_ms"] == pytest.approx(1000 * max(measured.values()) * 8 / 1e9)
     assert result["figures"]["bytes_within_tolerance"] is True
     assert result["figures"]["overlap_multi_worker_link"] == "1gbit"
     assert "overlap_parameter_server" not in result["figures"]
+    assert result["figures"]["compression_gain_multi_worker"] == pytest.approx(
+        result["table"]["multi_worker_fp16"][0]["samples_per_sec"] / result["table"]["multi_worker"][0]["samples_per_sec"])
     assert "--hosts 2 --link 1gbit" in result["jobs"]["multi_worker@1gbit"]
-    assert markdown_table(result).count("\n") == 3
+    assert markdown_table(result).count("\n") == 4
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -11,7 +11,12 @@ model, data and batch per worker for every kind:
   all-reduce;
 - `horovod`: 2 ranks, one per host, Horovod's all-reduce over Gloo;
 - `parameter_server`: the chief and 2 workers on one host, the parameter
-  server on the other, so every variable read and gradient sent crosses the link.
+  server on the other, so every variable read and gradient sent crosses the link;
+- `multi_worker_fp16`, `horovod_fp16`: the all-reduce kinds again with their
+  gradients sent as float16 (`strategy.gradient_compression: fp16`,
+  `horovod.fp16_compression: true`). Figure `compression_gain_KIND` is their
+  samples/sec over the float32 job's at the slowest link, where communication
+  dominates.
 
 For each kind and link it reports samples/sec and the step time (wall clock,
 completed work, as `tfdist train` measures them) and the bytes the reporting
@@ -66,8 +71,10 @@ _LAUNCH = {  # each kind's `tfdist launch` flags (besides --hosts and --link) an
         "strategy.kind=parameter_server", "parameter_server.num_workers=2", "parameter_server.num_ps=1",
         "parameter_server.threads_per_task=1"]),
 }
+_COMPRESSED = {"multi_worker": "strategy.gradient_compression=fp16", "horovod": "horovod.fp16_compression=true"}
 BYTES_TOLERANCE = 1.10  # measured over algorithm bytes, per the issue's target
 OVERLAP_TARGET = 0.7
+COMPRESSION_TARGET = 1.6  # samples/sec with float16 gradients over float32, where the link is the bottleneck
 
 
 def run(*, config: Optional[Config] = None, repeats: int = 3, plot_path: Optional[str] = None,
@@ -102,12 +109,13 @@ def algorithm_bytes(kind: str, gradient_bytes: float, hosts: int = HOSTS) -> dic
     """Bytes per step the algorithm moves over the reporting host's link, each way.
 
     A ring all-reduce over `hosts` sends and receives 2 (hosts - 1) / hosts of the
-    gradients; a parameter-server worker receives the variables it reads (as many
-    bytes as its gradients) and sends its gradients.
+    gradients (half as many bytes for a `_fp16` kind); a parameter-server worker
+    receives the variables it reads (as many bytes as its gradients) and sends
+    its gradients.
     """
     if kind == "parameter_server":
         return {"sent": gradient_bytes, "received": gradient_bytes}
-    ring = 2 * (hosts - 1) / hosts * gradient_bytes
+    ring = 2 * (hosts - 1) / hosts * gradient_bytes / (2 if kind.endswith("_fp16") else 1)
     return {"sent": ring, "received": ring}
 
 
@@ -127,20 +135,24 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
                    "data.num_classes=10", f"data.synthetic_examples={batch_per_worker * 2 * steps}"]
     # One process on one core: a worker's share of this 2-core machine when 2 of them train.
     jobs: dict[str, tuple[list[str], list[str]]] = {"compute_only": ([], common + ["strategy.kind=one_device"])}
+    variants = {}
     for kind in kinds:
         flags, strategy = _LAUNCH[kind]
         # All-reduce kinds train 2 x batch_per_worker a step; a parameter-server step is one worker's batch.
         batch = [] if kind == "parameter_server" else [f"train.global_batch_size={2 * batch_per_worker}"]
+        variants[kind] = (flags, common + strategy + batch)
+        if kind in _COMPRESSED:
+            variants[f"{kind}_fp16"] = (flags, common + strategy + batch + [_COMPRESSED[kind]])
+    for variant, (flags, overrides) in variants.items():
         for link in links:
-            jobs[f"{kind}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link],
-                                      common + strategy + batch)
+            jobs[f"{variant}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link], overrides)
     rounds = alternate({name: _job_round(command, overrides, launcher=() if command else on_core(0))
                         for name, (command, overrides) in jobs.items()}, repeats=repeats, warmup=0)
     results = {name: _median_result(values) for name, values in rounds.items()}
     compute = results.pop("compute_only")
     gradient_bytes = compute["trainable_bytes"]
-    table = {kind: [_row(kind, link, results[f"{kind}@{link}"], compute, gradient_bytes) for link in links]
-             for kind in kinds}
+    table = {variant: [_row(variant, link, results[f"{variant}@{link}"], compute, gradient_bytes) for link in links]
+             for variant in variants}
     return {
         "benchmark": "network",
         "model": model or "the built-in digits CNN",
@@ -197,13 +209,18 @@ def _row(kind: str, link: str, measured: dict[str, float], compute: dict[str, fl
 
 
 def _figures(table: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {"compression_target": COMPRESSION_TARGET}
     for kind, rows in table.items():
         figures[f"bytes_vs_algorithm_{kind}"] = max(row["bytes_vs_algorithm"] for row in rows)
         if "overlap" in rows[0]:
             closest = min(rows, key=lambda row: abs(row["compute_ms"] - row["comm_ms"]) / row["compute_ms"])
             figures[f"overlap_{kind}"] = closest["overlap"]
             figures[f"overlap_{kind}_link"] = closest["link"]
+    for kind in _COMPRESSED:
+        if f"{kind}_fp16" in table:
+            slowest = min(range(len(table[kind])), key=lambda i: link_bits_per_second(table[kind][i]["link"]))
+            figures[f"compression_gain_{kind}"] = (table[f"{kind}_fp16"][slowest]["samples_per_sec"]
+                                                   / table[kind][slowest]["samples_per_sec"])
     figures["bytes_within_tolerance"] = all(v <= BYTES_TOLERANCE for k, v in figures.items()
                                             if k.startswith("bytes_vs_algorithm_"))
     figures["overlap_target"] = OVERLAP_TARGET
