@@ -35,7 +35,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from tfdist.config.environment import HOST_INTERFACE_ENV, HOSTS_SUBNET_ENV
 from tfdist.errors import ConfigError, HostsError
@@ -157,8 +157,15 @@ class NamespaceHosts:
         return {HOSTS_SUBNET_ENV: str(self.subnet), HOST_INTERFACE_ENV: self.tag}
 
     def pids(self) -> list[int]:
-        """Every process running in the hosts (horovodrun's ranks are sshd's children, not the launcher's)."""
-        return [pid for namespace in self.namespaces for pid in _pids_in(namespace)]
+        """Every process running in the hosts but their sshd (horovodrun's ranks are sshd's children, not
+        the launcher's)."""
+        listeners = {process.pid for process in self._sshd}
+        return [pid for namespace in self.namespaces for pid in _pids_in(namespace) if pid not in listeners]
+
+    def stop_tasks(self) -> None:
+        """SIGKILLs whatever a job left running in the hosts (ranks whose ssh session ended without
+        them), so that a restart finds its ports free; the hosts' sshd stay."""
+        _kill_until_gone(self.pids)
 
     def link_bytes(self, host: int) -> tuple[int, int]:
         """(bytes sent, bytes received) by host `host` over its link since it was made."""
@@ -240,16 +247,8 @@ def _remove_job(tag: Optional[str]) -> None:
     if tag is None:
         return
     namespaces = [name for name in _namespaces() if name.startswith(f"{tag}-h")]
-    for _ in range(50):  # processes first: a namespace with processes in it outlives `ip netns del`
-        pids = [pid for namespace in namespaces for pid in _pids_in(namespace)]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
+    # Processes first: a namespace with processes in it outlives `ip netns del`.
+    _kill_until_gone(lambda: [pid for namespace in namespaces for pid in _pids_in(namespace)])
     for namespace in namespaces:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
     for namespace in glob.glob(f"{_NETNS_ETC}/{tag}-h*"):
@@ -263,6 +262,19 @@ def _remove_job(tag: Optional[str]) -> None:
         os.remove(os.path.join(_OWNERS, tag))
     except FileNotFoundError:
         pass
+
+
+def _kill_until_gone(pids: Callable[[], list[int]], timeout: float = 5.0) -> None:
+    """SIGKILLs the processes `pids()` names until it names none (or `timeout` passes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        running = pids()
+        if not running:
+            return
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
 
 
 def _remove_abandoned() -> None:

@@ -246,6 +246,8 @@ class _Job:
             return self._watch()
         finally:
             self._stop()
+            if self.hosts:
+                self.hosts.stop_tasks()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
