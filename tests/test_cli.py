@@ -16,8 +16,9 @@ JOB = ["--config", "--set"]
 COMMAND_FLAGS = {
     "train": [*JOB, "--metrics_out"],
     "config": JOB,
-    "bench": ["--json", *JOB, "--repeats", "--plot", "--model", "--image_size", "--batch_per_device"],
-    "launch": ["--workers", "--ps", "--chief", "--max_restarts", *JOB, "--metrics_out"],
+    "bench": ["--json", *JOB, "--repeats", "--plot", "--model", "--image_size", "--batch_per_device", "--links",
+              "--kinds"],
+    "launch": ["--workers", "--ps", "--chief", "--hosts", "--link", "--max_restarts", *JOB, "--metrics_out"],
     "slurm": ["--tasks", "--nodes", "--gpus-per-node", "--partition", "--time", "--overcommit", "--requeue", *JOB,
               "--metrics_out"],
     "k8s": ["--image", "--workers", "--ps", "--out", "--flavor", "--gpus-per-worker", "--cpu", "--memory", "--queue",
