@@ -23,10 +23,10 @@ $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that
 # TensorFlow's XLA headers include, and Open MPI (Horovod's MPI controller, which Adasum needs);
-# Slurm and munge, which the tests start as a real one-node cluster; sshd, by which horovodrun
-# reaches the network-namespace hosts of `tfdist launch --hosts`.
+# Slurm and munge, which the tests start as a real one-node cluster; ip, tc and sshd, which make
+# the network-namespace hosts of `tfdist launch --hosts` (horovodrun reaches them by ssh).
 SYSTEM_PACKAGES := bazel-bootstrap cmake libhighwayhash-dev libfarmhash-dev libopenmpi-dev openmpi-bin \
-                   slurm-wlm munge openssh-server
+                   slurm-wlm munge openssh-server iproute2
 $(STAMPS)/system: Makefile | $(BIN)/python
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES); }
 	mkdir -p $(STAMPS) && touch $@

@@ -70,4 +70,4 @@ def test_cli_needs_a_config_and_refuses_a_plot_elsewhere():
     proc = run_tfdist("bench", "scaling")
     assert proc.returncode == 2 and "`config` is needed by the scaling benchmark" in proc.stderr
     proc = run_tfdist("bench", "overhead", "--plot", "x.png")
-    assert proc.returncode == 2 and "`plot` only applies to `bench scaling or synthetic`" in proc.stderr
+    assert proc.returncode == 2 and "`plot` only applies to `bench network` or `bench scaling` or `bench synthetic`; overhead draws no plot" in proc.stderr

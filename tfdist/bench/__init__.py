@@ -51,7 +51,8 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
     """
     module = importlib.import_module(BENCHMARKS[name])
     if plot_path and name not in _PLOTTED:
-        raise ConfigError("plot", f"only applies to `bench {' or '.join(_PLOTTED)}`; {name} draws no plot.",
+        takers = " or ".join(f"`bench {b}`" for b in _PLOTTED)
+        raise ConfigError("plot", f"only applies to {takers}; {name} draws no plot.",
                           plot_path)
     for option, value in options.items():
         if option not in _OPTIONS.get(name, ()):

@@ -75,14 +75,14 @@ class NamespaceHosts:
     """
 
     def __init__(self, count: int, link: Optional[str] = None):
-        if count < 1:
-            raise ConfigError("--hosts", "must be at least 1.", count)
+        if not 1 <= count <= 253:
+            raise ConfigError("--hosts", "must be from 1 to 253 (the hosts share one /24 with the bridge).", count)
         self.count, self.link = count, link
         self.bits_per_second = link_bits_per_second(link) if link else None
         _check_tools()
         _remove_abandoned()
-        self.tag = self._claim_subnet()
-        self.subnet = ipaddress.ip_network(f"10.213.{self._octet}.0/24")
+        octet = _claim_subnet()
+        self.tag, self.subnet = f"tfd{octet}", ipaddress.ip_network(f"10.213.{octet}.0/24")
         self.addresses = [str(self.subnet[i + 2]) for i in range(count)]
         self.namespaces = [f"{self.tag}-h{i}" for i in range(count)]
         self._sshd: list[subprocess.Popen] = []
@@ -93,22 +93,6 @@ class NamespaceHosts:
             raise
 
     # --- Making and removing ------------------------------------------------------------------
-    def _claim_subnet(self) -> str:
-        taken = _existing_links() | {name.split("-")[0] for name in _namespaces()}
-        os.makedirs(_OWNERS, exist_ok=True)
-        for octet in range(1, 255):
-            tag = f"tfd{octet}"
-            if tag in taken or _routes_to(f"10.213.{octet}.0/24"):
-                continue
-            try:  # the owner file is the claim: two launchers starting at once cannot both take K
-                with open(os.path.join(_OWNERS, tag), "x") as f:
-                    f.write(str(os.getpid()))
-            except FileExistsError:
-                continue
-            self._octet = octet
-            return tag
-        raise HostsError("no free subnet 10.213.K.0/24 for the hosts' bridge (K = 1 ... 254 are all in use)")
-
     def _create(self) -> None:
         bridge = self.tag
         _ip("link", "add", bridge, "type", "bridge")
@@ -194,6 +178,23 @@ class NamespaceHosts:
         for process, address in zip(self._sshd, self.addresses):
             _wait_for_port(process, address, 22)
         return identity
+
+
+def _claim_subnet() -> int:
+    """A K with no link, namespace or route of 10.213.K.0/24 here, claimed for this process."""
+    taken = _existing_links() | {name.split("-")[0] for name in _namespaces()}
+    os.makedirs(_OWNERS, exist_ok=True)
+    for octet in range(1, 255):
+        tag = f"tfd{octet}"
+        if tag in taken or _routes_to(f"10.213.{octet}.0/24"):
+            continue
+        try:  # the owner file is the claim: two launchers starting at once cannot both take K
+            with open(os.path.join(_OWNERS, tag), "x") as f:
+                f.write(str(os.getpid()))
+        except FileExistsError:
+            continue
+        return octet
+    raise HostsError("no free subnet 10.213.K.0/24 for the hosts' bridge (K = 1 ... 254 are all in use)")
 
 
 def _check_tools() -> None:
