@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["described", "on_core", "run_train", "script", "train_job"]
 
@@ -57,15 +57,17 @@ def run_train(overrides: Sequence[str], metrics: str, launcher: Sequence[str] = 
 
 
 def train_job(overrides: Sequence[str], launcher: Sequence[str] = (), config: str | None = None,
-              command: Sequence[str] = ("train",)) -> Callable[[], float]:
-    """A benchmark round: one `tfdist train` (or `command`) job; returns its samples/sec."""
+              command: Sequence[str] = ("train",),
+              read: Callable[[dict], Any] = lambda metrics: metrics["samples_per_sec"]) -> Callable[[], Any]:
+    """A benchmark round: one `tfdist train` (or `command`) job; returns what `read` takes from its
+    `--metrics_out` (its samples/sec unless told)."""
 
-    def one_round() -> float:
+    def one_round() -> Any:
         with tempfile.TemporaryDirectory() as scratch:
             metrics = os.path.join(scratch, "metrics.json")
             run_train(overrides, metrics, launcher, config=config, command=command)
             with open(metrics) as f:
-                return json.load(f)["samples_per_sec"]
+                return read(json.load(f))
 
     return one_round
 

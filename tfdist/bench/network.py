@@ -51,13 +51,11 @@ are kept.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import tempfile
 from typing import Any, Optional, Sequence
 
-from tfdist.bench.jobs import described, on_core, run_train
+from tfdist.bench.jobs import described, on_core, train_job
+from tfdist.bench.plots import png
 from tfdist.bench.timing import alternate
 from tfdist.config.schema import Config
 from tfdist.config.sources import model_source
@@ -151,7 +149,8 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
     for variant, (flags, overrides) in variants.items():
         for link in links:
             jobs[f"{variant}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link], overrides)
-    rounds = alternate({name: _job_round(command, overrides, launcher=() if command else on_core(0))
+    rounds = alternate({name: train_job(overrides, launcher=() if command else on_core(0),
+                                        command=command or ("train",), read=_figures_of_job)
                         for name, (command, overrides) in jobs.items()}, repeats=repeats, warmup=0)
     results = {name: _median_result(values) for name, values in rounds.items()}
     compute = results.pop("compute_only")
@@ -181,18 +180,11 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
     }
 
 
-def _job_round(command: list[str], overrides: list[str], launcher: Sequence[str]):
-    def one_round() -> dict[str, Any]:
-        with tempfile.TemporaryDirectory() as scratch:
-            metrics = os.path.join(scratch, "metrics.json")
-            run_train(overrides, metrics, launcher, command=command or ("train",))
-            with open(metrics) as f:
-                result = json.load(f)
-        return {"samples_per_sec": result["samples_per_sec"], "step_time_ms": result["step_time_ms"],
-                "trainable_bytes": result["trainable_bytes"], **{
-                    f"link_{direction}": value for direction, value in result.get("link_bytes_per_step", {}).items()}}
-
-    return one_round
+def _figures_of_job(metrics: dict[str, Any]) -> dict[str, float]:
+    """What a round keeps of a job's `--metrics_out`."""
+    link = {f"link_{direction}": value for direction, value in metrics.get("link_bytes_per_step", {}).items()}
+    return {"samples_per_sec": metrics["samples_per_sec"], "step_time_ms": metrics["step_time_ms"],
+            "trainable_bytes": metrics["trainable_bytes"], **link}
 
 
 def _median_result(values: list[dict[str, Any]]) -> dict[str, float]:
@@ -223,15 +215,13 @@ def _figures(table: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     figures: dict[str, Any] = {"compression_target": COMPRESSION_TARGET}
     for kind, rows in table.items():
         figures[f"bytes_vs_algorithm_{kind}"] = max(row["bytes_vs_algorithm"] for row in rows)
-        if "overlap" in rows[0]:
-            closest = min(rows, key=lambda row: abs(row["compute_ms"] - row["comm_ms"]) / row["compute_ms"])
-            figures[f"overlap_{kind}"] = closest["overlap"]
-            figures[f"overlap_{kind}_link"] = closest["link"]
-            after_base = [row for row in rows if "overlap_after_base" in row]
-            if after_base:
-                closest = min(after_base, key=lambda row: abs(row["base_ms"] - row["comm_ms"]) / row["base_ms"])
-                figures[f"overlap_after_base_{kind}"] = closest["overlap_after_base"]
-                figures[f"overlap_after_base_{kind}_link"] = closest["link"]
+        for name, base in (("overlap", "compute_ms"), ("overlap_after_base", "base_ms")):
+            # Taken at the link where the base and the wire time are closest, where overlap matters most.
+            candidates = [row for row in rows if name in row]
+            if candidates:
+                closest = min(candidates, key=lambda row: abs(row[base] - row["comm_ms"]) / row[base])
+                figures[f"{name}_{kind}"] = closest[name]
+                figures[f"{name}_{kind}_link"] = closest["link"]
     for kind in _COMPRESSED:
         if f"{kind}_fp16" in table:
             slowest = min(range(len(table[kind])), key=lambda i: link_bits_per_second(table[kind][i]["link"]))
@@ -260,22 +250,12 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str):
     """Samples/sec against link rate, one line per kind (log-scale rate); saved as PNG. Returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4.5), dpi=100)
-    for kind, rows in result["table"].items():
-        axes.plot([link_bits_per_second(r["link"]) / 1e9 for r in rows], [r["samples_per_sec"] for r in rows],
-                  marker="o", label=kind)
-    axes.set_xscale("log")
-    axes.set_xlabel("link rate (Gbit/s), each of 2 hosts")
-    axes.set_ylabel("samples/sec")
-    axes.set_title(f"tfdist on 2 namespace hosts: {result['model']}, {result['batch_per_worker']} per worker")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    with png(path) as (figure, axes):
+        for kind, rows in result["table"].items():
+            axes.plot([link_bits_per_second(r["link"]) / 1e9 for r in rows], [r["samples_per_sec"] for r in rows],
+                      marker="o", label=kind)
+        axes.set_xscale("log")
+        axes.set_xlabel("link rate (Gbit/s), each of 2 hosts")
+        axes.set_ylabel("samples/sec")
+        axes.set_title(f"tfdist on 2 namespace hosts\n{result['model']}, {result['batch_per_worker']} per worker")
     return figure

@@ -28,6 +28,7 @@ import yaml
 
 from tfdist.bench import horovod as horovod_bench
 from tfdist.bench.jobs import train_job
+from tfdist.bench.plots import png
 from tfdist.bench.timing import alternate, medians
 from tfdist.config.loading import to_dict
 from tfdist.config.schema import Config
@@ -123,23 +124,13 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str):
     """Speed-up against devices, one line per backend and the ideal line; saved as PNG. Returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4.5), dpi=100)
-    most = max(row["devices"] for rows in result["table"].values() for row in rows)
-    axes.plot([1, most], [1, most], linestyle="--", color="gray", label="ideal (speed-up = devices)")
-    for backend, rows in result["table"].items():
-        axes.plot([r["devices"] for r in rows], [r["speedup"] for r in rows], marker="o", label=backend)
-    axes.set_xlabel("devices")
-    axes.set_ylabel("speed-up over 1 device (samples/sec)")
-    axes.set_title(f"tfdist scaling: {result['model']}, {result['batch_per_device']} per device")
-    axes.set_xticks(sorted({row["devices"] for rows in result["table"].values() for row in rows}))
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    with png(path) as (figure, axes):
+        most = max(row["devices"] for rows in result["table"].values() for row in rows)
+        axes.plot([1, most], [1, most], linestyle="--", color="gray", label="ideal (speed-up = devices)")
+        for backend, rows in result["table"].items():
+            axes.plot([r["devices"] for r in rows], [r["speedup"] for r in rows], marker="o", label=backend)
+        axes.set_xlabel("devices")
+        axes.set_ylabel("speed-up over 1 device (samples/sec)")
+        axes.set_title(f"tfdist scaling: {result['model']}, {result['batch_per_device']} per device")
+        axes.set_xticks(sorted({row["devices"] for rows in result["table"].values() for row in rows}))
     return figure
