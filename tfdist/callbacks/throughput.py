@@ -104,12 +104,15 @@ class Throughput(keras.callbacks.Callback):
         warmup_ends = self._start is None and self._steps_seen >= self.warmup_steps
         if warmup_ends or last_of_epoch:
             self._wait_for_steps()
-        now, link_bytes = time.perf_counter(), self._link_bytes()
+        now = time.perf_counter()
+        # The counters only matter at the window's ends; an epoch of unknown length may end at any step.
+        if warmup_ends or last_of_epoch or not epoch_steps:
+            self._bytes_at_end = self._link_bytes()
         if warmup_ends:
-            self._start, self._bytes_at_start = now, link_bytes
+            self._start, self._bytes_at_start = now, self._bytes_at_end
         elif self._start is not None:
             self._steps += steps
-        self._end, self._bytes_at_end = now, link_bytes
+        self._end = now
 
     def on_epoch_end(self, epoch, logs=None):
         if not self._steps:
