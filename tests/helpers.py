@@ -142,6 +142,17 @@ def read_until(proc, text):
     return seen
 
 
+def launch_output_after(proc, text, act, timeout=60):
+    """(stdout, stderr) of a launcher on which `act()` is done once `text` appears in its output;
+    it is killed if it outlives that."""
+    try:
+        read_until(proc, text)
+        act()
+        return launch_output(proc, timeout=timeout)
+    finally:
+        proc.kill()
+
+
 def train_with_metrics(tmp_path, config, *overrides, timeout=400):
     """`tfdist train --config CONFIG --set OVERRIDE ... --metrics_out`, asserted to succeed; (process, metrics)."""
     metrics = tmp_path / "metrics.json"

@@ -5,11 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import ROOT, launch_job, launch_output, processes_with, read_until, run_tfdist, task_pid
+from helpers import ROOT, launch_job, launch_output, launch_output_after, processes_with, run_tfdist, task_pid
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")]
@@ -60,22 +59,13 @@ def test_a_killed_task_and_an_interrupted_launcher_leave_nothing(tmp_path):
     metrics = tmp_path / "metrics.json"
     long = ["--set", "train.epochs=100", "--set", "train.verbose=2"]
     proc = launch_job(metrics, "--hosts", "2", *KINDS["multi_worker"], *long)
-    try:
-        read_until(proc, "Epoch 2/")
-        os.kill(task_pid(str(metrics), "TF_CONFIG", '"index": 1'), signal.SIGKILL)
-        out, err = launch_output(proc, timeout=60)
-    finally:
-        proc.kill()
+    out, err = launch_output_after(
+        proc, "Epoch 2/", lambda: os.kill(task_pid(str(metrics), "TF_CONFIG", '"index": 1'), signal.SIGKILL))
     assert err.strip().splitlines()[-1].startswith("tfdist launch: error: worker 1 failed (killed by SIGKILL)"), err
     assert leftovers() == [] and processes_with(str(metrics)) == []
 
     proc = launch_job(metrics, "--hosts", "2", "--link", "100mbit", *KINDS["multi_worker"], *long)
-    try:
-        read_until(proc, "Epoch 2/")
-        proc.send_signal(signal.SIGINT)
-        out, err = launch_output(proc, timeout=60)
-    finally:
-        proc.kill()
+    out, err = launch_output_after(proc, "Epoch 2/", lambda: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     assert leftovers() == [] and processes_with(str(metrics)) == []
 
@@ -93,8 +83,9 @@ def test_the_hosts_of_a_launcher_killed_outright_are_removed_by_the_next_job():
     from tfdist.launch.hosts import NamespaceHosts
 
     with NamespaceHosts(1) as hosts:  # one host: whatever else is here is the abandoned job's
-        assert set(leftovers()) == {f"{hosts.tag}-h0", hosts.tag, f"{hosts.tag}v0", f"/etc/netns/{hosts.tag}-h0",
-                                    hosts.tag}, leftovers()
+        # The namespace, the bridge (and its owner file, of the same name), the veth, the hosts file.
+        assert set(leftovers()) == {f"{hosts.tag}-h0", hosts.tag, f"{hosts.tag}v0", f"/etc/netns/{hosts.tag}-h0"}, \
+            leftovers()
     assert leftovers() == []
 
 

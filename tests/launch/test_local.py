@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import launch_job, launch_output, processes_with, read_until, run_tfdist, task_pid
+from helpers import launch_job, launch_output, launch_output_after, processes_with, read_until, run_tfdist, task_pid
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -108,12 +108,7 @@ def test_sigterm_to_the_launcher_reaches_every_task(tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = launch_job(metrics, "--workers", "2", "--ps", "1", "--config", "configs/parameter_server.yaml",
                    "--set", "train.epochs=100", "--set", "train.verbose=2")
-    try:
-        read_until(proc, "Epoch 2/")
-        proc.send_signal(signal.SIGTERM)
-        out, err = launch_output(proc, timeout=60)
-    finally:
-        proc.kill()
+    out, err = launch_output_after(proc, "Epoch 2/", lambda: proc.send_signal(signal.SIGTERM))
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == "tfdist launch: stopped by SIGTERM; stopped every task"
     assert processes_with(str(metrics)) == []
