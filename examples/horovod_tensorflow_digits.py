@@ -15,7 +15,7 @@ from sklearn.datasets import load_digits
 
 import tfdist.horovod.tensorflow as hvd  # was: import horovod.tensorflow as hvd
 
-_STEPS = flags.DEFINE_integer("steps", 600, "Training steps, divided among the ranks.")
+_STEPS = flags.DEFINE_integer("steps", 1200, "Training steps, divided among the ranks.")
 _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", "", "Rank 0 saves a checkpoint here at the end.")
 _RESULT = flags.DEFINE_string("result", "", "Rank 0 writes the final validation accuracy here.")
 
