@@ -47,8 +47,12 @@ test: setup
 	$(MAKE) pytest PYTEST_ARGS="$(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"
 	$(MAKE) bazel-test
 
+# Two pytest-xdist workers: most of a multi-process test's time is its processes starting,
+# connecting and waiting, which the other worker's test fills. Tests that share a machine-wide
+# resource (the namespace hosts, the one local Slurm) are an xdist_group each, on one worker.
+PYTEST_WORKERS ?= 2
 pytest:
-	TFDIST_REQUIRE_HOROVOD=1 pytest $(PYTEST_ARGS)
+	TFDIST_REQUIRE_HOROVOD=1 pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bazel-test:
 	bazel test --test_output=errors //...

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tfdist.cluster.loopback import free_loopback_ports as free_ports  # noqa: F401
+from tfdist.launch.process_tree import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The scripts tests run as processes (and import from): tests/scenarios/NAME.
@@ -211,14 +212,17 @@ def task_pid(marker, variable, value):
     raise AssertionError(f"no task with {variable}={value}")
 
 
-def horovod_rank_pid(rank):
-    """The PID of `tfdist train` rank `rank` under horovodrun (from its HOROVOD_RANK)."""
-    pids = subprocess.run(["pgrep", "-f", "tfdist.cli train"], capture_output=True, text=True).stdout.split()
-    for pid in pids:
+def horovod_rank_pid(horovodrun_pid, rank):
+    """The PID of rank `rank`'s `tfdist train` (from its HOROVOD_RANK) below `horovodrun_pid`: only
+    this job's, when other tests run Horovod jobs at the same time."""
+    for pid in descendants(horovodrun_pid):
         try:
             with open(f"/proc/{pid}/environ") as f:
-                if f"HOROVOD_RANK={rank}\0" in f.read():
-                    return int(pid)
+                environ = f.read()
+            with open(f"/proc/{pid}/cmdline") as f:
+                command = f.read()
         except OSError:
             continue
-    raise AssertionError(f"no rank {rank} among {pids}")
+        if f"HOROVOD_RANK={rank}\0" in environ and "tfdist.cli\0train" in command:
+            return pid
+    raise AssertionError(f"no rank {rank} below {horovodrun_pid}")

@@ -24,6 +24,7 @@ def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
 
 
 @needs_root
+@pytest.mark.xdist_group("namespace_hosts")  # with tests/launch/test_hosts.py, which checks that no host is left
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)

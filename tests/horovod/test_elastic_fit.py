@@ -96,7 +96,7 @@ def test_tfdist_train_with_horovod_elastic_goes_on_without_a_lost_rank(tmp_path)
             lines.append(line)
             if line.startswith("[0]<stdout>:Epoch 3/"):
                 time.sleep(0.3)  # into the epoch
-                os.kill(horovod_rank_pid(1), signal.SIGKILL)
+                os.kill(horovod_rank_pid(job.pid, 1), signal.SIGKILL)
                 break
         else:
             pytest.fail("".join(lines)[-4000:])

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import ROOT, launch_job, launch_output, launch_output_after, processes_with, run_tfdist, task_pid
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300),
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.xdist_group("namespace_hosts"),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")]
 
 GRADIENT_BYTES = 153_128  # the digits CNN's float32 weights (configs/default.yaml's model)

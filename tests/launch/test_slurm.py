@@ -80,6 +80,10 @@ def test_the_slurm_resolver_only_runs_in_a_job_step(monkeypatch):
         cluster_resolver(config)
 
 
+# The tests that use it run on one pytest-xdist worker: one Slurm cluster, started once.
+slurm_cluster = pytest.mark.xdist_group("slurm")
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     if shutil.which("slurmctld") is None:
@@ -88,6 +92,7 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
+@slurm_cluster
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -114,6 +119,7 @@ def _wait_until(condition, what, timeout):
         time.sleep(0.5)
 
 
+@slurm_cluster
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)

@@ -111,7 +111,7 @@ def test_a_rank_killed_terminated_or_stopped_ends_the_job_with_one_line_on_the_o
         for line in proc.stdout:
             lines.append(line)
             if "Epoch 3/" in line:
-                os.kill(horovod_rank_pid(1), fault)
+                os.kill(horovod_rank_pid(proc.pid, 1), fault)
                 faulted = time.monotonic()
                 break
         else:

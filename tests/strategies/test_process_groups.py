@@ -136,7 +136,7 @@ def test_a_killed_or_stopped_horovod_rank_ends_the_job(fault):
         for line in job.stdout:
             lines.append(line)
             if "Epoch 2/" in line:
-                os.kill(horovod_rank_pid(1), fault)
+                os.kill(horovod_rank_pid(job.pid, 1), fault)
                 faulted = time.monotonic()
                 break
         else:
