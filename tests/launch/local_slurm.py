@@ -130,6 +130,10 @@ class LocalSlurm:
         return os.path.join(cwd, f"tfdist-{job}.out")
 
     def start_now(self, job):
-        """A requeued batch job waits before it may start again (about 2 minutes here): start it now."""
+        """A requeued batch job waits before it may start again (about 2 minutes here): start it now.
+
+        Not in the second its last run ended: slurmd revoked that run's credential then, and compares
+        times in whole seconds, so a run started within it is refused ("Job credential revoked")."""
+        time.sleep(2)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env, check=True,
                        capture_output=True)

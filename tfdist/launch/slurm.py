@@ -7,6 +7,7 @@ One `srun` of `tfdist train` over every task (each finds its cluster with
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -18,6 +19,10 @@ from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 
 __all__ = ["sbatch_script"]
+
+# After the first task ends, the others have checkpoint.grace_seconds (to save, if preempted) and
+# this much more to end too; a task that failed is seen by its peers within seconds.
+SRUN_WAIT_MARGIN_SECONDS = 30
 
 
 def sbatch_script(
@@ -80,7 +85,11 @@ def sbatch_script(
         if (nodes or 1) > 1 and not config.cluster.allow_non_loopback:
             lines.insert(2 + len(options), _OFF_LOOPBACK_NOTE)
             print(f"tfdist: warning: {_OFF_LOOPBACK_NOTE[2:]}", file=sys.stderr)
-        srun = ["srun", "--kill-on-bad-exit=1", *train, "--set=cluster.resolver=slurm"]
+        # Once a task ends, the others get a while to end too, then srun ends them. Not
+        # --kill-on-bad-exit: on a preemption every task saves and exits 75, and the first to exit
+        # would have the others killed mid-save (srun then returns 143, not 75, and no requeue).
+        wait = math.ceil(config.checkpoint.grace_seconds) + SRUN_WAIT_MARGIN_SECONDS
+        srun = ["srun", "--kill-on-bad-exit=0", f"--wait={wait}", *train, "--set=cluster.resolver=slurm"]
         lines.append(shlex.join(srun))
     if requeue:
         lines[-1] += " || code=$?"
