@@ -36,7 +36,8 @@ _JSON = flags.DEFINE_string("json", None, "Write the benchmark's JSON here.")
 _PLOT = flags.DEFINE_string("plot", None, "network, scaling and synthetic: write the plot (PNG) here.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per variant (the median is taken).", lower_bound=1)
 _MODEL = flags.DEFINE_string("model", None, "synthetic, network: the model, a model.name "
-                              "(e.g. keras.applications.ResNet50).")
+                              "(e.g. keras.applications.ResNet50); network also takes sparse_embedding "
+                              "(a large embedding table that each batch touches sparsely).")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "synthetic: side of the square images (default 64).",
                                    lower_bound=4)
 _BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "synthetic: images per device per step "

@@ -17,6 +17,17 @@ def test_the_algorithms_bytes():
     assert algorithm_bytes("multi_worker_fp16", 1000, hosts=2) == {"sent": 500, "received": 500}
 
 
+def test_a_sparse_gradient_is_all_gathered_or_read_and_sent_as_rows():
+    rows_and_indices = (1000, 100)
+    # All-reduce kinds: the dense part in the ring, and each host's rows to every other host.
+    assert algorithm_bytes("multi_worker", 500, hosts=2, slices=rows_and_indices) == {"sent": 1600, "received": 1600}
+    assert algorithm_bytes("horovod", 400, hosts=4, slices=rows_and_indices) == {"sent": 3900, "received": 3900}
+    # float16 compression casts the dense part only.
+    assert algorithm_bytes("multi_worker_fp16", 500, hosts=2, slices=rows_and_indices)["sent"] == 1350
+    # A parameter-server worker reads the weights and the rows, and sends gradients, rows and indices.
+    assert algorithm_bytes("parameter_server", 500, slices=rows_and_indices) == {"sent": 1600, "received": 1500}
+
+
 def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
     assert overlap(10, 4, 14) == 0
     assert overlap(10, 4, 10) == 1

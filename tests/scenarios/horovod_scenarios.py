@@ -26,12 +26,18 @@ def _data(n=BATCH * STEPS, features=12, classes=3, seed=0):
     return x, y
 
 
-def _model():
-    return keras.Sequential([
-        keras.Input((12,)),
-        keras.layers.Dense(16, activation="tanh"),
-        keras.layers.Dense(3, activation="softmax"),
-    ])
+def _model(embedding=False):
+    hidden = ([keras.layers.Embedding(VOCABULARY, 4), keras.layers.Flatten()] if embedding
+              else [keras.layers.Dense(16, activation="tanh")])
+    return keras.Sequential([keras.Input((12,)), *hidden, keras.layers.Dense(3, activation="softmax")])
+
+
+VOCABULARY = 50
+
+
+def _ids(x):
+    """The features as ids of an embedding's rows: the gradient is IndexedSlices."""
+    return (np.abs(x) * 10).astype("int32") % VOCABULARY
 
 
 def _compile(model, learning_rate, accumulation=1, clipnorm=None):
@@ -43,15 +49,20 @@ def _compile(model, learning_rate, accumulation=1, clipnorm=None):
 
 
 def matches_single_process(op="average", fp16_compression="0", accumulation="1", examples=str(BATCH * STEPS),
-                           clipnorm="0"):
+                           clipnorm="0", embedding="0"):
     """One epoch of global batch BATCH; every rank also trains the same model
     in one plain process (equivalent settings) and compares."""
-    accumulation, clipnorm = int(accumulation), float(clipnorm)
+    accumulation, clipnorm, embedding = int(accumulation), float(clipnorm), embedding == "1"
     x, y = _data(int(examples))
+    if embedding:
+        x = _ids(x)
     strategy = HorovodStrategy(op=op, fp16_compression=fp16_compression == "1")
+    all_reduce, gathered = strategy.extended._cross_device_ops, []
+    all_gather = all_reduce._all_gather
+    all_reduce._all_gather = lambda *args: gathered.append(args) or all_gather(*args)  # counted as traced
     keras.utils.set_random_seed(strategy.rank)  # different per rank: the broadcast must even them out
     with strategy.scope():
-        model = _model()
+        model = _model(embedding)
         _compile(model, 0.1, accumulation, clipnorm)
     initial = [w.copy() for w in model.get_weights()]
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -60,25 +71,26 @@ def matches_single_process(op="average", fp16_compression="0", accumulation="1",
     evaluate = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
 
-    reference = _model()
+    reference = _model(embedding)
     reference.set_weights(initial)
     # `sum` adds the ranks' mean gradients: the single-process update with size x the rate.
     _compile(reference, 0.1 * (strategy.size if op == "sum" else 1), accumulation, clipnorm)
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     result.update(
         initial_differs_from_seeded=bool(strategy.rank and any(
-            not np.allclose(a, b) for a, b in zip(initial, _seeded_weights(strategy.rank)))),
+            not np.allclose(a, b) for a, b in zip(initial, _seeded_weights(strategy.rank, embedding)))),
         max_abs_diff=max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
         evaluate=evaluate, reference_evaluate=reference.evaluate(x, y, batch_size=BATCH, verbose=0),
         predict_shape=list(predictions.shape),
         predict_diff=float(np.abs(predictions - reference.predict(x, batch_size=BATCH, verbose=0)).max()),
+        sparse_all_gathers=len(gathered),
     )
     return result
 
 
-def _seeded_weights(seed):
+def _seeded_weights(seed, embedding=False):
     keras.utils.set_random_seed(seed)
-    return _model().get_weights()
+    return _model(embedding).get_weights()
 
 
 def keras_api_matches_single_process(accumulation="1"):

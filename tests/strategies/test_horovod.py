@@ -36,6 +36,8 @@ def _scenario(tmp_path, name, *options, np=2, expect_ok=True, controller="--gloo
     (("accumulation=2",), 1e-5),
     (("clipnorm=0.01",), 1e-5),  # clipped after the all-reduce, as in one process
     (("fp16_compression=1",), 1e-3),  # float16 gradients on the wire
+    (("embedding=1",), 1e-5),  # the embedding's gradient all-gathered as rows
+    (("embedding=1", "op=sum"), 1e-5),
 ])
 def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, tolerance):
     _, results = _scenario(tmp_path, "matches_single_process", *options)
@@ -49,6 +51,8 @@ def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, to
     assert results[0]["weights_checksum"] == results[1]["weights_checksum"]
     # Rank 1 was seeded differently, yet started from rank 0's weights.
     assert results[1]["initial_differs_from_seeded"]
+    # An embedding's gradient stays rows (IndexedSlices), all-gathered rather than made dense.
+    assert all((r["sparse_all_gathers"] > 0) == ("embedding=1" in options) for r in results.values()), results
 
 
 @pytest.mark.multiprocess

@@ -23,12 +23,17 @@ completed work, as `tfdist train` measures them) and the bytes the reporting
 host's link carried per measured step, read from the link's counters. Beside
 them:
 
-- `gradient_bytes`: one replica's gradients (the model's trainable weights);
+- `gradient_bytes`: one replica's dense gradients (the model's trainable
+  weights). `--model sparse_embedding` (`tfdist.bench.sparse_workload`: a
+  100,000-row embedding table that each batch touches sparsely) leaves the
+  table out: its gradient is `sparse_gradient_bytes`, a batch's rows and their
+  indices, against `table_bytes` for the whole table;
 - `algorithm_bytes`: what the algorithm moves per step over that link. A ring
   all-reduce over N hosts sends and receives 2 (N - 1) / N x the gradient
-  bytes; a parameter-server worker receives every variable it reads and sends
-  its gradients. `bytes_vs_algorithm` = measured / algorithm (the larger
-  direction); above 1.1 something is sent twice;
+  bytes, and all-gathers sparse rows; a parameter-server worker receives every
+  variable (and row) it reads and sends its gradients. `bytes_vs_algorithm` =
+  measured / algorithm (the larger direction); above 1.1 something is sent
+  twice, or a sparse gradient went dense;
 - `compute_ms`: the step with no communication at all, the same batch per
   worker trained by one process with one thread (strategy.kind=one_device), in
   the same rounds;
@@ -54,6 +59,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional, Sequence
 
+from tfdist.bench import sparse_workload
 from tfdist.bench.jobs import described, on_core, train_job
 from tfdist.bench.plots import png
 from tfdist.bench.timing import alternate
@@ -75,6 +81,7 @@ _LAUNCH = {  # each kind's `tfdist launch` flags (besides --hosts and --link) an
         "parameter_server.threads_per_task=1"]),
 }
 _COMPRESSED = {"multi_worker": "strategy.gradient_compression=fp16", "horovod": "horovod.fp16_compression=true"}
+SPARSE_MODEL = "sparse_embedding"  # --model's name for tfdist.bench.sparse_workload
 BYTES_TOLERANCE = 1.10  # measured over algorithm bytes, per the issue's target
 OVERLAP_TARGET = 0.7
 COMPRESSION_TARGET = 1.6  # samples/sec with float16 gradients over float32, where the link is the bottleneck
@@ -85,7 +92,7 @@ def run(*, config: Optional[Config] = None, repeats: int = 3, plot_path: Optiona
     if config is not None:
         raise ConfigError("config", "is not used by the network benchmark: it sets its jobs itself "
                                     "(--model, --links, --kinds).", "given")
-    if model:
+    if model and model != SPARSE_MODEL:
         model_source(model, "model")  # one line now rather than a dozen failed jobs
     link_list = _listed(links, LINKS, "links")
     for link in link_list:
@@ -108,18 +115,24 @@ def _listed(value: Optional[str], default: Sequence[str], key: str) -> list[str]
     return items
 
 
-def algorithm_bytes(kind: str, gradient_bytes: float, hosts: int = HOSTS) -> dict[str, float]:
+def algorithm_bytes(kind: str, gradient_bytes: float, hosts: int = HOSTS,
+                    slices: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
     """Bytes per step the algorithm moves over the reporting host's link, each way.
 
     A ring all-reduce over `hosts` sends and receives 2 (hosts - 1) / hosts of the
-    gradients (half as many bytes for a `_fp16` kind); a parameter-server worker
-    receives the variables it reads (as many bytes as its gradients) and sends
-    its gradients.
+    dense gradients (half as many bytes for a `_fp16` kind); a parameter-server
+    worker receives the variables it reads (as many bytes as its gradients) and
+    sends its gradients. `slices` is one worker's sparse gradient (an embedding's,
+    as IndexedSlices): the bytes of its rows and of its indices. All-reduce kinds
+    all-gather them (each host sends its own and receives the others'); a
+    parameter-server worker reads those rows and sends rows and indices.
     """
+    rows, indices = slices
     if kind == "parameter_server":
-        return {"sent": gradient_bytes, "received": gradient_bytes}
+        return {"sent": gradient_bytes + rows + indices, "received": gradient_bytes + rows}
     ring = 2 * (hosts - 1) / hosts * gradient_bytes / (2 if kind.endswith("_fp16") else 1)
-    return {"sent": ring, "received": ring}
+    gathered = (hosts - 1) * (rows + indices)
+    return {"sent": ring + gathered, "received": ring + gathered}
 
 
 def overlap(compute_ms: float, comm_ms: float, step_ms: float) -> float:
@@ -133,7 +146,10 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
         "train.verbose=0", "train.epochs=1", f"train.steps_per_epoch={steps}", "callbacks.throughput_warmup_steps=10",
         "runtime.intra_op_threads=1", "runtime.inter_op_threads=2", f"train.global_batch_size={batch_per_worker}",
     ]
-    if model:  # a model of the user's: random 32x32 images, 10 classes
+    if model == SPARSE_MODEL:
+        common += [f"model.name={sparse_workload.__name__}:model", f"data.dataset={sparse_workload.__name__}:dataset",
+                   f"data.num_classes={sparse_workload.CLASSES}", *sparse_workload.TRAINING]
+    elif model:  # a model of the user's: random 32x32 images, 10 classes
         common += [f"model.name={model}", "data.dataset=synthetic", "data.image_size=32", "data.channels=3",
                    "data.num_classes=10", f"data.synthetic_examples={batch_per_worker * 2 * steps}"]
     # One process on one core: a worker's share of this 2-core machine when 2 of them train.
@@ -154,8 +170,12 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
                         for name, (command, overrides) in jobs.items()}, repeats=repeats, warmup=0)
     results = {name: _median_result(values) for name, values in rounds.items()}
     compute = results.pop("compute_only")
-    gradient_bytes = compute["trainable_bytes"]
-    table = {variant: [_row(variant, link, results[f"{variant}@{link}"], compute, gradient_bytes) for link in links]
+    gradient_bytes, slices = compute["trainable_bytes"], (0, 0)
+    if model == SPARSE_MODEL:  # the table's gradient is a batch's rows, not the table
+        gradient_bytes -= sparse_workload.TABLE_BYTES
+        slices = sparse_workload.gradient_slices(batch_per_worker)
+    table = {variant: [_row(variant, link, results[f"{variant}@{link}"], compute,
+                            algorithm_bytes(variant, gradient_bytes, slices=slices)) for link in links]
              for variant in variants}
     for rows in table.values():
         fastest = max(rows, key=lambda row: link_bits_per_second(row["link"]))
@@ -171,6 +191,8 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
         "steps": steps,
         "repeats": repeats,
         "gradient_bytes": gradient_bytes,
+        **({"sparse_gradient_bytes": dict(zip(("rows", "indices"), slices)), "table_bytes": sparse_workload.TABLE_BYTES}
+           if model == SPARSE_MODEL else {}),
         "compute_only": {"step_time_ms": compute["step_time_ms"], "samples_per_sec": compute["samples_per_sec"]},
         "jobs": {name: f"tfdist {' '.join(command or ['train'])} " + described({name: o})[name]
                  for name, (command, o) in jobs.items()},
@@ -192,8 +214,7 @@ def _median_result(values: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _row(kind: str, link: str, measured: dict[str, float], compute: dict[str, float],
-         gradient_bytes: float) -> dict[str, Any]:
-    expected = algorithm_bytes(kind, gradient_bytes)
+         expected: dict[str, float]) -> dict[str, Any]:
     sent, received = measured["link_sent"], measured["link_received"]
     comm_ms = 1000 * max(sent, received) * 8 / link_bits_per_second(link)
     row = {

@@ -49,9 +49,31 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         ]
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
-        """The replica-context all-reduce (no merge_call) Keras's optimizers use."""
-        flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
-        return tf.nest.pack_sequence_as(value, self._all_reduce_group(reduce_op, flat))
+        """The replica-context all-reduce (no merge_call) Keras's optimizers use.
+
+        Sparse gradients (IndexedSlices: an embedding's rows) are all-gathered, as
+        Horovod's own `allreduce` does them: made dense, a 100,000-row table's
+        gradient would cross the network whole every step for the few rows a
+        batch touched. Adasum has no sparse form, so there they go dense.
+        """
+        flat = tf.nest.flatten(value)
+        sparse = [i for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices) and self.op != "adasum"]
+        dense = [i for i in range(len(flat)) if i not in sparse]
+        reduced = dict(zip(dense, self._all_reduce_group(reduce_op, [tf.convert_to_tensor(flat[i]) for i in dense])))
+        reduced.update((i, self._all_gather(reduce_op, flat[i])) for i in sparse)
+        return tf.nest.pack_sequence_as(value, [reduced[i] for i in range(len(flat))])
+
+    def _all_gather(self, reduce_op, slices: tf.IndexedSlices) -> tf.IndexedSlices:
+        """Every rank's rows and indices, scaled as `_all_reduce_group` reduces dense values."""
+        size = self._hvd.size()
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            scale = 1 / size
+        else:
+            scale = size if self.op == "sum" else 1
+        values = self._hvd.allgather(slices.values)
+        if scale != 1:
+            values = values * tf.cast(scale, values.dtype)
+        return tf.IndexedSlices(values, self._hvd.allgather(slices.indices), slices.dense_shape)
 
     def _all_reduce_group(self, reduce_op, tensors: list) -> list:
         """One grouped (fused) all-reduce of a step's gradients, with the configured op."""
