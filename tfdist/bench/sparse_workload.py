@@ -36,7 +36,7 @@ CLASSES = 10
 ZIPF_EXPONENT = 1.2
 TABLE_BYTES = VOCABULARY * EMBEDDING_WIDTH * 4  # float32
 # Plain SGD: Keras 3's Adam (and every optimizer with slots) decays its slots over the whole
-# table each step, so every row changes and the update is dense whatever the strategy.
+# table each step, so every row changes and each step updates the whole table and its slots.
 TRAINING = ["train.optimizer=sgd", "train.learning_rate=0.5"]
 
 
