@@ -77,6 +77,8 @@ bench: setup
 	OMP_NUM_THREADS=1 tfdist bench data_parallel_pipeline --json results/data_parallel_pipeline.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench tensor_parallel --json results/tensor_parallel.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench network --json results/network.json --plot results/network.png --repeats 3
+	OMP_NUM_THREADS=1 tfdist bench network --model sparse_embedding --json results/network_sparse.json \
+		--plot results/network_sparse.png --repeats 3
 	tfdist bench input_pipeline --json results/input_pipeline.json --repeats 5
 	tfdist bench scaling --config configs/default.yaml --json results/scaling.json --plot results/scaling.png --repeats 3
 	OMP_NUM_THREADS=1 tfdist bench baselines --json results/baselines.json --repeats 5
