@@ -59,7 +59,8 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         flat = tf.nest.flatten(value)
         sparse = [i for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices) and self.op != "adasum"]
         dense = [i for i in range(len(flat)) if i not in sparse]
-        reduced = dict(zip(dense, self._all_reduce_group(reduce_op, [tf.convert_to_tensor(flat[i]) for i in dense])))
+        reduced = dict(zip(dense, self._all_reduce_group(reduce_op, [tf.convert_to_tensor(flat[i]) for i in dense])
+                                  if dense else []))
         reduced.update((i, self._all_gather(reduce_op, flat[i])) for i in sparse)
         return tf.nest.pack_sequence_as(value, [reduced[i] for i in range(len(flat))])
 
