@@ -201,28 +201,28 @@ def processes_with(marker):
 
 def task_pid(marker, variable, value):
     """The task process whose environment has VARIABLE=VALUE (a substring for TF_CONFIG)."""
-    for pid in processes_with(marker):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if value.encode() in env.get(variable.encode(), b"") and b"tfdist.cli" in open(f"/proc/{pid}/cmdline", "rb").read():
-            return pid
-    raise AssertionError(f"no task with {variable}={value}")
+    return _task_among(processes_with(marker), variable, value)
 
 
 def horovod_rank_pid(horovodrun_pid, rank):
-    """The PID of rank `rank`'s `tfdist train` (from its HOROVOD_RANK) below `horovodrun_pid`: only
-    this job's, when other tests run Horovod jobs at the same time."""
-    for pid in descendants(horovodrun_pid):
+    """The PID of rank `rank`'s `tfdist train` below `horovodrun_pid`: only this job's, when other
+    tests run Horovod jobs at the same time."""
+    return _task_among(descendants(horovodrun_pid), "HOROVOD_RANK", str(rank), exact=True)
+
+
+def _task_among(pids, variable, value, exact=False):
+    """The `tfdist train` process of `pids` (not a shell that runs it) whose environment's VARIABLE
+    holds VALUE (or is it, `exact`)."""
+    for pid in pids:
         try:
-            with open(f"/proc/{pid}/environ") as f:
-                environ = f.read()
-            with open(f"/proc/{pid}/cmdline") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read()
         except OSError:
             continue
-        if f"HOROVOD_RANK={rank}\0" in environ and "tfdist.cli\0train" in command:
+        found = env.get(variable.encode())
+        if found is not None and (found == value.encode() if exact else value.encode() in found) \
+                and b"tfdist.cli\0train\0" in command:
             return pid
-    raise AssertionError(f"no rank {rank} below {horovodrun_pid}")
+    raise AssertionError(f"no task with {variable}={value} among {list(pids)}")

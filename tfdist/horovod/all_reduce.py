@@ -57,20 +57,30 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         batch touched. Adasum has no sparse form, so there they go dense.
         """
         flat = tf.nest.flatten(value)
-        sparse = [i for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices) and self.op != "adasum"]
-        dense = [i for i in range(len(flat)) if i not in sparse]
-        reduced = dict(zip(dense, self._all_reduce_group(reduce_op, [tf.convert_to_tensor(flat[i]) for i in dense])
-                                  if dense else []))
-        reduced.update((i, self._all_gather(reduce_op, flat[i])) for i in sparse)
-        return tf.nest.pack_sequence_as(value, [reduced[i] for i in range(len(flat))])
+        sparse = [isinstance(v, tf.IndexedSlices) and self.op != "adasum" for v in flat]
+        dense = [tf.convert_to_tensor(v) for v, is_sparse in zip(flat, sparse) if not is_sparse]
+        reduced = iter(self._all_reduce_group(reduce_op, dense) if dense else [])
+        return tf.nest.pack_sequence_as(
+            value, [self._all_gather(reduce_op, v) if is_sparse else next(reduced) for v, is_sparse in zip(flat, sparse)]
+        )
+
+    def _reduction(self, reduce_op):
+        """Horovod's op for a batch of gradients, and the factor each rank's values are scaled by first.
+
+        Keras scales each rank's loss by 1/size, so a sum of the gradients is
+        their mean; `sum` and `adasum` want each rank's own gradient.
+        """
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            return self._hvd.Average, 1.0
+        if self.op == "average":
+            return self._hvd.Sum, 1.0
+        size = float(self._hvd.size())
+        return (self._hvd.Sum if self.op == "sum" else self._hvd.Adasum), size
 
     def _all_gather(self, reduce_op, slices: tf.IndexedSlices) -> tf.IndexedSlices:
         """Every rank's rows and indices, scaled as `_all_reduce_group` reduces dense values."""
-        size = self._hvd.size()
-        if reduce_op == tf.distribute.ReduceOp.MEAN:
-            scale = 1 / size
-        else:
-            scale = size if self.op == "sum" else 1
+        op, prescale = self._reduction(reduce_op)
+        scale = prescale / self._hvd.size() if op == self._hvd.Average else prescale
         values = self._hvd.allgather(slices.values)
         if scale != 1:
             values = values * tf.cast(scale, values.dtype)
@@ -78,26 +88,16 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
 
     def _all_reduce_group(self, reduce_op, tensors: list) -> list:
         """One grouped (fused) all-reduce of a step's gradients, with the configured op."""
-        # Keras scales each rank's loss by 1/size, so a sum of the gradients is
-        # their mean; `sum` and `adasum` want each rank's own gradient.
-        size = float(self._hvd.size())
-        if reduce_op == tf.distribute.ReduceOp.MEAN:
-            op, pre, post = self._hvd.Average, 1.0, 1.0
-        elif self.op == "average":
-            op, pre, post = self._hvd.Sum, 1.0, 1.0
-        elif self.op == "sum":
-            op, pre, post = self._hvd.Sum, size, 1.0
-        else:
+        op, prescale = self._reduction(reduce_op)
+        if op == self._hvd.Adasum:
             # horovod 0.28.1's grouped_allreduce fails for Adasum on Python 3 (it reads
             # a list comprehension's variable), so Adasum goes tensor by tensor;
             # Horovod still fuses the tensors that are ready in the same cycle.
             return [
-                self._hvd.allreduce(t, op=self._hvd.Adasum, compression=self._compression, prescale_factor=size)
+                self._hvd.allreduce(t, op=op, compression=self._compression, prescale_factor=prescale)
                 for t in tensors
             ]
-        return self._hvd.grouped_allreduce(
-            tensors, op=op, compression=self._compression, prescale_factor=pre, postscale_factor=post
-        )
+        return self._hvd.grouped_allreduce(tensors, op=op, compression=self._compression, prescale_factor=prescale)
 
 
 def _local_value(value) -> tf.Tensor:
