@@ -10,6 +10,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # are stated for them. On a GPU host, TensorFlow here and in every child process
 # would otherwise pick the GPUs (and a different number of replicas).
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+# A process that crashes (a segfault in a native library) prints every thread's Python stack,
+# so the test's output says where.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 LOGICAL_CPUS = 4
 # The scripts tests run as processes, importable by name (a test may share their code).

@@ -149,9 +149,11 @@ def measure(
     samples = alternate(rounds, repeats=repeats)
     step_ms = medians(samples)
     wait_share = {}
+    # At least 8 steps measured: in a window of 2, one slow step of a busy host halves the share.
+    stall_steps = max(8, steps_per_round - 2)
     for name, ds in datasets.items():
-        stalls = InputStalls(start_step=2, steps=max(1, steps_per_round - 2), verbose=False)
-        model.fit(ds, epochs=1, steps_per_epoch=steps_per_round, verbose=0, shuffle=False, callbacks=[stalls])
+        stalls = InputStalls(start_step=2, steps=stall_steps, verbose=False)
+        model.fit(ds, epochs=1, steps_per_epoch=stall_steps + 2, verbose=0, shuffle=False, callbacks=[stalls])
         wait_share[name] = stalls.input_wait_share
     slower_stage = max(step_ms["producer"], step_ms["consumer"])
     step_vs_max_stage = step_ms["tfdist"] / slower_stage
