@@ -45,6 +45,10 @@ def _wait_for_checkpoint_after(store, step, process, timeout=120):
     pytest.fail(f"no checkpoint after step {step} within {timeout} s")
 
 
+# The tests that compare with the uninterrupted job run on one pytest worker, so it runs once.
+uninterrupted_once = pytest.mark.xdist_group("uninterrupted_job")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -54,6 +58,7 @@ def uninterrupted(tmp_path_factory):
     return _digest(tmp / "metrics.json")[0]
 
 
+@uninterrupted_once
 @pytest.mark.timeout(900)
 def test_twenty_sigkills_at_random_moments_lose_nothing(tmp_path, uninterrupted):
     rng = random.Random(18)
@@ -82,6 +87,7 @@ def test_twenty_sigkills_at_random_moments_lose_nothing(tmp_path, uninterrupted)
     print(f"{kills} kills, {during_save} during a save; resumed last from step {newest}")
 
 
+@uninterrupted_once
 @pytest.mark.timeout(600)
 def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, uninterrupted):
     store = CheckpointStore(str(tmp_path / "ckpt"))

@@ -13,13 +13,26 @@ from helpers import ROOT, SCENARIO_DIR, horovodrun, tfdist_imports
 pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 CUSTOM_LOOP = os.path.join(SCENARIO_DIR, "horovod_custom_loop.py")
+MODES = ["plain", "seed_by_rank", "partial", "tape_options", "optimizer"]
 
 
-def _custom_loop(tmp_path, *options, np=2):
-    out = str(tmp_path / f"loop{np}")
-    done = horovodrun([sys.executable, CUSTOM_LOOP, out, *options], np=np)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return [np_load(f"{out}.rank{r}.npz") for r in range(np)]
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory):
+    """Every mode of the custom loop, trained in one 2-rank job, and the plain loop in one process (the
+    reference): {"plain": [rank 0's results, rank 1's], ..., "reference": [the one process's]}."""
+    out = str(tmp_path_factory.mktemp("custom_loop") / "loop")
+    results = {}
+    for np_, modes in ((2, MODES), (1, ["plain"])):
+        done = horovodrun([sys.executable, CUSTOM_LOOP, f"{out}{np_}", *modes], np=np_)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        for mode in modes:
+            ranks = [np_load(f"{out}{np_}.{mode}.rank{r}.npz") for r in range(np_)]
+            results[mode if np_ == 2 else "reference"] = ranks
+    return results
+
+
+# The tests of the custom loop run on one pytest worker, so the jobs run once, within the first one's time.
+on_one_worker = pytest.mark.xdist_group("horovod_custom_loop")
 
 
 def np_load(path):
@@ -31,9 +44,10 @@ def _weights(result):
     return [result[k] for k in sorted((k for k in result if k.startswith("arr_")), key=lambda k: int(k[4:]))]
 
 
-def test_a_custom_loop_matches_one_process_on_the_whole_batches(tmp_path):
-    ranks = _custom_loop(tmp_path)
-    (reference,) = _custom_loop(tmp_path, np=1)
+@on_one_worker
+@pytest.mark.timeout(420)
+def test_a_custom_loop_matches_one_process_on_the_whole_batches(loops):
+    ranks, (reference,) = loops["plain"], loops["reference"]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # every rank ends with the same weights
     for a, b in zip(_weights(ranks[0]), _weights(reference)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -46,22 +60,27 @@ def test_a_custom_loop_matches_one_process_on_the_whole_batches(tmp_path):
         assert int(result["join"]) in (0, 1)  # the last rank to join
 
 
+@on_one_worker
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("mode,tolerance", [("tape_options", 1e-3), ("optimizer", 1e-5)])
-def test_tape_options_and_the_distributed_optimizer_match_one_process(tmp_path, mode, tolerance):
-    ranks = _custom_loop(tmp_path, mode)
-    (reference,) = _custom_loop(tmp_path, np=1)
+def test_tape_options_and_the_distributed_optimizer_match_one_process(loops, mode, tolerance):
+    ranks, (reference,) = loops[mode], loops["reference"]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     for a, b in zip(_weights(ranks[0]), _weights(reference)):  # fp16 compression: to 1e-3
         np.testing.assert_allclose(a, b, atol=tolerance, rtol=0)
 
 
-def test_broadcast_variables_makes_ranks_that_started_apart_equal(tmp_path):
-    ranks = _custom_loop(tmp_path, "seed_by_rank")
+@on_one_worker
+@pytest.mark.timeout(420)
+def test_broadcast_variables_makes_ranks_that_started_apart_equal(loops):
+    ranks = loops["seed_by_rank"]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
-def test_a_partial_tape_keeps_the_local_layers_gradients_on_their_rank(tmp_path):
-    ranks = _custom_loop(tmp_path, "partial")
+@on_one_worker
+@pytest.mark.timeout(420)
+def test_a_partial_tape_keeps_the_local_layers_gradients_on_their_rank(loops):
+    ranks = loops["partial"]
     first, second = _weights(ranks[0]), _weights(ranks[1])
     # The hidden layer's gradients are all-reduced: equal on both ranks; the head's are each rank's own.
     np.testing.assert_array_equal(first[0], second[0])

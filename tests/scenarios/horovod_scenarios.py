@@ -1,7 +1,9 @@
 """Horovod scenarios, each run on every rank by test_horovod.py under horovodrun.
 
 `horovodrun -np 2 ... python horovod_scenarios.py NAME OUT_DIR [KEY=VALUE ...]`;
-each rank writes OUT_DIR/rank-N.json.
+each rank writes OUT_DIR/rank-N.json. `... horovod_scenarios.py cases OUT_DIR CASE ...`
+runs several in one job (its processes are the slow part to start), each CASE
+`NAME[:KEY=VALUE,...]`; each rank writes {CASE: result} to OUT_DIR/rank-N.json.
 """
 
 import json
@@ -76,9 +78,11 @@ def matches_single_process(op="average", fp16_compression="0", accumulation="1",
     # `sum` adds the ranks' mean gradients: the single-process update with size x the rate.
     _compile(reference, 0.1 * (strategy.size if op == "sum" else 1), accumulation, clipnorm)
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    # Built on every rank: the ranks must create the same layers, or the names Keras gives the
+    # next case's layers, and so Horovod's names for their gradients, differ between ranks.
+    seeded = _seeded_weights(strategy.rank, embedding)
     result.update(
-        initial_differs_from_seeded=bool(strategy.rank and any(
-            not np.allclose(a, b) for a, b in zip(initial, _seeded_weights(strategy.rank, embedding)))),
+        initial_differs_from_seeded=bool(strategy.rank and any(not np.allclose(a, b) for a, b in zip(initial, seeded))),
         max_abs_diff=max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
         evaluate=evaluate, reference_evaluate=reference.evaluate(x, y, batch_size=BATCH, verbose=0),
         predict_shape=list(predictions.shape),
@@ -178,8 +182,18 @@ def adasum_matches_its_formula():
             "diff_from_average": max_diff(trained_with(lambda g0, g1: (g0 + g1) / 2))}
 
 
+def _run(name, options):
+    return globals()[name](**dict(option.split("=", 1) for option in options))
+
+
 if __name__ == "__main__":
     name, out_dir, *options = sys.argv[1:]
-    result = globals()[name](**dict(option.split("=", 1) for option in options))
-    with open(os.path.join(out_dir, f"rank-{result['rank']}.json"), "w") as f:
+    if name == "cases":
+        result = {case: _run(case.partition(":")[0], filter(None, case.partition(":")[2].split(",")))
+                  for case in options}
+        rank = next(iter(result.values()))["rank"]
+    else:
+        result = _run(name, options)
+        rank = result["rank"]
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -46,9 +46,8 @@ def _compile(model, learning_rate=0.1):
                   metrics=["accuracy"])
 
 
-def _model_on(cluster, learning_rate=0.1):
-    """The compiled, seeded model under a ParameterServerStrategy on `cluster`."""
-    strategy = ParameterServerStrategy(cluster.resolver())
+def _model_on(strategy, learning_rate=0.1):
+    """The compiled, seeded model under `strategy`."""
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = _model()
@@ -74,22 +73,21 @@ class _AtBatch(keras.callbacks.Callback):
             self.done_at = time.monotonic()
 
 
-def short_epochs_all_report_their_metrics():
+def _short_epochs(strategy):
     """Epochs of 2 steps end well within the 0.25 s between log reads."""
     x, y = _data(64)
-    with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:
-        model = _model_on(cluster)
-        history = model.fit(x, y, batch_size=32, epochs=6, verbose=0).history
-        # One batch for two workers: one worker's shard is empty.
-        one_batch = model.fit(x[:32], y[:32], batch_size=32, epochs=8, verbose=0).history
-        return {"loss": history.get("loss", []), "accuracy": history.get("accuracy", []),
-                "one_batch_loss": one_batch.get("loss", []), "iterations": int(model.optimizer.iterations.numpy())}
+    model = _model_on(strategy)
+    history = model.fit(x, y, batch_size=32, epochs=6, verbose=0).history
+    # One batch for two workers: one worker's shard is empty.
+    one_batch = model.fit(x[:32], y[:32], batch_size=32, epochs=8, verbose=0).history
+    return {"loss": history.get("loss", []), "accuracy": history.get("accuracy", []),
+            "one_batch_loss": one_batch.get("loss", []), "iterations": int(model.optimizer.iterations.numpy())}
 
 
 def killed_worker_is_restarted():
     x, y = _data(2048)
     with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:
-        model = _model_on(cluster, learning_rate=0.05)
+        model = _model_on(ParameterServerStrategy(cluster.resolver()), learning_rate=0.05)
         kill = _AtBatch(1, 10, lambda: cluster.kill("worker", 1))
         history = model.fit(x, y, batch_size=32, epochs=3, validation_data=(x[:256], y[:256]),
                             verbose=0, callbacks=[kill])
@@ -104,7 +102,7 @@ def killed_worker_is_restarted():
 def killed_ps_is_an_error():
     x, y = _data(2048)
     with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:
-        model = _model_on(cluster)
+        model = _model_on(ParameterServerStrategy(cluster.resolver()))
         kill = _AtBatch(0, 10, lambda: cluster.kill("ps", 0))
         try:
             model.fit(x, y, batch_size=32, epochs=50, verbose=0, callbacks=[kill])
@@ -118,7 +116,7 @@ def ps_lost_before_a_save():
     `tfdist train` turns into its one line (strategy.job_error) names the lost server."""
     x, y = _data(2048)
     with LocalCluster(num_workers=1, num_ps=1, threads=1) as cluster:
-        model = _model_on(cluster)
+        model = _model_on(ParameterServerStrategy(cluster.resolver()))
         kill = _AtBatch(0, 9, lambda: cluster.kill("ps", 0))  # then the save at step 10, in the same batch end
         save = Checkpoint(tempfile.mkdtemp(), every_steps=10)
         try:
@@ -255,9 +253,14 @@ def _feature_cases():
     }
 
 
-def feature_matrix():
-    """Each Keras feature with one and with two workers (one ps), against the same on one device."""
-    results = {}
+def keras_usage():
+    """Keras's features and any dataset size with one and with two workers (one ps), against the same
+    on one device, and short epochs with two: one cluster per worker count, since each is 2-3
+    TensorFlow processes to start."""
+    from any_size_job import dense, run
+
+    one_device = run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense)
+    features, any_size, short_epochs = {}, {}, None
     for workers in (1, 2):
         with LocalCluster(num_workers=workers, num_ps=1, threads=1) as cluster:
             strategy = ParameterServerStrategy(cluster.resolver())
@@ -266,8 +269,11 @@ def feature_matrix():
                     result = _compare(strategy, build, compile_kwargs, fit)
                 except Exception as error:  # noqa: BLE001 - a failing case is a result here
                     result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-                results.setdefault(name, {})[workers] = result
-    return results
+                features.setdefault(name, {})[workers] = result
+            any_size[workers] = _any_size_compare(one_device, run(strategy, dense))
+            if workers == 2:
+                short_epochs = _short_epochs(strategy)
+    return {"feature_matrix": features, "any_dataset_size": any_size, "short_epochs": short_epochs}
 
 
 def _compare(strategy, build, compile_kwargs, fit):
@@ -302,29 +308,20 @@ def _compare(strategy, build, compile_kwargs, fit):
     }
 
 
-def any_dataset_size():
-    """61 training, 3 validation and 5 evaluation examples in batches of 8 (any_size_job.py), against one device.
-
-    One worker runs the steps in order, so everything must match; two run them
-    asynchronously, so only the shapes of what comes back are compared.
-    """
-    from any_size_job import dense, run
-
-    history, weights, evaluation, predictions = run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense)
-    results = {}
-    for workers in (1, 2):
-        with LocalCluster(num_workers=workers, num_ps=1, threads=1) as cluster:
-            ps_history, ps_weights, ps_evaluation, ps_predictions = run(
-                ParameterServerStrategy(cluster.resolver()), dense)
-        results[workers] = {
-            "history_keys": sorted(ps_history), "epochs": sorted({len(v) for v in ps_history.values()}),
-            "history_diff": max(abs(a - b) for key in history for a, b in zip(history[key], ps_history[key])),
-            "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(weights, ps_weights)),
-            "evaluate_diff": float(np.abs(np.array(evaluation) - np.array(ps_evaluation)).max()),
-            "predictions_shape": list(ps_predictions.shape),
-            "predictions_diff": float(np.abs(predictions - ps_predictions).max()),
-        }
-    return results
+def _any_size_compare(one_device, parameter_server):
+    """The any-dataset-size job's results (any_size_job.py: 61 training, 3 validation and 5 evaluation
+    examples in batches of 8) under parameter servers, against one device's. One worker runs the steps
+    in order, so everything must match; two run them asynchronously, so only the shapes count."""
+    history, weights, evaluation, predictions = one_device
+    ps_history, ps_weights, ps_evaluation, ps_predictions = parameter_server
+    return {
+        "history_keys": sorted(ps_history), "epochs": sorted({len(v) for v in ps_history.values()}),
+        "history_diff": max(abs(a - b) for key in history for a, b in zip(history[key], ps_history[key])),
+        "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(weights, ps_weights)),
+        "evaluate_diff": float(np.abs(np.array(evaluation) - np.array(ps_evaluation)).max()),
+        "predictions_shape": list(ps_predictions.shape),
+        "predictions_diff": float(np.abs(predictions - ps_predictions).max()),
+    }
 
 
 if __name__ == "__main__":

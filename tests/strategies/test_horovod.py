@@ -28,20 +28,39 @@ def _scenario(tmp_path, name, *options, np=2, expect_ok=True, controller="--gloo
     return proc, results
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("options,tolerance", [
-    ((), 1e-5),
-    (("op=sum",), 1e-5),
-    (("accumulation=2",), 1e-5),
-    (("clipnorm=0.01",), 1e-5),  # clipped after the all-reduce, as in one process
-    (("fp16_compression=1",), 1e-3),  # float16 gradients on the wire
-    (("embedding=1",), 1e-5),  # the embedding's gradient all-gathered as rows
-    (("embedding=1", "op=sum"), 1e-5),
-])
-def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, tolerance):
-    _, results = _scenario(tmp_path, "matches_single_process", *options)
+# Each case of the scenarios that compare two ranks with one process, and its tolerance.
+MATCH_CASES = {
+    "matches_single_process": 1e-5,
+    "matches_single_process:op=sum": 1e-5,
+    "matches_single_process:accumulation=2": 1e-5,
+    "matches_single_process:clipnorm=0.01": 1e-5,  # clipped after the all-reduce, as in one process
+    "matches_single_process:fp16_compression=1": 1e-3,  # float16 gradients on the wire
+    "matches_single_process:embedding=1": 1e-5,  # the embedding's gradient all-gathered as rows
+    "matches_single_process:embedding=1,op=sum": 1e-5,
+}
+UNEVEN = "matches_single_process:examples=149"
+KERAS_API = ["keras_api_matches_single_process:accumulation=1", "keras_api_matches_single_process:accumulation=2"]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Every case above, in one 2-rank job: {case: {rank: result}}."""
+    tmp_path = tmp_path_factory.mktemp("horovod_cases")
+    _, results = _scenario(tmp_path, "cases", *MATCH_CASES, UNEVEN, *KERAS_API)
     assert sorted(results) == [0, 1]
+    return {case: {rank: results[rank][case] for rank in results} for case in results[0]}
+
+
+# The tests of the cases run on one pytest worker, so the job runs once, within the first one's time.
+on_one_worker = pytest.mark.xdist_group("horovod_cases")
+
+
+@on_one_worker
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", list(MATCH_CASES))
+def test_two_ranks_match_one_process_with_the_global_batch(cases, case):
+    results, tolerance = cases[case], MATCH_CASES[case]
     for result in results.values():
         assert result["size"] == 2
         assert result["max_abs_diff"] <= tolerance
@@ -52,17 +71,18 @@ def test_two_ranks_match_one_process_with_the_global_batch(tmp_path, options, to
     # Rank 1 was seeded differently, yet started from rank 0's weights.
     assert results[1]["initial_differs_from_seeded"]
     # An embedding's gradient stays rows (IndexedSlices), all-gathered rather than made dense.
-    assert all((r["sparse_all_gathers"] > 0) == ("embedding=1" in options) for r in results.values()), results
+    assert all((r["sparse_all_gathers"] > 0) == ("embedding=1" in case) for r in results.values()), results
 
 
+@on_one_worker
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("accumulation", ["1", "2"])
-def test_horovod_keras_api_matches_one_process(tmp_path, accumulation):
-    _, results = _scenario(tmp_path, "keras_api_matches_single_process", f"accumulation={accumulation}")
-    for result in results.values():
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", KERAS_API)
+def test_horovod_keras_api_matches_one_process(cases, case):
+    accumulation = int(case.rsplit("=", 1)[1])
+    for result in cases[case].values():
         assert result["max_abs_diff"] <= 1e-5
-        assert result["updates"] == 5 // int(accumulation)
+        assert result["updates"] == 5 // accumulation
         assert result["loss_is_rank_average"]  # MetricAverageCallback averaged the logs
 
 
@@ -86,12 +106,12 @@ def test_a_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
     assert model.optimizer.inner_optimizer.iterations.numpy() == 12 * 22
 
 
+@on_one_worker
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_uneven_data_gives_every_rank_the_same_steps(tmp_path):
+@pytest.mark.timeout(420)
+def test_uneven_data_gives_every_rank_the_same_steps(cases):
     # 149 examples, batch 32: the last batch of 21 splits 11/10 over the ranks.
-    _, results = _scenario(tmp_path, "matches_single_process", "examples=149")
-    assert [r["iterations"] for r in results.values()] == [5, 5]
+    assert [r["iterations"] for r in cases[UNEVEN].values()] == [5, 5]
 
 
 @pytest.mark.multiprocess

@@ -43,11 +43,23 @@ def test_a_sharded_embedding_spreads_over_the_parameter_servers_and_matches_a_wh
     assert result["reloaded_on_one_device_diff"] <= 1e-6
 
 
-def test_keras_features_match_one_device_with_one_worker_and_run_their_steps_with_two():
+@pytest.fixture(scope="module")
+def keras_usage():
+    """The feature matrix, any dataset size and short epochs: one scenario, one cluster per worker count."""
+    return _scenario("keras_usage", timeout=360)
+
+
+# The three tests below run on one pytest worker, so the scenario runs once, within the first one's time.
+on_one_worker = pytest.mark.xdist_group("ps_keras_usage")
+
+
+@on_one_worker
+@pytest.mark.timeout(420)
+def test_keras_features_match_one_device_with_one_worker_and_run_their_steps_with_two(keras_usage):
     """The Keras feature matrix. One worker runs the steps in order, so everything matches one
     device; with two the updates are asynchronous (weights and per-step values differ), but every
     feature still runs, for exactly the steps asked, with the same History and a model that reloads."""
-    result = _scenario("feature_matrix")
+    result = dict(keras_usage["feature_matrix"])
     unknown = result.pop("tf_data_unknown_size")
     for workers in ("1", "2"):
         assert "pass `steps_per_epoch`" in unknown[workers].get("error", ""), unknown
@@ -62,9 +74,10 @@ def test_keras_features_match_one_device_with_one_worker_and_run_their_steps_wit
             assert run["iterations"] == run["reference_iterations"], (name, run)  # 44: steps_per_execution too
 
 
-def test_any_dataset_size_matches_one_device_with_one_worker_and_runs_with_two():
-    result = _scenario("any_dataset_size")
-    one, two = result["1"], result["2"]
+@on_one_worker
+@pytest.mark.timeout(420)
+def test_any_dataset_size_matches_one_device_with_one_worker_and_runs_with_two(keras_usage):
+    one, two = keras_usage["any_dataset_size"]["1"], keras_usage["any_dataset_size"]["2"]
     for key in ("history_diff", "weights_diff", "evaluate_diff", "predictions_diff"):
         assert one[key] <= 1e-5, (key, one)
     for run in (one, two):
@@ -72,8 +85,10 @@ def test_any_dataset_size_matches_one_device_with_one_worker_and_runs_with_two()
         assert run["predictions_shape"] == [5, 3]
 
 
-def test_every_epoch_reports_its_training_metrics_and_fewer_batches_than_workers_train():
-    result = _scenario("short_epochs_all_report_their_metrics")
+@on_one_worker
+@pytest.mark.timeout(420)
+def test_every_epoch_reports_its_training_metrics_and_fewer_batches_than_workers_train(keras_usage):
+    result = keras_usage["short_epochs"]
     assert len(result["loss"]) == len(result["accuracy"]) == 6
     assert all(loss > 0 for loss in result["loss"]) and all(0 <= a <= 1 for a in result["accuracy"])
     # A worker with an empty shard trains on the whole dataset: 8 one-step epochs, none failing.

@@ -58,6 +58,7 @@ def one_device(tmp_path_factory):
             for layout in ("pipeline", "tensor_parallel")}
 
 
+@pytest.mark.xdist_group("process_groups_one_device")  # one pytest worker: the reference runs once
 @pytest.mark.parametrize("layout", ["pipeline", "tensor_parallel"])
 @pytest.mark.parametrize("backend", ["multi_worker", pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, backend, layout):
