@@ -104,7 +104,8 @@ def _config_command(args) -> None:
 def _train_command(args) -> None:
     if args:
         _fail(f"`train` takes no arguments. Received: {' '.join(args)}")
-    config = _load()
+    config = _load()  # a config error is one line at once, before TensorFlow takes seconds to load
+    import_tensorflow()
     from tfdist import training
 
     training.run(config, metrics_out=_METRICS_OUT.value)
@@ -290,7 +291,7 @@ def main(argv: list[str]) -> None:
     # collective set-up) would drown the progress bar.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    if argv[1] in ("train", "bench"):  # the commands that load TensorFlow in this process
+    if argv[1] == "bench":  # `train` loads TensorFlow once its config is read
         import_tensorflow()
     try:
         _COMMANDS[argv[1]].run(argv[2:])
