@@ -183,14 +183,20 @@ def adasum_matches_its_formula():
 
 
 def _run(name, options):
+    """Scenario `name`'s result, given its KEY=VALUE options."""
     return globals()[name](**dict(option.split("=", 1) for option in options))
+
+
+def _run_case(case):
+    """`NAME[:KEY=VALUE,...]`'s result."""
+    name, _, options = case.partition(":")
+    return _run(name, options.split(",") if options else [])
 
 
 if __name__ == "__main__":
     name, out_dir, *options = sys.argv[1:]
     if name == "cases":
-        result = {case: _run(case.partition(":")[0], filter(None, case.partition(":")[2].split(",")))
-                  for case in options}
+        result = {case: _run_case(case) for case in options}
         rank = next(iter(result.values()))["rank"]
     else:
         result = _run(name, options)
