@@ -14,10 +14,13 @@ Each function names the public behaviour it needs and why no public API gives it
 
 from tfdist._compat.keras_internals import (
     build_for_training,
+    build_without_slots,
     graph_nodes,
     keras_global_seed_state,
     keras_reduce_per_replica,
     loss_tracker,
+    make_slots_where_created,
+    replace_distributed_update,
 )
 from tfdist._compat.optional import horovod, nvml, xspace
 from tfdist._compat.patches import (
@@ -43,6 +46,7 @@ __all__ = [
     "auto_shard",
     "batches_read",
     "build_for_training",
+    "build_without_slots",
     "check_versions",
     "configure_coordination_service",
     "forget_step_functions",
@@ -53,11 +57,13 @@ __all__ = [
     "keras_reduce_per_replica",
     "keras_step_function",
     "loss_tracker",
+    "make_slots_where_created",
     "needs_gradient",
     "nvml",
     "partition_graphs",
     "peer_answers",
     "remake_variables",
+    "replace_distributed_update",
     "resume_epoch_iterator",
     "training_epoch_iterator",
     "xspace",

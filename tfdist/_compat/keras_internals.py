@@ -1,9 +1,12 @@
 """Keras's private state that tfdist reads: a model's layer graph, its loss tracker, the global seed, the
-reduction of a step's logs, the build before training."""
+reduction of a step's logs, the build before training; and the optimizer's build, slot creation and
+distributed update, which an optimizer state split over devices takes over."""
 
 from __future__ import annotations
 
-__all__ = ["build_for_training", "graph_nodes", "keras_global_seed_state", "keras_reduce_per_replica", "loss_tracker"]
+__all__ = ["build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state",
+           "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created",
+           "replace_distributed_update"]
 
 def graph_nodes(model):
     """The layer graph of a Sequential or functional Keras model.
@@ -68,3 +71,38 @@ def keras_reduce_per_replica(outputs, strategy):
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
     return reduce_per_replica(outputs, strategy, reduction="auto")
+
+def build_without_slots(optimizer, variables) -> None:
+    """Builds `optimizer` for `variables` as Keras's base optimizer does (its step counter and the
+    variables' indices), without the slots its own `build` adds for each variable.
+
+    An optimizer whose slots live elsewhere (split over devices) must still be
+    built for Keras's `apply`; the base class's build is not public.
+    """
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    BaseOptimizer.build(optimizer, variables)
+
+def make_slots_where_created(optimizer) -> None:
+    """Has `optimizer` create its slots wherever variables are being created, not through its strategy.
+
+    Keras's TensorFlow optimizer creates each slot under
+    `strategy.extended.colocate_vars_with(variable)`, which refuses a variable
+    the strategy did not create (a single-device one inside its scope). The
+    base class's method creates the slot like any variable.
+    """
+    import functools
+
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    optimizer.add_variable_from_reference = functools.partial(BaseOptimizer.add_variable_from_reference, optimizer)
+
+def replace_distributed_update(optimizer, update) -> None:
+    """Has `optimizer` call `update(distribution, grads_and_vars, learning_rate)` to update its variables.
+
+    Under a tf.distribute strategy Keras's TensorFlow optimizer applies a step's
+    all-reduced gradients, in cross-replica context, through this one private
+    method, after clipping, weight decay and loss scaling: the one place a
+    sharded update can take over.
+    """
+    optimizer._distributed_tf_update_step = update

@@ -16,6 +16,7 @@ from tensorflow.python.distribute import (
     distribute_utils,
     input_util,
     mirrored_strategy,
+    numpy_dataset,
     values,
 )
 from tensorflow.python.distribute.coordinator import cluster_coordinator
@@ -25,4 +26,4 @@ from tensorflow.python.ops import collective_ops
 
 __all__ = ["cluster_coordinator", "collective_ops", "collective_util", "context", "cross_device_ops_lib",
            "cross_device_utils", "device_util", "distribute_lib", "distribute_utils", "input_util",
-           "mirrored_strategy", "ops", "values"]
+           "mirrored_strategy", "numpy_dataset", "ops", "values"]

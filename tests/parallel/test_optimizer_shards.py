@@ -1,0 +1,104 @@
+"""The optimizer state split over a mirrored job's devices (ZeRO stage 1): the same weights as unsplit,
+each device holding the slots of 1/N of every variable."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from tfdist import MirroredStrategy
+from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state
+
+STEPS = 20  # 2 epochs of 10 batches of 32
+
+
+def _adamw_without_decay_on_biases():
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw_excluding_biases": _adamw_without_decay_on_biases,
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "mixed_float16_loss_scaling": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+}
+
+
+def _train(devices, make_optimizer, split):
+    """(model, optimizer, its shards or None) after STEPS steps under a MirroredStrategy on `devices`
+    logical CPUs."""
+    strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((320, 12)).astype("float32")
+    y = x[:, :3].argmax(axis=1).astype("int32")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        # 91 + 7 + 21 + 3 weights: lengths that N = 2 and 4 do not all divide, so slices are padded.
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(7, activation="tanh"),
+                                  keras.layers.Dense(3, activation="softmax", dtype="float32")])
+        optimizer = make_optimizer()
+        shards = shard_optimizer_state(optimizer, strategy) if split else None
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return model, optimizer, shards
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_split_state_trains_the_same_weights_as_one_copy_per_device(cpus, name, devices):
+    keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
+    whole, _, _ = _train(devices, OPTIMIZERS[name], split=False)
+    split, optimizer, _ = _train(devices, OPTIMIZERS[name], split=True)
+    assert int(optimizer.iterations.numpy()) == STEPS
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_each_device_holds_the_slots_of_its_slices_only(cpus, devices):
+    _, whole, _ = _train(devices, OPTIMIZERS["adam"], split=False)
+    _, split, shards = _train(devices, OPTIMIZERS["adam"], split=True)
+
+    def slot_bytes_by_device(variables):
+        by_device = {}
+        for variable in variables:
+            if len(variable.shape) == 0:  # the step counter
+                continue
+            for value in getattr(variable.value, "values", (variable.value,)):  # a mirrored one: each copy
+                by_device[value.device] = by_device.get(value.device, 0) + 4 * math.prod(value.shape)
+        return by_device
+
+    unsplit = slot_bytes_by_device(whole.variables)
+    assert len(unsplit) == devices and len(set(unsplit.values())) == 1  # every device: Adam's 2 slots, whole
+    per_device = [slot_bytes_by_device(copy.variables) for copy in shards.copies]
+    assert [list(d) for d in per_device] == [[device] for device in unsplit]  # each copy on its own device
+    largest = max(bytes_ for d in per_device for bytes_ in d.values())
+    assert largest <= 1.15 / devices * next(iter(unsplit.values()))
+    assert all(len(v.shape) == 0 for v in split.variables)  # the optimizer itself: its step and rate only
+
+
+def test_an_optimizer_that_does_not_split_element_by_element_is_refused(cpus):
+    strategy = MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with pytest.raises(ValueError, match="Lamb does not or is not checked. Received: Lamb"):
+        shard_optimizer_state(keras.optimizers.Lamb(), strategy)
+    assert keras.optimizers.Lamb not in ELEMENTWISE_OPTIMIZERS
+
+
+def test_a_built_optimizer_is_refused(cpus):
+    strategy = MirroredStrategy(["/cpu:0", "/cpu:1"])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([keras.Variable(np.zeros(3, "float32"))])
+    with pytest.raises(ValueError, match="must not be built yet"):
+        shard_optimizer_state(optimizer, strategy)
+
+
+def test_saving_the_split_state_is_refused_rather_than_written_incomplete(cpus, tmp_path):
+    model, _, _ = _train(2, OPTIMIZERS["adam"], split=True)
+    with pytest.raises(ValueError, match="cannot be saved yet"):
+        model.save(tmp_path / "model.keras")
