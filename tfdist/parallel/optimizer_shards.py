@@ -4,8 +4,9 @@ Under MirroredStrategy every device holds the whole optimizer state: with Adam,
 two slots the size of the model on each. `shard_optimizer_state` gives each of
 the N devices the state of 1/N of every variable instead (Rajbhandari et al.
 2020, stage 1). Each variable is flattened, padded to a multiple of N and cut
-into N slices; device d holds slice d of the weights (its master copy) and
-that slice's slots. A step's all-reduced gradient is applied slice by slice,
+into N slices; device d holds that slice's slots, and a variable for the
+slice of the weights that Keras's update writes (filled from the weights each
+step, so a change to the weights between steps is seen). A step's all-reduced gradient is applied slice by slice,
 each on its own device by Keras's own update for the optimizer (the
 `update_step` of a copy of it, built on that device's slices), and the updated
 slices are gathered into every device's copy of the weights.
@@ -130,9 +131,10 @@ class OptimizerShards:
         return -(-math.prod(variable.shape) // len(self.devices))
 
     def _slice(self, tensor, d, length):
-        flat = tf.reshape(tensor, [-1])
-        flat = tf.pad(flat, [[0, length * len(self.devices) - flat.shape[0]]])
-        return flat[d * length:(d + 1) * length]
+        """Slice d of `tensor` flattened, the last padded with zeros to `length`: only the slice is
+        copied, not the whole tensor once per device."""
+        piece = tf.reshape(tensor, [-1])[d * length:(d + 1) * length]
+        return tf.pad(piece, [[0, length - piece.shape[0]]])
 
     def refuse_saving(self, store):
         raise ValueError("An optimizer whose state is split over devices cannot be saved yet (issue 32): "
