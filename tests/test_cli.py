@@ -71,12 +71,18 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert message in error_lines[0]
 
 
-def test_a_config_error_of_train_comes_before_tensorflow_loads():
-    """A wrong key or value is one line at once, not after the seconds TensorFlow takes to import."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "tfdist.cli", "train", "--set", "train.epochs=-1"],
+@pytest.mark.parametrize("args, message", [
+    (["train", "--set", "train.epochs=-1"], "`train.epochs` must be >= 1. Received: -1."),
+    (["bench", "horovod", "--set", "train.epochs=2"], "`config` is not used by the horovod benchmark"),
+    (["bench", "overhead", "--plot", "p.png"], "`plot` only applies to"),
+    (["bench", "nothing"], "`bench` takes one benchmark name"),
+])
+def test_a_wrong_command_line_is_refused_before_tensorflow_loads(args, message):
+    """A wrong key, value or benchmark is one line at once, not after the seconds TensorFlow takes to import."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "tfdist.cli", *args],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
-    assert "tfdist: error: `train.epochs` must be >= 1. Received: -1." in proc.stderr
+    assert f"tfdist: error: {message}" in proc.stderr
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "tfdist.config" in imported and "tensorflow" not in imported
 

@@ -291,8 +291,6 @@ def main(argv: list[str]) -> None:
     # collective set-up) would drown the progress bar.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    if argv[1] == "bench":  # `train` loads TensorFlow once its config is read
-        import_tensorflow()
     try:
         _COMMANDS[argv[1]].run(argv[2:])
     except ConfigError as e:

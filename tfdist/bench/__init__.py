@@ -13,8 +13,9 @@ from typing import Any, Optional
 from tfdist.bench import machine
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
+from tfdist.tf_startup import import_tensorflow
 
-__all__ = ["BENCHMARKS", "one_line", "run"]
+__all__ = ["BENCHMARKS", "CONFIG_UNUSED", "one_line", "run"]
 
 BENCHMARKS = {
     "baselines": "tfdist.bench.baselines",
@@ -34,6 +35,20 @@ BENCHMARKS = {
 }
 
 
+# The benchmarks that set their own jobs refuse a config, saying why. Kept here, not in their modules,
+# so that every refusal is one line at once, before TensorFlow takes seconds to load.
+CONFIG_UNUSED = {
+    "baselines": "it sets every job itself, the same on both sides.",
+    "data_parallel_pipeline": "it sets its jobs itself.",
+    "horovod": "it sets its jobs itself.",
+    "input_pipeline": "it sets its own map, model and data.",
+    "parameter_server": "it sets both jobs itself.",
+    "pipeline": "it sets its own devices, threads and model.",
+    "precision": "it sets every job itself; only the precision changes within a kind.",
+    "ps_worker_loss": "it kills workers of the parameter-server job it starts itself.",
+    "tensor_parallel": "it sets its own devices, threads and model.",
+}
+
 _PLOTTED = ("network", "scaling", "synthetic")
 # The options (besides config and repeats) a benchmark takes from its own flags.
 _OPTIONS = {"synthetic": ("model", "image_size", "batch_per_device"), "network": ("model", "links", "kinds")}
@@ -45,11 +60,11 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
     synthetic) gets its plot.
 
     A benchmark that fixes its own setting says why in `CONFIG_UNUSED` and is
-    run through its `measure`; the others take the config in `run`. `options`
+    run through its `measure`; the others take the config in `run`. TensorFlow
+    loads after the arguments are checked. `options`
     are those `_OPTIONS` lists for the benchmark (synthetic: `model`,
     `image_size`, `batch_per_device`; network: `model`, `links`, `kinds`).
     """
-    module = importlib.import_module(BENCHMARKS[name])
     if plot_path and name not in _PLOTTED:
         takers = " or ".join(f"`bench {b}`" for b in _PLOTTED)
         raise ConfigError("plot", f"only applies to {takers}; {name} draws no plot.",
@@ -58,10 +73,11 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
         if option not in _OPTIONS.get(name, ()):
             takers = " or ".join(f"`bench {b}`" for b, taken in _OPTIONS.items() if option in taken)
             raise ConfigError(option, f"only applies to {takers}.", value)
-    unused = getattr(module, "CONFIG_UNUSED", None)
-    if unused:
-        if config is not None:
-            raise ConfigError("config", f"is not used by the {name} benchmark: {unused}", "given")
+    if name in CONFIG_UNUSED and config is not None:
+        raise ConfigError("config", f"is not used by the {name} benchmark: {CONFIG_UNUSED[name]}", "given")
+    import_tensorflow()
+    module = importlib.import_module(BENCHMARKS[name])
+    if name in CONFIG_UNUSED:
         result = module.measure(repeats=repeats)
     elif name in _PLOTTED:
         result = module.run(config=config, repeats=repeats, plot_path=plot_path, **options)

@@ -42,9 +42,6 @@ from tfdist.cluster.loopback import free_loopback_ports
 
 __all__ = ["KINDS", "horovod_step_parts", "measure"]
 
-# `tfdist bench` refuses a config for this benchmark, saying why.
-CONFIG_UNUSED = "it sets every job itself, the same on both sides."
-
 TARGET = 0.98
 KINDS = ("mirrored", "multi_worker", "parameter_server", "horovod")
 THREADS = ["runtime.intra_op_threads=1", "runtime.inter_op_threads=2"]

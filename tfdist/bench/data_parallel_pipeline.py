@@ -19,8 +19,6 @@ from tfdist.bench.timing import alternate, medians
 
 __all__ = ["measure"]
 
-CONFIG_UNUSED = "it sets its jobs itself."
-
 
 def measure(*, repeats: int = 5, per_process_batch: int = 128, image_size: int = 16, width: int = 32,
             epochs: int = 2, steps_per_epoch: int = 20) -> dict[str, Any]:

@@ -36,9 +36,6 @@ from tfdist.bench.timing import alternate, medians
 
 __all__ = ["available", "count_gradient_allreduces", "custom_loops", "launcher", "measure"]
 
-# `tfdist bench` refuses a config for this benchmark, saying why.
-CONFIG_UNUSED = "it sets its jobs itself."
-
 TARGET_EFFICIENCY = 0.92
 TARGET_CUSTOM_LOOP_RATIO = 0.98
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")

@@ -57,9 +57,6 @@ from tfdist.bench.timing import alternate, fit_round, medians
 
 __all__ = ["measure"]
 
-# `tfdist bench` refuses a config for this benchmark, saying why.
-CONFIG_UNUSED = "it sets its own map, model and data."
-
 TARGET_STEP_VS_MAX_STAGE = 1.1
 
 

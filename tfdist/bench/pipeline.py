@@ -49,9 +49,6 @@ from tfdist.bench.timing import alternate, fit_round, medians
 
 __all__ = ["measure", "bound"]
 
-# `tfdist bench` refuses a config for this benchmark, saying why.
-CONFIG_UNUSED = "it sets its own devices, threads and model."
-
 NUM_STAGES = 2
 MICRO_BATCHES = (2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")

@@ -30,9 +30,6 @@ from tfdist.bench.timing import alternate, medians
 
 __all__ = ["KINDS", "measure"]
 
-# `tfdist bench` refuses a config for this benchmark, saying why.
-CONFIG_UNUSED = "it sets every job itself; only the precision changes within a kind."
-
 TARGET = 0.9
 POLICIES = ("float32", "mixed_bfloat16")
 KINDS = {

@@ -31,8 +31,6 @@ from tfdist.config.loading import load_config
 
 __all__ = ["measure"]
 
-CONFIG_UNUSED = "it kills workers of the parameter-server job it starts itself."
-
 # configs/parameter_server.yaml's job.
 JOB = [
     "strategy.kind=parameter_server", "parameter_server.num_workers=2", "parameter_server.num_ps=1",

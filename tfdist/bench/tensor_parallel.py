@@ -30,9 +30,6 @@ from tfdist.bench.timing import alternate, fit_round, medians
 
 __all__ = ["measure"]
 
-# `tfdist bench` refuses a config for this benchmark, saying why.
-CONFIG_UNUSED = "it sets its own devices, threads and model."
-
 DEVICES = ("/cpu:0", "/cpu:1")
 TARGET_SPEEDUP = 1.8
 
