@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist import MirroredStrategy
+from tfdist import Checkpoint, MirroredStrategy
 from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state
 
 STEPS = 20  # 2 epochs of 10 batches of 32
@@ -30,9 +30,9 @@ OPTIMIZERS = {
 }
 
 
-def _train(devices, make_optimizer, split):
-    """(model, optimizer, its shards or None) after STEPS steps under a MirroredStrategy on `devices`
-    logical CPUs."""
+def _train(devices, make_optimizer, split, epochs=2, callbacks=()):
+    """(model, optimizer, its shards or None) after `epochs` epochs of 10 steps under a MirroredStrategy on
+    `devices` logical CPUs."""
     strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 12)).astype("float32")
@@ -45,7 +45,8 @@ def _train(devices, make_optimizer, split):
         optimizer = make_optimizer()
         shards = shard_optimizer_state(optimizer, strategy) if split else None
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
-    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    if epochs:
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
     return model, optimizer, shards
 
 
@@ -101,7 +102,65 @@ def test_a_built_optimizer_is_refused(cpus):
         shard_optimizer_state(optimizer, strategy)
 
 
-def test_saving_the_split_state_is_refused_rather_than_written_incomplete(cpus, tmp_path):
-    model, _, _ = _train(2, OPTIMIZERS["adam"], split=True)
-    with pytest.raises(ValueError, match="cannot be saved yet"):
-        model.save(tmp_path / "model.keras")
+class _Killed(Exception):
+    pass
+
+
+class _KillAt(keras.callbacks.Callback):
+    """Stands for SIGKILL: training stops at this step with no callback's end hooks run."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step -= 1
+        if self.step == 0:
+            raise _Killed()
+
+
+def _assert_same_weights(a, b, exact=False):
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(x, y, atol=0 if exact else 1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["adam", "mixed_float16_loss_scaling"])
+def test_a_killed_split_run_resumes_from_its_checkpoint_bit_exact(cpus, tmp_path, name):
+    keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
+    whole, _, _ = _train(2, OPTIMIZERS[name], split=True)
+    with pytest.raises(_Killed):
+        _train(2, OPTIMIZERS[name], split=True, callbacks=[Checkpoint(str(tmp_path), every_steps=4), _KillAt(15)])
+    checkpoint = Checkpoint(str(tmp_path), every_steps=4)
+    resumed, optimizer, _ = _train(2, OPTIMIZERS[name], split=True, callbacks=[checkpoint])
+    assert checkpoint.resumed_from_step == 12 and int(optimizer.iterations.numpy()) == STEPS
+    _assert_same_weights(resumed, whole, exact=True)
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, True), (4, True)), ((2, True), (2, False)), ((4, False), (2, True))])
+def test_a_checkpoint_resumes_split_or_unsplit_on_another_number_of_devices(cpus, tmp_path, saved, resumed):
+    """A checkpoint holds each slot whole, so the next epoch trains as the unsplit job's does."""
+    (devices, split), adam = saved, OPTIMIZERS["adam"]
+    _train(devices, adam, split, epochs=2, callbacks=[Checkpoint(str(tmp_path))])
+    (devices, split), checkpoint = resumed, Checkpoint(str(tmp_path))
+    model, _, _ = _train(devices, adam, split, epochs=3, callbacks=[checkpoint])
+    assert checkpoint.resumed_from_step == STEPS
+    whole, _, _ = _train(2, OPTIMIZERS["adam"], split=False, epochs=3)
+    _assert_same_weights(model, whole)
+
+
+def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path):
+    unsplit, unsplit_optimizer, _ = _train(2, OPTIMIZERS["adam"], split=False)
+    split, _, _ = _train(2, OPTIMIZERS["adam"], split=True)
+    split.save(tmp_path / "split.keras")
+    loaded = keras.models.load_model(tmp_path / "split.keras")  # Keras's own optimizer, not split
+    assert len(loaded.optimizer.variables) == len(unsplit_optimizer.variables)
+    for a, b in zip(loaded.optimizer.variables, unsplit_optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, rtol=0, err_msg=b.path)
+
+    unsplit.save_weights(tmp_path / "unsplit.weights.h5")
+    into, optimizer, shards = _train(4, OPTIMIZERS["adam"], split=True, epochs=0)
+    optimizer.build(into.trainable_variables)
+    into.load_weights(tmp_path / "unsplit.weights.h5")
+    assert int(optimizer.iterations.numpy()) == STEPS
+    for whole, slot in zip(unsplit_optimizer.variables[2:], shards.whole_slots):
+        np.testing.assert_array_equal(slot.numpy(), whole.numpy())

@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.callbacks.preemption import Preemption
 from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
+from tfdist.parallel.optimizer_shards import checkpointed_variables
 from tfdist.strategies.base import install_patches
 
 __all__ = ["Checkpoint", "EXIT_PREEMPTED", "weights_digest"]
@@ -105,12 +106,12 @@ class Checkpoint(Preemption):
         variables = {f"model/{i}": v.value for i, v in enumerate(self.model.variables)}
         variables.update(self._metrics_state())
         if self.model.optimizer is not None:
-            variables.update({f"optimizer/{i}": v.value for i, v in enumerate(self.model.optimizer.variables)})
+            variables.update({f"optimizer/{i}": v for i, v in enumerate(checkpointed_variables(self.model.optimizer))})
         variables["global_seed"] = _compat.keras_global_seed_state().value
         return tf.train.Checkpoint(**{name.replace("/", "_"): v for name, v in variables.items()})
 
     def _shape(self) -> dict:
-        optimizer = self.model.optimizer.variables if self.model.optimizer is not None else []
+        optimizer = checkpointed_variables(self.model.optimizer) if self.model.optimizer is not None else []
         return {"model_variables": len(self.model.variables), "optimizer_variables": len(optimizer),
                 "metric_variables": len(self.model.metrics_variables)}
 

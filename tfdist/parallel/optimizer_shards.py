@@ -6,8 +6,8 @@ the N devices the state of 1/N of every variable instead (Rajbhandari et al.
 2020, stage 1). Each variable is flattened, padded to a multiple of N and cut
 into N slices; device d holds that slice's slots, and a variable for the
 slice of the weights that Keras's update writes (filled from the weights each
-step, so a change to the weights between steps is seen). A step's all-reduced gradient is applied slice by slice,
-each on its own device by Keras's own update for the optimizer (the
+step, so a change to the weights between steps is seen). A step's all-reduced
+gradient is applied slice by slice, each on its own device by Keras's own update for the optimizer (the
 `update_step` of a copy of it, built on that device's slices), and the updated
 slices are gathered into every device's copy of the weights.
 
@@ -17,11 +17,11 @@ weights, so they act as on one device: the tests train the same weights split
 and unsplit (SGD with momentum, Adam, AdamW, RMSprop, Adagrad, and
 mixed_float16 with loss scaling, on 2 and 4 devices).
 
-This is the building block of `strategy.shard_optimizer` (issue 32), not yet
-reachable from a config. Still to come: saving the split state (`model.save`
-refuses it; a `tf.train.Checkpoint` of the optimizer would hold its step and
-rate but not the slots), the gather as a collective, stage 2, and
-multi-process jobs.
+Saved, the split state takes the layout of the unsplit optimizer's: `.keras` and
+`.weights.h5` files (`save_own_variables`) and `tfdist.Checkpoint` (through
+`checkpointed_variables`) hold each slot whole, gathered from the devices'
+slices, and cut it into slices again when read. So a checkpoint moves freely
+between split and unsplit jobs and between numbers of devices.
 
 Example:
 
@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -44,7 +46,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist._compat.tf_distribute import numpy_dataset
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerShards", "shard_optimizer_state"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerShards", "checkpointed_variables", "shard_optimizer_state"]
 
 # Optimizers whose update of an element depends only on that element's weight, gradient and slots,
 # so that updating slices equals updating the whole (each checked in the tests).
@@ -80,46 +82,66 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
     if inner.gradient_accumulation_steps or inner.use_ema:
         raise ValueError("`optimizer` with gradient_accumulation_steps or use_ema cannot be split over devices yet. "
                          f"Received: {type(inner).__name__}")
-    return OptimizerShards(inner, strategy.extended.worker_devices)
+    shards = OptimizerShards(optimizer, inner, strategy)
+    _SPLIT[optimizer] = shards
+    return shards
+
+
+# Each split optimizer (the one the model is compiled with) and its shards.
+_SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checkpointed_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The TensorFlow variables a checkpoint holds for `optimizer`, in the unsplit optimizer's order
+    and shapes: its own variables, or for a split one, each slot as a whole (`WholeSlot`)."""
+    own = [variable.value for variable in optimizer.variables]
+    shards = _SPLIT.get(optimizer)
+    return own + shards.whole_slots if shards is not None else own
 
 
 class OptimizerShards:
     """Device d's slice of every variable (`slices[d]`) and the copy of the optimizer that holds its
-    slots (`copies[d]`), once the optimizer is built."""
+    slots (`copies[d]`), once the optimizer is built; `whole_slots` shows those slots unsplit."""
 
-    def __init__(self, optimizer, devices):
-        self.optimizer, self.devices = optimizer, tuple(devices)
+    def __init__(self, optimizer, inner, strategy):
+        self.optimizer, self.inner, self.strategy = optimizer, inner, strategy
+        self.devices = tuple(strategy.extended.worker_devices)
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
         self.slices: list[list[keras.Variable]] = []  # [device][variable]: that device's slice of the weights
-        optimizer.build = self.build
-        optimizer.save_own_variables = self.refuse_saving
-        _compat.replace_distributed_update(optimizer, self.update)
+        self.whole_slots: list[WholeSlot] = []  # in the order the unsplit optimizer makes its slots
+        inner.build = self.build
+        optimizer.save_own_variables = self.save_own_variables
+        optimizer.load_own_variables = self.load_own_variables
+        _compat.replace_distributed_update(inner, self.update)
 
     def build(self, variables):
-        _compat.build_without_slots(self.optimizer, variables)
-        config = self.optimizer.get_config()
-        for device in self.devices:
-            with _single_device_variables(device):
-                copy = type(self.optimizer).from_config(config)
-                _compat.make_slots_where_created(copy)
-                slices = [keras.Variable(tf.zeros([self._slice_length(v)], v.dtype), trainable=False,
-                                         name=f"{v.name}_slice") for v in variables]
-                copy.build(slices)
-            self.copies.append(copy)
-            self.slices.append(slices)
+        _compat.build_without_slots(self.inner, variables)
+        config = self.inner.get_config()
+        slots_by_device = []
+        with self.strategy.scope():
+            for device in self.devices:
+                with _single_device_variables(device):
+                    copy = type(self.inner).from_config(config)
+                    slices = [keras.Variable(tf.zeros([self._slice_length(v)], v.dtype), trainable=False,
+                                             name=f"{v.name}_slice") for v in variables]
+                    slots_by_device.append(_build_noting_slots(copy, slices))
+                self.copies.append(copy)
+                self.slices.append(slices)
+        self.whole_slots = [WholeSlot([slots[k][0] for slots in slots_by_device], variables[i])
+                            for k, (_, i) in enumerate(slots_by_device[0])]
 
     def update(self, distribution, grads_and_vars, learning_rate):
-        """Each device updates its slices with its copy's own rule (the copy's step counter, which
-        Adam's bias correction reads, kept with the optimizer's); every device then gathers them."""
+        """Each device updates its slices with its copy's own rule, at the optimizer's step (which
+        Adam's bias correction reads); every device then gathers them."""
         for d, device in enumerate(self.devices):
             copy, slices = self.copies[d], self.slices[d]
             with tf.device(device):
+                copy.iterations.assign(distribution.experimental_local_results(self.inner.iterations.value)[d])
                 for (grad, variable), piece in zip(grads_and_vars, slices):
                     local_grad = tf.convert_to_tensor(distribution.experimental_local_results(grad)[d])
                     local_weights = distribution.experimental_local_results(variable)[d]
                     piece.assign(self._slice(local_weights, d, piece.shape[0]))
                     copy.update_step(self._slice(local_grad, d, piece.shape[0]), piece, learning_rate)
-                copy.iterations.assign_add(1)
         for i, (_, variable) in enumerate(grads_and_vars):
             distribution.extended.update(variable, self._gather, args=(i,), group=False)
 
@@ -136,9 +158,77 @@ class OptimizerShards:
         piece = tf.reshape(tensor, [-1])[d * length:(d + 1) * length]
         return tf.pad(piece, [[0, length - piece.shape[0]]])
 
-    def refuse_saving(self, store):
-        raise ValueError("An optimizer whose state is split over devices cannot be saved yet (issue 32): "
-                         "its slots are on the devices that update them, not in the optimizer's variables.")
+    # Keras's saving (`.keras`, `.weights.h5`): the unsplit optimizer's variables, numbered as it numbers them.
+    def save_own_variables(self, store):
+        for i, variable in enumerate(self._unsplit_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        variables = self._unsplit_variables()
+        if len(store.keys()) != len(variables):
+            # As Keras's own optimizer does: a file of another optimizer (or of an unbuilt one) is skipped.
+            warnings.warn(f"Skipping variable loading for optimizer '{self.optimizer.name}', because it has "
+                          f"{len(variables)} variables whereas the saved optimizer has {len(store.keys())} "
+                          "variables." + (" Build it first (it is split over devices)." if not self.copies else ""),
+                          stacklevel=2)
+            return
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+
+    def _unsplit_variables(self):
+        return self.optimizer.variables + self.whole_slots
+
+
+class WholeSlot(tf.__internal__.tracking.Trackable):
+    """One slot variable of the unsplit optimizer, made of the devices' slices of it: gathered when
+    read or saved, cut into the slices when assigned or restored.
+
+    A tf.train.Checkpoint saves it under a variable's key, so a checkpoint of a
+    split job and one of an unsplit job hold the same keys and shapes.
+    """
+
+    def __init__(self, pieces, variable):
+        self.pieces, self.shape, self.dtype = pieces, tuple(variable.shape), pieces[0].dtype
+
+    def read_value(self) -> tf.Tensor:
+        whole = tf.concat([piece.value for piece in self.pieces], axis=0)
+        return tf.reshape(whole[:math.prod(self.shape)], self.shape)
+
+    def numpy(self):
+        return self.read_value().numpy()
+
+    def assign(self, value):
+        value = tf.convert_to_tensor(value, self.dtype)
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"A slot of shape {self.shape} cannot take a value of shape {tuple(value.shape)}: "
+                             "the saved optimizer was built for other variables.")
+        length = self.pieces[0].shape[0]
+        flat = tf.pad(tf.reshape(value, [-1]), [[0, length * len(self.pieces) - math.prod(self.shape)]])
+        return tf.group([piece.assign(flat[d * length:(d + 1) * length]) for d, piece in enumerate(self.pieces)])
+
+    # How tf.train.Checkpoint saves and restores a trackable that is not a tf.Variable itself.
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.read_value()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def _build_noting_slots(copy, slices) -> list:
+    """Builds `copy` on `slices`, with its slots made on the device in scope; returns each slot with the
+    index of the slice it was made for, in the order they were made (the unsplit optimizer's order)."""
+    _compat.make_slots_where_created(copy)
+    make_slot, made = copy.add_variable_from_reference, []
+    index = {id(piece): i for i, piece in enumerate(slices)}
+
+    def noted(reference, *args, **kwargs):
+        slot = make_slot(reference, *args, **kwargs)
+        made.append((slot, index[id(reference)]))
+        return slot
+
+    copy.add_variable_from_reference = noted
+    copy.build(slices)
+    return made
 
 
 @contextlib.contextmanager
