@@ -55,6 +55,12 @@ def _groups(groups: list) -> str:
     return f"{len(groups)} of {len(groups[0])} devices: {listed}"
 
 
+def _optimizer_state(split: Mapping[str, Any]) -> str:
+    fullest = max(split["slot_bytes_per_device"])
+    return (f"split over {split['devices']} devices (ZeRO stage {split['stage']}): {fullest:,} slot bytes on the "
+            f"fullest, {fullest / split['unsplit_slot_bytes']:.2f} of a whole copy's {split['unsplit_slot_bytes']:,}")
+
+
 def format_summary(result: Mapping[str, Any]) -> str:
     """A short block of text: strategy, devices, batch, throughput, final metrics."""
     replicas = result["num_replicas"]
@@ -69,6 +75,7 @@ def format_summary(result: Mapping[str, Any]) -> str:
         *([f"  sharded tables  {result['sharded_tables']}"] if "sharded_tables" in result else []),
         *([f"  tensor groups   {_groups(result['tensor_parallel_groups'])}"] if "tensor_parallel_groups" in result else []),
         *([f"  placement       {result['placement']}"] if "placement" in result else []),
+        *([f"  optimizer state {_optimizer_state(result['optimizer_state'])}"] if "optimizer_state" in result else []),
         f"  local devices   {', '.join(_short(d) for d in result['devices'])}",
         f"  global batch    {result['global_batch_size']} ({per_replica} per replica"
         + (f", micro-batches of {result['micro_batch_size']})" if "micro_batch_size" in result else ")"),

@@ -17,13 +17,13 @@ from typing import Callable
 __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read"]
 
-# How the patches ask a strategy: `keras_hooks(strategy, model)`, `clips_after_all_reduce(strategy)`
-# and `gradient_all_reduce(strategy)`.
+# How the patches ask a strategy: `keras_hooks(strategy, model)`, `clips_after_all_reduce(strategy)`,
+# `gradient_all_reduce(strategy)` and `after_compile(strategy, model)`.
 _ASK: dict[str, Callable] = {}
 
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
-                    gradient_all_reduce: Callable) -> None:
+                    gradient_all_reduce: Callable, after_compile: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
@@ -31,10 +31,13 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
       clips_after_all_reduce: `(strategy)` -> whether gradient clipping follows the all-reduce.
       gradient_all_reduce: `(strategy)` -> None for Keras's gradient all-reduce, or the dtype name
         gradients cross the network in ("" for their own), all-reduced last layer first.
+      after_compile: `(strategy, model)`, run after `model.compile` (a strategy that splits the
+        optimizer's state does it then, before Keras builds the optimizer).
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
     _ASK.setdefault("gradient_all_reduce", gradient_all_reduce)
+    _ASK.setdefault("after_compile", after_compile)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
     _install_gradient_all_reduce()
@@ -42,7 +45,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
 
 _STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 
-_TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result", "_maybe_symbolic_build")
+_TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result", "_maybe_symbolic_build", "compile")
 
 _ORIGINAL_TRAINER_METHODS: dict = {}
 
@@ -64,10 +67,12 @@ def _install_trainer_hooks() -> None:
     batch averaged over the replicas, which fails when that batch does not
     divide over them (3 validation examples on 2 replicas: "AddN must have the
     same size and shape", keras-team/keras#19246); the build here takes the
-    first replica's part, which has the shapes it needs. Everything else keeps
-    Keras's own methods. Idempotent.
+    first replica's part, which has the shapes it needs. After `compile`, the
+    model's strategy hears of it (`after_compile`), before the optimizer is
+    built. Everything else keeps Keras's own methods. Idempotent.
     """
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
+    from keras.src.trainers.trainer import Trainer
 
     if _ORIGINAL_TRAINER_METHODS:
         return
@@ -114,6 +119,10 @@ def _install_trainer_hooks() -> None:
                 break
         return _ORIGINAL_TRAINER_METHODS["_maybe_symbolic_build"](self, data_batch=data_batch)
 
+    def compile_told(self, *args, **kwargs):
+        _ORIGINAL_TRAINER_METHODS["compile"](self, *args, **kwargs)
+        _ASK["after_compile"](self.distribute_strategy, self)
+
     next_group = TFEpochIterator.__next__
     init = TFEpochIterator.__init__
     get_iterator = TFEpochIterator._get_iterator
@@ -147,6 +156,8 @@ def _install_trainer_hooks() -> None:
         setattr(TensorFlowTrainer, name, step_function_maker(name))
     TensorFlowTrainer.get_metrics_result = get_metrics_result
     TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
+    # On Keras's base class, where `compile_from_config` (model loading) checks it is not overridden.
+    Trainer.compile = compile_told
     TFEpochIterator.__init__ = init_recorded
     TFEpochIterator._get_iterator = get_iterator_resumed
     TFEpochIterator.__next__ = next_group_told

@@ -186,6 +186,12 @@ class StrategyConfig:
         section or TF_CONFIG) and `horovod` (the ranks `horovodrun` started)
         run the replicas on the local devices of every process and train all
         of them data parallel, with that backend's collectives.
+      shard_optimizer: 1 splits the optimizer's state over the data-parallel
+        replicas (ZeRO stage 1): each of N devices keeps the slots of 1/N of
+        every variable, with the same weights as unsplit, and checkpoints hold
+        the unsplit layout. 0 keeps a whole copy on every device. In this
+        version: stage 1 with strategy.kind=mirrored (2, which reduce-scatters
+        the gradients too, is refused).
     """
 
     kind: StrategyKind = StrategyKind.MIRRORED
@@ -199,6 +205,7 @@ class StrategyConfig:
     tpu: str = ""
     tensor_parallel_size: int = bounded(0, low=0, high=64)
     data_parallel: DataParallel = DataParallel.LOCAL
+    shard_optimizer: int = bounded(0, low=0, high=2)
 
     @property
     def launched_as(self) -> "StrategyKind":

@@ -132,6 +132,15 @@ def _check_strategy(config: Config) -> None:
             f"strategy.kind is {s.kind.value}.",
             s.gradient_compression.value,
         )
+    if s.shard_optimizer == 2:
+        raise ConfigError("strategy.shard_optimizer", "2 (the gradients reduce-scattered too) is not implemented "
+                          "in this version; 1 splits the optimizer's state.", s.shard_optimizer)
+    if s.shard_optimizer and s.kind != StrategyKind.MIRRORED:
+        raise ConfigError(
+            "strategy.shard_optimizer",
+            f"applies to strategy.kind=mirrored in this version; strategy.kind is {s.kind.value}.",
+            s.shard_optimizer,
+        )
     for i, name in enumerate(s.devices):
         parse_device(name, f"strategy.devices[{i}]")
     if len(set(d.lower() for d in s.devices)) != len(s.devices):

@@ -46,7 +46,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist._compat.tf_distribute import numpy_dataset
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerShards", "checkpointed_variables", "shard_optimizer_state"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerShards", "checkpointed_variables", "shard_optimizer_state", "shards_of"]
 
 # Optimizers whose update of an element depends only on that element's weight, gradient and slots,
 # so that updating slices equals updating the whole (each checked in the tests).
@@ -71,6 +71,8 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
         it is already built, or it accumulates gradients or keeps an EMA (not
         checked yet).
     """
+    if optimizer in _SPLIT:  # compiled again
+        return _SPLIT[optimizer]
     inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
     if type(inner) not in ELEMENTWISE_OPTIMIZERS:
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
@@ -89,6 +91,11 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
 
 # Each split optimizer (the one the model is compiled with) and its shards.
 _SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shards_of(optimizer) -> OptimizerShards | None:
+    """The shards of `optimizer` if its state is split, else None."""
+    return _SPLIT.get(optimizer)
 
 
 def checkpointed_variables(optimizer: keras.optimizers.Optimizer) -> list:
@@ -116,7 +123,8 @@ class OptimizerShards:
 
     def build(self, variables):
         _compat.build_without_slots(self.inner, variables)
-        config = self.inner.get_config()
+        # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt.
+        config = {**self.inner.get_config(), "learning_rate": 0.0}
         slots_by_device = []
         with self.strategy.scope():
             for device in self.devices:
@@ -157,6 +165,17 @@ class OptimizerShards:
         copied, not the whole tensor once per device."""
         piece = tf.reshape(tensor, [-1])[d * length:(d + 1) * length]
         return tf.pad(piece, [[0, length - piece.shape[0]]])
+
+    def report(self) -> dict:
+        """How the slots are split: each device's slot bytes, and the unsplit optimizer's (each device's
+        whole copy)."""
+        def nbytes(variable):
+            return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
+
+        return {"stage": 1, "devices": len(self.devices),
+                "slot_bytes_per_device": [sum(nbytes(slot) for slot in copy.variables if len(slot.shape))
+                                          for copy in self.copies],
+                "unsplit_slot_bytes": sum(nbytes(slot) for slot in self.whole_slots)}
 
     # Keras's saving (`.keras`, `.weights.h5`): the unsplit optimizer's variables, numbered as it numbers them.
     def save_own_variables(self, store):

@@ -56,6 +56,10 @@ class StrategyContract:
         """Keras's step functions to replace for `model` (`train_function`, ..., `metrics_result`), or None."""
         return None
 
+    def after_compile(self, model) -> None:
+        """Runs after `model.compile` under this strategy, before Keras builds the optimizer (mirrored
+        with `shard_optimizer`: split the optimizer's state over the devices)."""
+
     # --- Building the model -------------------------------------------------------------------
     def before_build(self, build_model: Callable) -> None:
         """Runs before the model is built under the scope (tensor parallel: place layers by memory)."""
@@ -139,7 +143,8 @@ def install_patches() -> None:
     Once: every tfdist strategy calls it when made, and `Checkpoint`, which resumes through them."""
     _install_patches(keras_hooks=lambda strategy, model: contract(strategy).keras_hooks(model),
                      clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce,
-                     gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce)
+                     gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce,
+                     after_compile=lambda strategy, model: contract(strategy).after_compile(model))
 
 
 def contract(strategy) -> StrategyContract:

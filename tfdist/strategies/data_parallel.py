@@ -22,6 +22,7 @@ from typing import Any
 import keras
 
 from tfdist import _compat
+from tfdist.parallel.optimizer_shards import shard_optimizer_state, shards_of
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 
@@ -38,6 +39,10 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
     base (TensorFlow's `_collective_key_base` hook), so benchmarks and tests can
     compare 1, 2 and 4 devices in one process.
 
+    With `shard_optimizer=1`, an optimizer compiled under its scope keeps the
+    state of 1/N of every variable on each of the N devices instead of all of it
+    on each (ZeRO stage 1, `tfdist.parallel.optimizer_shards`).
+
     Example:
 
         >>> strategy = MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -52,10 +57,17 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
     _KEYS_PER_PROCESS = 10_000  # up to 100 processes
     # A subclass that places variables its own way gives its MirroredExtended subclass here.
     _extended_type = mirrored_strategy.MirroredExtended
+    shard_optimizer = 0
 
-    def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0):
+    def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0, shard_optimizer: int = 0):
         """`process_index`: this process's index when its local collectives share a cluster's
-        collective runtime with other processes (their local groups must not share keys)."""
+        collective runtime with other processes (their local groups must not share keys).
+        `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
+        devices; 0 keeps a whole copy on each."""
+        if shard_optimizer not in (0, 1):
+            raise ValueError(f"`shard_optimizer` must be 0 or 1 (stage 2, which reduce-scatters the gradients, "
+                             f"is not implemented yet). Received: {shard_optimizer}")
+        self.shard_optimizer = shard_optimizer
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
@@ -65,6 +77,14 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         return multi_step_hooks(self, model)
+
+    def after_compile(self, model: keras.Model) -> None:
+        if self.shard_optimizer:
+            shard_optimizer_state(model.optimizer, self)
+
+    def job_report(self, model: keras.Model) -> dict[str, Any]:
+        shards = shards_of(model.optimizer)
+        return {"optimizer_state": shards.report()} if shards is not None and shards.copies else {}
 
 
 def multi_step_hooks(strategy: tf.distribute.Strategy, model: keras.Model) -> dict[str, Any]:

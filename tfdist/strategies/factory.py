@@ -94,7 +94,8 @@ def _mirrored(config: Config, gpus: int) -> MirroredStrategy:
         AllReduce.HIERARCHICAL_COPY: lambda: tf.distribute.HierarchicalCopyAllReduce(num_packs=s.num_packs),
         AllReduce.REDUCTION_TO_ONE_DEVICE: tf.distribute.ReductionToOneDevice,
     }[s.all_reduce]()
-    return MirroredStrategy(devices=local_devices(config, gpus), cross_device_ops=cross_device_ops)
+    return MirroredStrategy(devices=local_devices(config, gpus), cross_device_ops=cross_device_ops,
+                            shard_optimizer=s.shard_optimizer)
 
 
 _WIRE_DTYPES = {GradientCompression.NONE: None, GradientCompression.FP16: "float16",
