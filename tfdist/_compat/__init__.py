@@ -20,7 +20,7 @@ from tfdist._compat.keras_internals import (
     keras_reduce_per_replica,
     loss_tracker,
     make_slots_where_created,
-    replace_distributed_update,
+    replace_update_step,
 )
 from tfdist._compat.optional import horovod, nvml, xspace
 from tfdist._compat.patches import (
@@ -32,22 +32,27 @@ from tfdist._compat.patches import (
     training_epoch_iterator,
 )
 from tfdist._compat.tensorflow_internals import (
+    all_gather,
     auto_shard,
+    collective_launchers,
     configure_coordination_service,
     needs_gradient,
     partition_graphs,
     peer_answers,
+    reduce_scatter,
     remake_variables,
 )
 from tfdist._compat.versions import TESTED_VERSIONS, check_versions
 
 __all__ = [
     "TESTED_VERSIONS",
+    "all_gather",
     "auto_shard",
     "batches_read",
     "build_for_training",
     "build_without_slots",
     "check_versions",
+    "collective_launchers",
     "configure_coordination_service",
     "forget_step_functions",
     "gradient_weight",
@@ -62,8 +67,9 @@ __all__ = [
     "nvml",
     "partition_graphs",
     "peer_answers",
+    "reduce_scatter",
     "remake_variables",
-    "replace_distributed_update",
+    "replace_update_step",
     "resume_epoch_iterator",
     "training_epoch_iterator",
     "xspace",

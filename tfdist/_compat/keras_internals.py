@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state",
            "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created",
-           "replace_distributed_update"]
+           "replace_update_step"]
 
 def graph_nodes(model):
     """The layer graph of a Sequential or functional Keras model.
@@ -97,12 +97,13 @@ def make_slots_where_created(optimizer) -> None:
 
     optimizer.add_variable_from_reference = functools.partial(BaseOptimizer.add_variable_from_reference, optimizer)
 
-def replace_distributed_update(optimizer, update) -> None:
-    """Has `optimizer` call `update(distribution, grads_and_vars, learning_rate)` to update its variables.
+def replace_update_step(optimizer, update) -> None:
+    """Has `optimizer` call `update(grads, trainable_variables, learning_rate)` to apply a step's gradients.
 
-    Under a tf.distribute strategy Keras's TensorFlow optimizer applies a step's
-    all-reduced gradients, in cross-replica context, through this one private
-    method, after clipping, weight decay and loss scaling: the one place a
-    sharded update can take over.
+    Keras's optimizer calls this one private method, in replica context, after
+    clipping, weight decay and loss scaling; under a tf.distribute strategy the
+    TensorFlow optimizer's version all-reduces the gradients there and updates
+    every replica's variables. It is the one place where a sharded update (a
+    reduce-scatter, slices updated, an all-gather) can take over.
     """
-    optimizer._distributed_tf_update_step = update
+    optimizer._backend_update_step = update

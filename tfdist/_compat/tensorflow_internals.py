@@ -3,8 +3,8 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
-__all__ = ["auto_shard", "configure_coordination_service", "needs_gradient", "partition_graphs", "peer_answers",
-           "remake_variables"]
+__all__ = ["all_gather", "auto_shard", "collective_launchers", "configure_coordination_service", "needs_gradient",
+           "partition_graphs", "peer_answers", "reduce_scatter", "remake_variables"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
     """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's
@@ -119,3 +119,43 @@ def auto_shard(dataset, num_shards: int, index):
     from tensorflow.python.distribute import input_ops
 
     return input_ops.auto_shard_dataset(dataset, num_shards, index, num_shards)
+
+
+def collective_launchers(strategy) -> list:
+    """One launcher of the strategy's collectives per local device, in the order of its devices.
+
+    Mirrored and multi-worker strategies all-reduce with TensorFlow's collective
+    ops through a `CollectiveAllReduce`, which keeps, per device, the group and
+    instance keys and the ordering token every collective of that device must
+    use; tf.distribute exposes all-reduce and all-gather but no reduce-scatter.
+    """
+    extended = strategy.extended
+    collectives = getattr(extended, "_collective_ops", None) or extended._cross_device_ops
+    launchers = getattr(collectives, "_launchers", None)
+    if launchers is None:
+        raise ValueError(f"{type(strategy).__name__} does not reduce with TensorFlow's collective ops "
+                         f"(its cross-device ops are {type(collectives).__name__}), so nothing can be reduce-scattered.")
+    return launchers
+
+
+def reduce_scatter(launcher, tensor, rank: int):
+    """Slice `rank` (of as many as the group has devices) of the sum over the group of the 1-D `tensor`.
+
+    TensorFlow 2.21's CollectiveReduceScatterV2 has a kernel for NCCL only
+    (GPUs): on CPUs the collective registry finds no implementation. So the
+    tensor is all-reduced with the launcher's ring all-reduce (its keys,
+    ordering and timeout) and this device keeps its slice: the bytes of an
+    all-reduce, not of a reduce-scatter.
+    """
+    import tensorflow as tf
+
+    reduced = launcher.all_reduce(tensor)
+    with tf.device(launcher._device):
+        length = tensor.shape[0] // launcher._group_size
+        return reduced[rank * length:(rank + 1) * length]
+
+
+def all_gather(launcher, tensor):
+    """Every device's 1-D `tensor` (all the same length), concatenated in device order: one collective
+    (the launcher's public `all_gather` first gathers the shapes, a second one)."""
+    return launcher._all_gather(tensor, None)

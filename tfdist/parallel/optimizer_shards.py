@@ -119,7 +119,7 @@ class OptimizerShards:
         inner.build = self.build
         optimizer.save_own_variables = self.save_own_variables
         optimizer.load_own_variables = self.load_own_variables
-        _compat.replace_distributed_update(inner, self.update)
+        _compat.replace_update_step(inner, self.update)
 
     def build(self, variables):
         _compat.build_without_slots(self.inner, variables)
@@ -138,24 +138,39 @@ class OptimizerShards:
         self.whole_slots = [WholeSlot([slots[k][0] for slots in slots_by_device], variables[i])
                             for k, (_, i) in enumerate(slots_by_device[0])]
 
-    def update(self, distribution, grads_and_vars, learning_rate):
-        """Each device updates its slices with its copy's own rule, at the optimizer's step (which
-        Adam's bias correction reads); every device then gathers them."""
-        for d, device in enumerate(self.devices):
-            copy, slices = self.copies[d], self.slices[d]
-            with tf.device(device):
-                copy.iterations.assign(distribution.experimental_local_results(self.inner.iterations.value)[d])
-                for (grad, variable), piece in zip(grads_and_vars, slices):
-                    local_grad = tf.convert_to_tensor(distribution.experimental_local_results(grad)[d])
-                    local_weights = distribution.experimental_local_results(variable)[d]
-                    piece.assign(self._slice(local_weights, d, piece.shape[0]))
-                    copy.update_step(self._slice(local_grad, d, piece.shape[0]), piece, learning_rate)
-        for i, (_, variable) in enumerate(grads_and_vars):
-            distribution.extended.update(variable, self._gather, args=(i,), group=False)
+    def update(self, grads, variables, learning_rate):
+        """A step, in replica context: the gradients are reduce-scattered (each device receives the sum of
+        its slices), each device updates its slices with its copy's own rule, at the optimizer's step
+        (which Adam's bias correction reads), and the updated slices are all-gathered into every
+        device's weights."""
+        tf.distribute.get_replica_context().merge_call(self._update_slices, args=(grads, variables, learning_rate))
 
-    def _gather(self, variable, i):
-        whole = tf.concat([slices[i].value for slices in self.slices], axis=0)
-        return variable.assign(tf.reshape(whole[:math.prod(variable.shape)], variable.shape))
+    def _update_slices(self, distribution, grads, variables, learning_rate):
+        launchers = _compat.collective_launchers(self.strategy)
+        indices = [self.inner._get_variable_index(v) for v in variables]
+        by_dtype = {}  # one reduce-scatter and one all-gather per dtype
+        for position, variable in enumerate(variables):
+            by_dtype.setdefault(variable.dtype, []).append(position)
+        for d, device in enumerate(self.devices):
+            copy = self.copies[d]
+            with tf.device(device):
+                copy.iterations.assign(_local(distribution, self.inner.iterations.value, d))
+                for positions in by_dtype.values():
+                    pieces = [self.slices[d][indices[p]] for p in positions]
+                    lengths = [piece.shape[0] for piece in pieces]
+                    local_grads = [tf.convert_to_tensor(_local(distribution, grads[p], d)) for p in positions]
+                    # Slice e of every gradient, for e = 0..N-1: device e receives the sum of the e-th part.
+                    packed = tf.concat([self._slice(g, e, n) for e in range(len(self.devices))
+                                        for g, n in zip(local_grads, lengths)], axis=0)
+                    mine = tf.split(_compat.reduce_scatter(launchers[d], packed, d), lengths)
+                    for p, piece, grad in zip(positions, pieces, mine):
+                        piece.assign(self._slice(_local(distribution, variables[p].value, d), d, piece.shape[0]))
+                        copy.update_step(grad, piece, _local(distribution, learning_rate, d))
+                    gathered = tf.reshape(_compat.all_gather(launchers[d], tf.concat([piece.value for piece in pieces], 0)),
+                                          [len(self.devices), -1])
+                    for p, whole in zip(positions, tf.split(gathered, lengths, axis=1)):
+                        weights = _local(distribution, variables[p].value, d)
+                        weights.assign(tf.reshape(tf.reshape(whole, [-1])[:math.prod(weights.shape)], weights.shape))
 
     def _slice_length(self, variable) -> int:
         return -(-math.prod(variable.shape) // len(self.devices))
@@ -248,6 +263,12 @@ def _build_noting_slots(copy, slices) -> list:
     copy.add_variable_from_reference = noted
     copy.build(slices)
     return made
+
+
+def _local(distribution, value, d):
+    """Device d's part of a per-replica or mirrored value; a value the replicas share, as it is."""
+    parts = distribution.experimental_local_results(value)
+    return parts[d] if len(parts) > 1 else parts[0]
 
 
 @contextlib.contextmanager
