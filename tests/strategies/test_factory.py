@@ -171,3 +171,15 @@ def test_deterministic_ops_switches_on_op_determinism():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "True"
     assert not is_op_determinism_enabled()  # off unless asked for
+
+
+def test_a_mirrored_strategy_makes_the_cpus_it_names_or_says_it_cannot():
+    """Its replicas would otherwise wait forever on a CPU device that does not exist."""
+    code = ("import tfdist; s = tfdist.MirroredStrategy(['/cpu:0', '/cpu:2']); "
+            "import tensorflow as tf; print(len(tf.config.list_logical_devices('CPU')), s.num_replicas_in_sync); "
+            "tfdist.MirroredStrategy(['/cpu:0', '/cpu:5'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "3 2"
+    assert proc.returncode == 1
+    assert ("ConfigError: `strategy.logical_devices` cannot be raised to 6: TensorFlow already initialised "
+            "with 3 CPU device(s)") in proc.stderr

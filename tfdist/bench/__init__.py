@@ -30,6 +30,7 @@ BENCHMARKS = {
     "precision": "tfdist.bench.precision",
     "ps_worker_loss": "tfdist.bench.ps_worker_loss",
     "scaling": "tfdist.bench.scaling",
+    "sharded_optimizer": "tfdist.bench.sharded_optimizer",
     "synthetic": "tfdist.bench.synthetic",
     "tensor_parallel": "tfdist.bench.tensor_parallel",
 }
@@ -46,6 +47,7 @@ CONFIG_UNUSED = {
     "pipeline": "it sets its own devices, threads and model.",
     "precision": "it sets every job itself; only the precision changes within a kind.",
     "ps_worker_loss": "it kills workers of the parameter-server job it starts itself.",
+    "sharded_optimizer": "it sets its own devices, threads and model.",
     "tensor_parallel": "it sets its own devices, threads and model.",
 }
 

@@ -25,6 +25,7 @@ from tfdist import _compat
 from tfdist.parallel.optimizer_shards import shard_optimizer_state, shards_of
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
+from tfdist.strategies.devices import ensure_logical_cpus
 
 __all__ = ["MirroredStrategy", "multi_step_train_function"]
 
@@ -68,6 +69,7 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
             raise ValueError(f"`shard_optimizer` must be 0 or 1 (stage 2, which reduce-scatters the gradients, "
                              f"is not implemented yet). Received: {shard_optimizer}")
         self.shard_optimizer = shard_optimizer
+        _make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
@@ -85,6 +87,17 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         shards = shards_of(model.optimizer)
         return {"optimizer_state": shards.report()} if shards is not None and shards.copies else {}
+
+
+def _make_named_cpus(devices) -> None:
+    """Makes the logical CPU devices `devices` names (`/cpu:1`, ...) if TensorFlow has not started yet:
+    a replica on a CPU device that does not exist would wait for its peers forever."""
+    if not devices or not all(isinstance(d, str) for d in devices):
+        return
+    specs = [tf.DeviceSpec.from_string(d) for d in devices]
+    indices = [s.device_index or 0 for s in specs if (s.device_type or "").upper() == "CPU" and s.job in (None, "localhost")]
+    if indices:
+        ensure_logical_cpus(max(indices) + 1)
 
 
 def multi_step_hooks(strategy: tf.distribute.Strategy, model: keras.Model) -> dict[str, Any]:
