@@ -171,6 +171,32 @@ def sharded_embedding_matches_a_whole_one():
         }
 
 
+def float16_gradients_match_one_device():
+    """One worker sending its gradients as float16 (a dense layer's, and an embedding's rows as
+    IndexedSlices) trains as one device does, to float16's precision, and not exactly as it does."""
+    x, y = _token_data()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = _token_model(keras.layers.Embedding(300, 8))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+        return model
+
+    with LocalCluster(num_workers=1, num_ps=1, threads=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.resolver(), gradient_compression="float16")
+        with strategy.scope():
+            model = build()
+        reference = build()
+        reference.set_weights(model.get_weights())
+        before = reference.get_weights()
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return {
+            "max_diff": max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
+            "max_change": max(float(np.abs(a - b).max()) for a, b in zip(reference.get_weights(), before)),
+        }
+
+
 def _reload_diff(model, x):
     """Saves `model`, loads it outside the strategy (one shard) and compares predictions."""
     path = os.path.join(tempfile.mkdtemp(), "model.keras")

@@ -43,6 +43,13 @@ def test_a_sharded_embedding_spreads_over_the_parameter_servers_and_matches_a_wh
     assert result["reloaded_on_one_device_diff"] <= 1e-6
 
 
+def test_float16_gradients_train_as_one_device_to_float16_precision():
+    result = _scenario("float16_gradients_match_one_device")
+    assert result["max_change"] > 0.05  # it trained
+    # Rounded to float16 on the way (else the difference would be float32 round-off, < 1e-6), and no more.
+    assert 1e-6 < result["max_diff"] <= 1e-3, result
+
+
 @pytest.fixture(scope="module")
 def keras_usage():
     """The feature matrix, any dataset size and short epochs: one scenario, one cluster per worker count."""

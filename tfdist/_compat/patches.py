@@ -18,12 +18,12 @@ __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read"]
 
 # How the patches ask a strategy: `keras_hooks(strategy, model)`, `clips_after_all_reduce(strategy)`,
-# `gradient_all_reduce(strategy)` and `after_compile(strategy, model)`.
+# `gradient_all_reduce(strategy)`, `gradients_sent_as(strategy)` and `after_compile(strategy, model)`.
 _ASK: dict[str, Callable] = {}
 
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
-                    gradient_all_reduce: Callable, after_compile: Callable) -> None:
+                    gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
@@ -31,12 +31,15 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
       clips_after_all_reduce: `(strategy)` -> whether gradient clipping follows the all-reduce.
       gradient_all_reduce: `(strategy)` -> None for Keras's gradient all-reduce, or the dtype name
         gradients cross the network in ("" for their own), all-reduced last layer first.
+      gradients_sent_as: `(strategy)` -> None, or the dtype name gradients cross to the parameter
+        servers in: cast on the worker, and back by the optimizer's update where the variable lives.
       after_compile: `(strategy, model)`, run after `model.compile` (a strategy that splits the
         optimizer's state does it then, before Keras builds the optimizer).
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
     _ASK.setdefault("gradient_all_reduce", gradient_all_reduce)
+    _ASK.setdefault("gradients_sent_as", gradients_sent_as)
     _ASK.setdefault("after_compile", after_compile)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
@@ -251,7 +254,11 @@ def _install_gradient_all_reduce() -> None:
     packs go out while earlier layers' gradients are still being computed. A
     compression dtype (float16, bfloat16) casts each floating-point gradient
     before the all-reduce and back after it, as Horovod's fp16 compression
-    does: half the bytes on the wire. Idempotent.
+    does: half the bytes on the wire. Under parameter servers there is no
+    all-reduce: a strategy's `gradients_sent_as` dtype casts the gradients on
+    the worker, and Keras's `update_step`, which casts a gradient to its
+    variable's dtype first, runs where the variable lives, so only the narrow
+    gradient crosses. Idempotent.
     """
     import tensorflow as tf
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -262,8 +269,12 @@ def _install_gradient_all_reduce() -> None:
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         context = tf.distribute.get_replica_context()
-        wire = _ASK["gradient_all_reduce"](tf.distribute.get_strategy()) if context is not None else None
+        strategy = tf.distribute.get_strategy()
+        wire = _ASK["gradient_all_reduce"](strategy) if context is not None else None
         if wire is None:
+            sent_as = _ASK["gradients_sent_as"](strategy) if context is not None else None
+            if sent_as:
+                grads_and_vars = [(_narrowed(g, tf.as_dtype(sent_as)), v) for g, v in grads_and_vars]
             return keras_all_reduce(self, grads_and_vars)
         pairs = list(grads_and_vars)
         backward = [i for i, (g, _) in enumerate(pairs) if g is not None][::-1]
@@ -281,6 +292,15 @@ def _install_gradient_all_reduce() -> None:
 
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
     TFOptimizer._tfdist_gradient_all_reduce = True
+
+
+def _narrowed(gradient, dtype):
+    """A floating-point gradient (dense, or an IndexedSlices' values) cast to the narrower `dtype`."""
+    if gradient is None or not gradient.dtype.is_floating or gradient.dtype.size <= dtype.size:
+        return gradient
+    import tensorflow as tf
+
+    return tf.cast(gradient, dtype)
 
 
 # Set per replica (MirroredStrategy traces each replica in a thread of its own).

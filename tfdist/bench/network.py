@@ -12,9 +12,10 @@ model, data and batch per worker for every kind:
 - `horovod`: 2 ranks, one per host, Horovod's all-reduce over Gloo;
 - `parameter_server`: the chief and 2 workers on one host, the parameter
   server on the other, so every variable read and gradient sent crosses the link;
-- `multi_worker_fp16`, `horovod_fp16`: the all-reduce kinds again with their
-  gradients sent as float16 (`strategy.gradient_compression: fp16`,
-  `horovod.fp16_compression: true`). Figure `compression_gain_KIND` is their
+- `multi_worker_fp16`, `horovod_fp16`, `parameter_server_fp16`: each kind
+  again with its gradients sent as float16 (`strategy.gradient_compression:
+  fp16`, `horovod.fp16_compression: true`; a parameter-server worker still
+  reads the variables in float32). Figure `compression_gain_KIND` is their
   samples/sec over the float32 job's at the slowest link, where communication
   dominates.
 
@@ -80,7 +81,8 @@ _LAUNCH = {  # each kind's `tfdist launch` flags (besides --hosts and --link) an
         "strategy.kind=parameter_server", "parameter_server.num_workers=2", "parameter_server.num_ps=1",
         "parameter_server.threads_per_task=1"]),
 }
-_COMPRESSED = {"multi_worker": "strategy.gradient_compression=fp16", "horovod": "horovod.fp16_compression=true"}
+_COMPRESSED = {"multi_worker": "strategy.gradient_compression=fp16", "horovod": "horovod.fp16_compression=true",
+               "parameter_server": "strategy.gradient_compression=fp16"}
 SPARSE_MODEL = "sparse_embedding"  # --model's name for tfdist.bench.sparse_workload
 BYTES_TOLERANCE = 1.10  # measured over algorithm bytes, per the issue's target
 OVERLAP_TARGET = 0.7
@@ -124,13 +126,16 @@ def algorithm_bytes(kind: str, gradient_bytes: float, hosts: int = HOSTS,
     worker receives the variables it reads (as many bytes as its gradients) and
     sends its gradients. `slices` is one worker's sparse gradient (an embedding's,
     as IndexedSlices): the bytes of its rows and of its indices. All-reduce kinds
-    all-gather them (each host sends its own and receives the others'); a
-    parameter-server worker reads those rows and sends rows and indices.
+    all-gather them (each host sends its own and receives the others'; float16
+    compression leaves them as they are); a parameter-server worker reads those
+    rows and sends rows and indices (the rows in float16 for
+    `parameter_server_fp16`, with its dense gradients).
     """
     rows, indices = slices
-    if kind == "parameter_server":
-        return {"sent": gradient_bytes + rows + indices, "received": gradient_bytes + rows}
-    ring = 2 * (hosts - 1) / hosts * gradient_bytes / (2 if kind.endswith("_fp16") else 1)
+    narrowed = 2 if kind.endswith("_fp16") else 1  # float16 halves the floating-point gradients, not indices
+    if kind.startswith("parameter_server"):
+        return {"sent": (gradient_bytes + rows) / narrowed + indices, "received": gradient_bytes + rows}
+    ring = 2 * (hosts - 1) / hosts * gradient_bytes / narrowed
     gathered = (hosts - 1) * (rows + indices)
     return {"sent": ring + gathered, "received": ring + gathered}
 
@@ -227,7 +232,7 @@ def _row(kind: str, link: str, measured: dict[str, float], compute: dict[str, fl
         "compute_ms": compute["step_time_ms"],
         "comm_ms": comm_ms,
     }
-    if kind != "parameter_server":  # its 2 workers step independently: a step is not compute then comm
+    if not kind.startswith("parameter_server"):  # its 2 workers step independently: not compute then comm
         row["overlap"] = overlap(compute["step_time_ms"], comm_ms, measured["step_time_ms"])
     return row
 

@@ -173,8 +173,10 @@ class StrategyConfig:
         instead of hanging (multi_worker_mirrored).
       gradient_compression: for multi_worker_mirrored: `fp16` or `bf16` sends
         the gradients at half their bytes, cast before the all-reduce and back
-        after it (Horovod jobs set `horovod.fp16_compression`); `none` sends
-        them as they are.
+        after it (Horovod jobs set `horovod.fp16_compression`); for
+        parameter_server: each worker sends its gradients to the parameter
+        servers in that dtype, cast back where the variable lives (the
+        variables it reads keep their dtype); `none` sends them as they are.
       tpu: the TPU to connect to (name or grpc:// address, `local` on a TPU VM)
         for strategy.kind=tpu; empty lets TPUClusterResolver look for one.
       tensor_parallel_size: devices that each tensor-parallel layer splits

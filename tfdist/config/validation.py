@@ -125,11 +125,12 @@ def _check_strategy(config: Config) -> None:
             "only applies to strategy.kind=multi_worker_mirrored; leave it at 0 otherwise.",
             s.bytes_per_pack,
         )
-    if s.gradient_compression != GradientCompression.NONE and s.kind != StrategyKind.MULTI_WORKER_MIRRORED:
+    if s.gradient_compression != GradientCompression.NONE and s.kind not in (StrategyKind.MULTI_WORKER_MIRRORED,
+                                                                             StrategyKind.PARAMETER_SERVER):
         raise ConfigError(
             "strategy.gradient_compression",
-            "only applies to strategy.kind=multi_worker_mirrored (Horovod jobs set horovod.fp16_compression); "
-            f"strategy.kind is {s.kind.value}.",
+            "only applies to strategy.kind=multi_worker_mirrored or parameter_server (Horovod jobs set "
+            f"horovod.fp16_compression); strategy.kind is {s.kind.value}.",
             s.gradient_compression.value,
         )
     if s.shard_optimizer == 2:

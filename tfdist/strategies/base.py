@@ -40,6 +40,9 @@ class StrategyContract:
     #: None leaves the gradients' all-reduce to Keras; a dtype name ("" for the gradients' own) has
     #: tfdist all-reduce them last layer first, in that dtype (`_compat.patches`).
     gradient_all_reduce: Optional[str] = None
+    #: None sends gradients to parameter servers as they are; a dtype name ("float16") casts them on the
+    #: worker, and the optimizer's update casts them back where the variable lives (`_compat.patches`).
+    gradients_sent_as: Optional[str] = None
     #: Batches whose gradients are accumulated locally before one update (Horovod's backward passes).
     accumulation_steps: int = 1
     #: Training steps per call of the train function (parameter servers: per scheduled closure).
@@ -144,6 +147,7 @@ def install_patches() -> None:
     _install_patches(keras_hooks=lambda strategy, model: contract(strategy).keras_hooks(model),
                      clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce,
                      gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce,
+                     gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
                      after_compile=lambda strategy, model: contract(strategy).after_compile(model))
 
 

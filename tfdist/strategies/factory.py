@@ -156,7 +156,8 @@ def _parameter_server(config: Config, gpus: int = 0) -> ParameterServerStrategy:
             min_shard_bytes=p.min_shard_bytes, max_shards=p.max_shards)
     with listening_as(resolver):
         strategy = ParameterServerStrategy(resolver, variable_partitioner=partitioner,
-                                           steps_per_execution=p.steps_per_execution)
+                                           steps_per_execution=p.steps_per_execution,
+                                           gradient_compression=_WIRE_DTYPES[config.strategy.gradient_compression])
     strategy.local_cluster = cluster
     return strategy
 

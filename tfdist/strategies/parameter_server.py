@@ -74,11 +74,20 @@ class ParameterServerStrategy(StrategyContract, tf.distribute.experimental.Param
         cut into. Other variables stay whole: a Keras 3 variable cannot hold
         TensorFlow's `ShardedVariable` (its gradient needs a single `handle`).
       steps_per_execution: training steps per scheduled function.
+      gradient_compression: `float16` or `bfloat16` sends each worker's
+        gradients to the parameter servers in that dtype (half the bytes of
+        float32); None sends them as they are. The variables read each step
+        keep their dtype.
     """
 
     input_built_by_chief = True  # the chief builds what every worker reads
 
-    def __init__(self, cluster_resolver, variable_partitioner=None, steps_per_execution: int = 1):
+    def __init__(self, cluster_resolver, variable_partitioner=None, steps_per_execution: int = 1,
+                 gradient_compression: Optional[str] = None):
+        if gradient_compression not in (None, "float16", "bfloat16"):
+            raise ValueError(f"`gradient_compression` must be None, 'float16' or 'bfloat16'. "
+                             f"Received: {gradient_compression!r}")
+        self.gradients_sent_as = gradient_compression
         super().__init__(cluster_resolver)  # no partitioner: TF would cut every Keras variable
         self.shard_partitioner = variable_partitioner
         self.steps_per_execution = steps_per_execution
