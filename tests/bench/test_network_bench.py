@@ -47,7 +47,8 @@ def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
     # all-gathered or read and sent; the whole table (12.8 MB) crossing would be 100 x the count.
     result = measure(model="sparse_embedding", links=["1gbit"], kinds=["multi_worker", "parameter_server"],
                      repeats=1, steps=20)
-    assert set(result["table"]) == {"multi_worker", "multi_worker_fp16", "parameter_server", "parameter_server_fp16"}
+    assert set(result["table"]) == {"multi_worker", "multi_worker_fp16", "multi_worker_packed", "parameter_server",
+                                    "parameter_server_fp16"}
     rows, indices = result["sparse_gradient_bytes"]["rows"], result["sparse_gradient_bytes"]["indices"]
     assert result["table_bytes"] > 100 * (result["gradient_bytes"] + rows + indices)
     for kind, (row,) in result["table"].items():
@@ -75,7 +76,9 @@ def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
         result["table"]["multi_worker_fp16"][0]["samples_per_sec"] / result["table"]["multi_worker"][0]["samples_per_sec"])
     assert "--hosts 2 --link 1gbit" in result["jobs"]["multi_worker@1gbit"]
     assert result["figures"]["compression_gain_parameter_server"] > 0
-    assert markdown_table(result).count("\n") == 5
+    assert "strategy.bytes_per_pack=65536" in result["jobs"]["multi_worker_packed@1gbit"]
+    assert result["figures"]["overlap_multi_worker_packed_link"] == "1gbit"
+    assert markdown_table(result).count("\n") == 6
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -185,10 +185,12 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("strategy.shard_optimizer=2", "`strategy.shard_optimizer` 2 (the gradients reduce-scattered too) is not "
-                                   "implemented in this version"),
-    ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored in this version"),
+    ("strategy.shard_optimizer=2", "`strategy.shard_optimizer` 2 needs a reduce-scatter, which TensorFlow 2.21 "
+                                   "has for NCCL only"),
+    ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored or horovod"),
+    ("strategy.kind=horovod,horovod.elastic=true", "`strategy.shard_optimizer` cannot split the optimizer of a "
+                                                   "Horovod job with horovod.op adasum"),
 ])
 def test_a_config_the_split_does_not_cover_is_refused_in_one_line(setting, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, ["strategy.shard_optimizer=1", setting])
+        load_config(None, ["strategy.shard_optimizer=1", *setting.split(",")])

@@ -6,6 +6,7 @@ runs several in one job (its processes are the slow part to start), each CASE
 `NAME[:KEY=VALUE,...]`; each rank writes {CASE: result} to OUT_DIR/rank-N.json.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -130,6 +131,69 @@ def keras_api_matches_single_process(accumulation="1"):
             "loss_is_rank_average": abs(float(averaged_loss) - history.history["loss"][-1]) < 1e-6}
 
 
+def _split_optimizer(name):
+    if name == "adamw_excluding_biases":
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+    return {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(0.01),
+            "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1)}[name]()
+
+
+def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0"):
+    """The optimizer's state split over the ranks (`shard_optimizer`) against the same Horovod job
+    unsplit: 20 steps of global batch BATCH, and each rank's slot bytes. With `resume`, a checkpoint
+    every rank joins, resumed by a split job and by one plain process, and a Keras file saved by one
+    process refused."""
+    from tfdist import Checkpoint
+    from tfdist.parallel.optimizer_shards import shards_of
+
+    x, y = _data()
+    directory = os.path.join(os.environ["SCENARIO_DIR"], f"checkpoint-{stage}-{optimizer}")
+
+    def train(shard_optimizer, epochs, callbacks=()):
+        keras.utils.set_random_seed(0)
+        strategy = HorovodStrategy(shard_optimizer=shard_optimizer) if shard_optimizer is not None else None
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            # 12*7 + 7 + 7*3 + 3 weights: lengths 2 ranks do not all divide, so slices are padded.
+            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(7, activation="tanh"),
+                                      keras.layers.Dense(3, activation="softmax")])
+            model.compile(optimizer=_split_optimizer(optimizer), loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+        return model
+
+    def diff(a, b):
+        return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()  # as HorovodStrategy does; the rank is needed before its first job here
+    rank = hvd.rank()
+    saving = [Checkpoint(directory, write=rank == 0)] if resume == "1" else []
+    split = train(int(stage), epochs=4, callbacks=saving)  # 4 epochs of STEPS steps
+    whole = train(0, epochs=5 if resume == "1" else 4)
+    shards = shards_of(split.optimizer)
+    result = {"rank": rank, "iterations": int(split.optimizer.iterations.numpy()), "report": shards.report(),
+              "slot_devices": sorted({v.value.device for copy in shards.copies for v in copy.variables})}
+    if resume == "1":
+        path = os.path.join(os.environ["SCENARIO_DIR"], f"model-{rank}.keras")
+        try:
+            split.save(path)
+        except ValueError as error:
+            result["keras_file_refused"] = str(error)
+        result["keras_file_written"] = os.path.exists(path)  # refused before Keras opened it
+        # The checkpoint of step 20 taken up by a split job (every rank) and by one plain process: a 5th epoch.
+        resumed = train(int(stage), epochs=5, callbacks=[Checkpoint(directory, write=False)])
+        plain = Checkpoint(directory, write=False)
+        alone = train(None, epochs=5, callbacks=[plain])
+        result.update(resumed_split_diff=diff(resumed, whole), resumed_alone_diff=diff(alone, whole),
+                      resumed_from=plain.resumed_from_step)
+    else:
+        result["max_abs_diff"] = diff(split, whole)
+    return result
+
+
 def adasum_is_refused():
     try:
         HorovodStrategy(op="adasum")
@@ -195,6 +259,7 @@ def _run_case(case):
 
 if __name__ == "__main__":
     name, out_dir, *options = sys.argv[1:]
+    os.environ["SCENARIO_DIR"] = out_dir  # shared by the ranks
     if name == "cases":
         result = {case: _run_case(case) for case in options}
         rank = next(iter(result.values()))["rank"]

@@ -40,13 +40,19 @@ MATCH_CASES = {
 }
 UNEVEN = "matches_single_process:examples=149"
 KERAS_API = ["keras_api_matches_single_process:accumulation=1", "keras_api_matches_single_process:accumulation=2"]
+# The optimizer split over the ranks: stage 2 (reduce-scatter) with each optimizer, stage 1 once. Not
+# mixed_float16: loss scaling under HorovodStrategy fails unsplit too (a merge_call in its tf.cond).
+SPLIT_CASES = [f"split_optimizer_matches_unsplit:stage=2,optimizer={name}" for name in (
+    "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm")] + [
+    "split_optimizer_matches_unsplit:stage=1,optimizer=adam"]
+SPLIT_RESUME = "split_optimizer_matches_unsplit:stage=2,optimizer=adam,resume=1"
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """Every case above, in one 2-rank job: {case: {rank: result}}."""
     tmp_path = tmp_path_factory.mktemp("horovod_cases")
-    _, results = _scenario(tmp_path, "cases", *MATCH_CASES, UNEVEN, *KERAS_API)
+    _, results = _scenario(tmp_path, "cases", *MATCH_CASES, UNEVEN, *KERAS_API, *SPLIT_CASES, SPLIT_RESUME)
     assert sorted(results) == [0, 1]
     return {case: {rank: results[rank][case] for rank in results} for case in results[0]}
 
@@ -84,6 +90,30 @@ def test_horovod_keras_api_matches_one_process(cases, case):
         assert result["max_abs_diff"] <= 1e-5
         assert result["updates"] == 5 // accumulation
         assert result["loss_is_rank_average"]  # MetricAverageCallback averaged the logs
+
+
+@on_one_worker
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_an_optimizer_split_over_the_ranks_trains_the_unsplit_jobs_weights(cases, case):
+    for rank, result in cases[case].items():
+        assert result["iterations"] == 20 and result["max_abs_diff"] <= 1e-5, result
+        report = result["report"]  # this rank's slots: those of its half of every variable
+        assert report["devices"] == 2 and report["stage"] == int(case.split("stage=")[1][0])
+        assert max(report["slot_bytes_per_device"]) <= 1.15 / 2 * report["unsplit_slot_bytes"]
+        assert len(result["slot_devices"]) == 1
+
+
+@on_one_worker
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_split_jobs_checkpoint_resumes_split_or_in_one_process_and_one_rank_cannot_save_it(cases):
+    for result in cases[SPLIT_RESUME].values():
+        assert result["resumed_from"] == 20  # the checkpoint every rank joined, rank 0 wrote
+        assert result["resumed_split_diff"] <= 1e-5 and result["resumed_alone_diff"] <= 1e-5, result
+        assert "cannot be saved by one process into a Keras file" in result["keras_file_refused"]
+        assert not result["keras_file_written"]
 
 
 @pytest.mark.multiprocess

@@ -18,12 +18,14 @@ __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read"]
 
 # How the patches ask a strategy: `keras_hooks(strategy, model)`, `clips_after_all_reduce(strategy)`,
-# `gradient_all_reduce(strategy)`, `gradients_sent_as(strategy)` and `after_compile(strategy, model)`.
+# `gradient_all_reduce(strategy)`, `gradients_sent_as(strategy)`, `after_compile(strategy, model)` and
+# `before_save(strategy, model)`.
 _ASK: dict[str, Callable] = {}
 
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
-                    gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable) -> None:
+                    gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable,
+                    before_save: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
@@ -35,16 +37,20 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
         servers in: cast on the worker, and back by the optimizer's update where the variable lives.
       after_compile: `(strategy, model)`, run after `model.compile` (a strategy that splits the
         optimizer's state does it then, before Keras builds the optimizer).
+      before_save: `(strategy, model)`, run before `model.save` or `model.save_weights` opens its file;
+        it raises when the model cannot be saved that way.
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
     _ASK.setdefault("gradient_all_reduce", gradient_all_reduce)
     _ASK.setdefault("gradients_sent_as", gradients_sent_as)
     _ASK.setdefault("after_compile", after_compile)
+    _ASK.setdefault("before_save", before_save)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
     _install_gradient_all_reduce()
     _install_atomic_parameter_server_updates()
+    _install_save_check()
 
 _STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 
@@ -292,6 +298,33 @@ def _install_gradient_all_reduce() -> None:
 
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
     TFOptimizer._tfdist_gradient_all_reduce = True
+
+
+def _install_save_check() -> None:
+    """Lets a strategy refuse `model.save` / `model.save_weights` before Keras opens the file.
+
+    Keras opens the file for writing, then asks each object for its state; an
+    object that cannot give it (an optimizer state split over processes, which
+    one process cannot gather alone) can only raise once the file is already
+    truncated, and an earlier save at that path is lost. Idempotent.
+    """
+    import functools
+
+    from keras.src.models.model import Model
+
+    if getattr(Model, "_tfdist_save_checked", False):
+        return
+
+    def checked(save):
+        @functools.wraps(save)
+        def save_after_the_check(self, *args, **kwargs):
+            _ASK["before_save"](self.distribute_strategy, self)
+            return save(self, *args, **kwargs)
+
+        return save_after_the_check
+
+    Model.save, Model.save_weights = checked(Model.save), checked(Model.save_weights)
+    Model._tfdist_save_checked = True
 
 
 def _narrowed(gradient, dtype):

@@ -191,9 +191,11 @@ class StrategyConfig:
       shard_optimizer: 1 splits the optimizer's state over the data-parallel
         replicas (ZeRO stage 1): each of N devices keeps the slots of 1/N of
         every variable, with the same weights as unsplit, and checkpoints hold
-        the unsplit layout. 0 keeps a whole copy on every device. In this
-        version: stage 1 with strategy.kind=mirrored (2, which reduce-scatters
-        the gradients too, is refused).
+        the unsplit layout. 2 also reduces each gradient only to its slice's
+        owner (a reduce-scatter), so the bytes a step moves are an
+        all-reduce's. 0 keeps a whole copy on every device. In this version:
+        strategy.kind=mirrored (stage 1: TensorFlow has a reduce-scatter for
+        NCCL only) and horovod (stages 1 and 2).
     """
 
     kind: StrategyKind = StrategyKind.MIRRORED

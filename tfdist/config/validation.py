@@ -133,15 +133,21 @@ def _check_strategy(config: Config) -> None:
             f"horovod.fp16_compression); strategy.kind is {s.kind.value}.",
             s.gradient_compression.value,
         )
-    if s.shard_optimizer == 2:
-        raise ConfigError("strategy.shard_optimizer", "2 (the gradients reduce-scattered too) is not implemented "
-                          "in this version; 1 splits the optimizer's state.", s.shard_optimizer)
-    if s.shard_optimizer and s.kind != StrategyKind.MIRRORED:
+    if s.shard_optimizer and s.kind not in (StrategyKind.MIRRORED, StrategyKind.HOROVOD):
         raise ConfigError(
             "strategy.shard_optimizer",
-            f"applies to strategy.kind=mirrored in this version; strategy.kind is {s.kind.value}.",
+            f"applies to strategy.kind=mirrored or horovod in this version; strategy.kind is {s.kind.value}.",
             s.shard_optimizer,
         )
+    if s.shard_optimizer == 2 and s.kind == StrategyKind.MIRRORED:
+        raise ConfigError("strategy.shard_optimizer", "2 needs a reduce-scatter, which TensorFlow 2.21 has for NCCL "
+                          "only; mirrored jobs take 1 (strategy.kind=horovod takes 2).", s.shard_optimizer)
+    h = config.horovod
+    if s.shard_optimizer and s.kind == StrategyKind.HOROVOD and (h.op.value == "adasum" or h.elastic
+                                                                or h.backward_passes_per_step != 1):
+        raise ConfigError("strategy.shard_optimizer", "cannot split the optimizer of a Horovod job with horovod.op "
+                          "adasum (it combines whole gradients), horovod.elastic or horovod.backward_passes_per_step "
+                          "above 1, in this version.", s.shard_optimizer)
     for i, name in enumerate(s.devices):
         parse_device(name, f"strategy.devices[{i}]")
     if len(set(d.lower() for d in s.devices)) != len(s.devices):

@@ -46,7 +46,8 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist._compat.tf_distribute import numpy_dataset
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerShards", "checkpointed_variables", "shard_optimizer_state", "shards_of"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "checkpointed_variables", "report_of",
+           "shard_optimizer_state", "shards_of"]
 
 # Optimizers whose update of an element depends only on that element's weight, gradient and slots,
 # so that updating slices equals updating the whole (each checked in the tests).
@@ -54,14 +55,18 @@ ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.opt
                           keras.optimizers.RMSprop, keras.optimizers.Adagrad)
 
 
-def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy) -> OptimizerShards:
-    """Splits `optimizer`'s state over `strategy`'s devices; call before the optimizer is built.
+def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
+                          collectives=None) -> OptimizerShards:
+    """Splits `optimizer`'s state over `strategy`'s replicas; call before the optimizer is built.
 
     Args:
       optimizer: a Keras optimizer of `ELEMENTWISE_OPTIMIZERS`, or a
         LossScaleOptimizer around one (its inner optimizer is split).
-      strategy: the in-process data-parallel strategy it trains under (one
-        replica per device).
+      strategy: the data-parallel strategy it trains under (one replica per
+        device).
+      collectives: how the replicas reduce-scatter and all-gather the slices
+        (see `DeviceCollectives`); default: the in-process strategy's own
+        TensorFlow collectives over its devices.
 
     Returns:
       The `OptimizerShards` that now build and update it.
@@ -84,7 +89,7 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
     if inner.gradient_accumulation_steps or inner.use_ema:
         raise ValueError("`optimizer` with gradient_accumulation_steps or use_ema cannot be split over devices yet. "
                          f"Received: {type(inner).__name__}")
-    shards = OptimizerShards(optimizer, inner, strategy)
+    shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy))
     _SPLIT[optimizer] = shards
     return shards
 
@@ -95,7 +100,14 @@ _SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def shards_of(optimizer) -> OptimizerShards | None:
     """The shards of `optimizer` if its state is split, else None."""
-    return _SPLIT.get(optimizer)
+    return _SPLIT.get(optimizer) if optimizer is not None else None
+
+
+def report_of(optimizer) -> dict:
+    """`{"optimizer_state": ...}` for a job's summary when `optimizer`'s state is split (`OptimizerShards.report`),
+    else nothing."""
+    shards = _SPLIT.get(optimizer)
+    return {"optimizer_state": shards.report()} if shards is not None and shards.copies else {}
 
 
 def checkpointed_variables(optimizer: keras.optimizers.Optimizer) -> list:
@@ -110,9 +122,9 @@ class OptimizerShards:
     """Device d's slice of every variable (`slices[d]`) and the copy of the optimizer that holds its
     slots (`copies[d]`), once the optimizer is built; `whole_slots` shows those slots unsplit."""
 
-    def __init__(self, optimizer, inner, strategy):
-        self.optimizer, self.inner, self.strategy = optimizer, inner, strategy
-        self.devices = tuple(strategy.extended.worker_devices)
+    def __init__(self, optimizer, inner, strategy, collectives):
+        self.optimizer, self.inner, self.strategy, self.collectives = optimizer, inner, strategy, collectives
+        self.devices = collectives.devices  # this process's, one slice each
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
         self.slices: list[list[keras.Variable]] = []  # [device][variable]: that device's slice of the weights
         self.whole_slots: list[WholeSlot] = []  # in the order the unsplit optimizer makes its slots
@@ -135,7 +147,7 @@ class OptimizerShards:
                     slots_by_device.append(_build_noting_slots(copy, slices))
                 self.copies.append(copy)
                 self.slices.append(slices)
-        self.whole_slots = [WholeSlot([slots[k][0] for slots in slots_by_device], variables[i])
+        self.whole_slots = [WholeSlot([slots[k][0] for slots in slots_by_device], variables[i], self.collectives)
                             for k, (_, i) in enumerate(slots_by_device[0])]
 
     def update(self, grads, variables, learning_rate):
@@ -143,37 +155,38 @@ class OptimizerShards:
         its slices), each device updates its slices with its copy's own rule, at the optimizer's step
         (which Adam's bias correction reads), and the updated slices are all-gathered into every
         device's weights."""
-        tf.distribute.get_replica_context().merge_call(self._update_slices, args=(grads, variables, learning_rate))
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            self._update_slices, self.strategy, grads, variables, learning_rate)
 
     def _update_slices(self, distribution, grads, variables, learning_rate):
-        launchers = _compat.collective_launchers(self.strategy)
+        collectives, parts = self.collectives, self.collectives.parts
         indices = [self.inner._get_variable_index(v) for v in variables]
         by_dtype = {}  # one reduce-scatter and one all-gather per dtype
         for position, variable in enumerate(variables):
             by_dtype.setdefault(variable.dtype, []).append(position)
         for d, device in enumerate(self.devices):
-            copy = self.copies[d]
+            copy, rank = self.copies[d], collectives.ranks[d]
             with tf.device(device):
                 copy.iterations.assign(_local(distribution, self.inner.iterations.value, d))
                 for positions in by_dtype.values():
                     pieces = [self.slices[d][indices[p]] for p in positions]
                     lengths = [piece.shape[0] for piece in pieces]
                     local_grads = [tf.convert_to_tensor(_local(distribution, grads[p], d)) for p in positions]
-                    # Slice e of every gradient, for e = 0..N-1: device e receives the sum of the e-th part.
-                    packed = tf.concat([self._slice(g, e, n) for e in range(len(self.devices))
+                    # Slice e of every gradient, for e = 0..parts-1: replica e receives the sum of the e-th part.
+                    packed = tf.concat([self._slice(g, e, n) for e in range(parts)
                                         for g, n in zip(local_grads, lengths)], axis=0)
-                    mine = tf.split(_compat.reduce_scatter(launchers[d], packed, d), lengths)
+                    mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
                     for p, piece, grad in zip(positions, pieces, mine):
-                        piece.assign(self._slice(_local(distribution, variables[p].value, d), d, piece.shape[0]))
+                        piece.assign(self._slice(_local(distribution, variables[p].value, d), rank, piece.shape[0]))
                         copy.update_step(grad, piece, _local(distribution, learning_rate, d))
-                    gathered = tf.reshape(_compat.all_gather(launchers[d], tf.concat([piece.value for piece in pieces], 0)),
-                                          [len(self.devices), -1])
+                    gathered = tf.reshape(collectives.all_gather(d, tf.concat([piece.value for piece in pieces], 0)),
+                                          [parts, -1])
                     for p, whole in zip(positions, tf.split(gathered, lengths, axis=1)):
                         weights = _local(distribution, variables[p].value, d)
                         weights.assign(tf.reshape(tf.reshape(whole, [-1])[:math.prod(weights.shape)], weights.shape))
 
     def _slice_length(self, variable) -> int:
-        return -(-math.prod(variable.shape) // len(self.devices))
+        return -(-math.prod(variable.shape) // self.collectives.parts)
 
     def _slice(self, tensor, d, length):
         """Slice d of `tensor` flattened, the last padded with zeros to `length`: only the slice is
@@ -187,13 +200,22 @@ class OptimizerShards:
         def nbytes(variable):
             return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
-        return {"stage": 1, "devices": len(self.devices),
+        return {"stage": self.collectives.stage, "devices": self.collectives.parts,
                 "slot_bytes_per_device": [sum(nbytes(slot) for slot in copy.variables if len(slot.shape))
                                           for copy in self.copies],
                 "unsplit_slot_bytes": sum(nbytes(slot) for slot in self.whole_slots)}
 
     # Keras's saving (`.keras`, `.weights.h5`): the unsplit optimizer's variables, numbered as it numbers them.
+    def check_saveable_by_one_process(self):
+        """Raises if the state is split over processes: gathering the slices is a collective, so a save by
+        one process (the usual rank-0 `model.save`) would wait forever for the others."""
+        if self.collectives.multi_process:
+            raise ValueError("An optimizer whose state is split over processes cannot be saved by one process "
+                             "into a Keras file: save the job with tfdist.Checkpoint, which every process joins "
+                             "(its checkpoints hold the state whole and load into split or unsplit jobs).")
+
     def save_own_variables(self, store):
+        self.check_saveable_by_one_process()  # `keras.saving.save_model` bypasses the strategy's check
         for i, variable in enumerate(self._unsplit_variables()):
             store[str(i)] = variable.numpy()
 
@@ -221,11 +243,12 @@ class WholeSlot(tf.__internal__.tracking.Trackable):
     split job and one of an unsplit job hold the same keys and shapes.
     """
 
-    def __init__(self, pieces, variable):
-        self.pieces, self.shape, self.dtype = pieces, tuple(variable.shape), pieces[0].dtype
+    def __init__(self, pieces, variable, collectives):
+        self.pieces, self.collectives = pieces, collectives  # this process's pieces, one per device
+        self.shape, self.dtype = tuple(variable.shape), pieces[0].dtype
 
     def read_value(self) -> tf.Tensor:
-        whole = tf.concat([piece.value for piece in self.pieces], axis=0)
+        whole = self.collectives.gather_pieces([piece.value for piece in self.pieces])
         return tf.reshape(whole[:math.prod(self.shape)], self.shape)
 
     def numpy(self):
@@ -237,8 +260,9 @@ class WholeSlot(tf.__internal__.tracking.Trackable):
             raise ValueError(f"A slot of shape {self.shape} cannot take a value of shape {tuple(value.shape)}: "
                              "the saved optimizer was built for other variables.")
         length = self.pieces[0].shape[0]
-        flat = tf.pad(tf.reshape(value, [-1]), [[0, length * len(self.pieces) - math.prod(self.shape)]])
-        return tf.group([piece.assign(flat[d * length:(d + 1) * length]) for d, piece in enumerate(self.pieces)])
+        flat = tf.pad(tf.reshape(value, [-1]), [[0, length * self.collectives.parts - math.prod(self.shape)]])
+        return tf.group([piece.assign(flat[rank * length:(rank + 1) * length])
+                         for rank, piece in zip(self.collectives.ranks, self.pieces)])
 
     # How tf.train.Checkpoint saves and restores a trackable that is not a tf.Variable itself.
     def _serialize_to_tensors(self):
@@ -246,6 +270,37 @@ class WholeSlot(tf.__internal__.tracking.Trackable):
 
     def _restore_from_tensors(self, restored_tensors):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+class DeviceCollectives:
+    """How the devices of an in-process strategy (MirroredStrategy) share the slices: its own TensorFlow
+    collectives, every part in this process.
+
+    Any collectives for `shard_optimizer_state` answer the same: `devices` (this
+    process's), `parts` (slices per variable: the replicas in sync), `ranks` (the
+    slice each local device holds), `multi_process`, and `reduce_scatter(d,
+    packed)`, `all_gather(d, piece)` (in a step, for local device d) and
+    `gather_pieces(pieces)` (eagerly, every part of a saved slot), and the ZeRO
+    `stage` they implement.
+    """
+
+    multi_process = False
+    stage = 1  # TensorFlow 2.21 has no reduce-scatter kernel on CPUs: see `_compat.reduce_scatter`
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.devices = tuple(strategy.extended.worker_devices)
+        self.parts = len(self.devices)
+        self.ranks = tuple(range(self.parts))
+
+    def reduce_scatter(self, d, packed):
+        return _compat.reduce_scatter(_compat.collective_launchers(self.strategy)[d], packed, d)
+
+    def all_gather(self, d, piece):
+        return _compat.all_gather(_compat.collective_launchers(self.strategy)[d], piece)
+
+    def gather_pieces(self, pieces):
+        return tf.concat(pieces, axis=0)
 
 
 def _build_noting_slots(copy, slices) -> list:

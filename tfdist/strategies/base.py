@@ -63,6 +63,10 @@ class StrategyContract:
         """Runs after `model.compile` under this strategy, before Keras builds the optimizer (mirrored
         with `shard_optimizer`: split the optimizer's state over the devices)."""
 
+    def before_save(self, model) -> None:
+        """Runs before `model.save` or `model.save_weights` opens its file; raises the error of a model
+        that cannot be saved that way (Horovod: an optimizer state split over the ranks)."""
+
     # --- Building the model -------------------------------------------------------------------
     def before_build(self, build_model: Callable) -> None:
         """Runs before the model is built under the scope (tensor parallel: place layers by memory)."""
@@ -148,7 +152,8 @@ def install_patches() -> None:
                      clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce,
                      gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce,
                      gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
-                     after_compile=lambda strategy, model: contract(strategy).after_compile(model))
+                     after_compile=lambda strategy, model: contract(strategy).after_compile(model),
+                     before_save=lambda strategy, model: contract(strategy).before_save(model))
 
 
 def contract(strategy) -> StrategyContract:

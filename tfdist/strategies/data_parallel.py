@@ -22,7 +22,7 @@ from typing import Any
 import keras
 
 from tfdist import _compat
-from tfdist.parallel.optimizer_shards import shard_optimizer_state, shards_of
+from tfdist.parallel.optimizer_shards import report_of, shard_optimizer_state
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import ensure_logical_cpus
@@ -66,8 +66,8 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
         devices; 0 keeps a whole copy on each."""
         if shard_optimizer not in (0, 1):
-            raise ValueError(f"`shard_optimizer` must be 0 or 1 (stage 2, which reduce-scatters the gradients, "
-                             f"is not implemented yet). Received: {shard_optimizer}")
+            raise ValueError(f"`shard_optimizer` must be 0 or 1: stage 2 reduce-scatters the gradients, which "
+                             f"TensorFlow 2.21 does for NCCL only (HorovodStrategy takes 2). Received: {shard_optimizer}")
         self.shard_optimizer = shard_optimizer
         _make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
@@ -85,8 +85,7 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
             shard_optimizer_state(model.optimizer, self)
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        shards = shards_of(model.optimizer)
-        return {"optimizer_state": shards.report()} if shards is not None and shards.copies else {}
+        return report_of(model.optimizer)
 
 
 def _make_named_cpus(devices) -> None:

@@ -176,6 +176,7 @@ def _horovod(config: Config, gpus: int = 0) -> HorovodStrategy:
             stall_shutdown_seconds=h.stall_shutdown_seconds,
             backward_passes_per_step=h.backward_passes_per_step,
             elastic_commit_batches=h.elastic_commit_batches if h.elastic else None,
+            shard_optimizer=config.strategy.shard_optimizer,
         )
     except ImportError as error:
         raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind.value) from None

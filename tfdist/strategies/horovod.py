@@ -47,6 +47,8 @@ from tfdist.config.schema import HorovodOp
 from tfdist.errors import ClusterError
 from tfdist.horovod.all_reduce import HorovodAllReduce
 from tfdist.horovod.liveness import collectives_are_down
+from tfdist.horovod.split_collectives import HorovodSliceCollectives
+from tfdist.parallel.optimizer_shards import report_of, shard_optimizer_state, shards_of
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
@@ -161,6 +163,9 @@ class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
       backward_passes_per_step: batches whose gradients are accumulated before one all-reduce and update.
       elastic_commit_batches: train elastically (under an elastic horovodrun, `fit` goes on when ranks
         are lost or added), committing the state every this many batches; None: not elastic.
+      shard_optimizer: 1 or 2 splits the state of an optimizer compiled under this strategy over the
+        ranks (ZeRO stage 1: gradients all-reduced; 2: reduce-scattered,
+        `tfdist.horovod.split_collectives`); 0 keeps a whole copy on each.
 
     Raises:
       ImportError: Horovod is not installed (one line saying how to install it).
@@ -183,9 +188,14 @@ class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
         device: Optional[str] = None,
         backward_passes_per_step: int = 1,
         elastic_commit_batches: Optional[int] = None,
+        shard_optimizer: int = 0,
     ):
         if op not in _OPS:
             raise ValueError(f"`op` must be one of {', '.join(_OPS)}. Received: {op!r}")
+        if shard_optimizer not in (0, 1, 2) or (shard_optimizer and (op == "adasum" or elastic_commit_batches)):
+            raise ValueError("`shard_optimizer` must be 0, 1 or 2, and 0 with op adasum (it combines whole "
+                             f"gradients) or elastic training. Received: {shard_optimizer}, op {op}, "
+                             f"elastic_commit_batches {elastic_commit_batches}")
         timeout = DEFAULT_STEP_TIMEOUT_SECONDS if stall_shutdown_seconds is None else stall_shutdown_seconds
         if timeout < 0:
             raise ValueError(f"`stall_shutdown_seconds` must be >= 0 (0: off). Received: {stall_shutdown_seconds!r}")
@@ -212,6 +222,8 @@ class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
         self.stall_shutdown_seconds = timeout
         self.accumulation_steps = backward_passes_per_step
         self.elastic_commit_batches = elastic_commit_batches
+        self.shard_optimizer = shard_optimizer
+        self._op, self._fp16_compression = op, fp16_compression
         self._elastic_resets = 0
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
@@ -247,8 +259,19 @@ class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
         self._elastic_resets = history.resets
         return history
 
+    def after_compile(self, model: keras.Model) -> None:
+        if self.shard_optimizer:
+            collectives = HorovodSliceCollectives(self.hvd, self.extended.worker_devices[0], stage=self.shard_optimizer,
+                                                  op=self._op, fp16_compression=self._fp16_compression)
+            shard_optimizer_state(model.optimizer, self, collectives)
+
+    def before_save(self, model: keras.Model) -> None:
+        shards = shards_of(getattr(model, "optimizer", None))
+        if shards is not None:
+            shards.check_saveable_by_one_process()
+
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        report = {"cluster": f"{self.size} Horovod rank(s), one process per device"}
+        report = {"cluster": f"{self.size} Horovod rank(s), one process per device", **report_of(model.optimizer)}
         if self.elastic_commit_batches:
             report["elastic"] = {"resets": self._elastic_resets, "ranks": self.size,
                                  "optimizer_steps": int(model.optimizer.iterations.numpy())}
