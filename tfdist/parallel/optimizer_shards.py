@@ -1,15 +1,19 @@
-"""The optimizer state of an in-process data-parallel job, split over its devices (ZeRO stage 1).
+"""The optimizer state of a data-parallel job split over its replicas (ZeRO stages 1 and 2).
 
-Under MirroredStrategy every device holds the whole optimizer state: with Adam,
-two slots the size of the model on each. `shard_optimizer_state` gives each of
-the N devices the state of 1/N of every variable instead (Rajbhandari et al.
-2020, stage 1). Each variable is flattened, padded to a multiple of N and cut
-into N slices; device d holds that slice's slots, and a variable for the
-slice of the weights that Keras's update writes (filled from the weights each
-step, so a change to the weights between steps is seen). A step's all-reduced
-gradient is applied slice by slice, each on its own device by Keras's own update for the optimizer (the
-`update_step` of a copy of it, built on that device's slices), and the updated
-slices are gathered into every device's copy of the weights.
+Under MirroredStrategy or Horovod every replica holds the whole optimizer
+state: with Adam, two slots the size of the model on each. `shard_optimizer_state`
+gives each of the N replicas the state of 1/N of every variable instead
+(Rajbhandari et al. 2020). Each variable is flattened, padded to a multiple of
+N and cut into N slices; replica r holds slice r's slots, and a variable for
+the slice of the weights that Keras's update writes (filled from the weights
+each step, so a change to the weights between steps is seen). A step reduces
+the gradients to their slices' owners, each replica applies Keras's own update
+for the optimizer to its slice (the `update_step` of a copy of it, built on
+that replica's slices), and the updated slices are all-gathered into every
+replica's weights. The collectives are the strategy's: `DeviceCollectives` in
+one process (TensorFlow's collective ops; stage 1, TensorFlow having no
+reduce-scatter on CPUs), `tfdist.horovod.split_collectives` across Horovod's
+ranks (stage 2 reduce-scatters).
 
 Clipping (`clipnorm`, `global_clipnorm`), weight decay with its exclusions and
 loss scaling stay in the optimizer's `apply`, on the whole gradients and
@@ -21,16 +25,16 @@ Saved, the split state takes the layout of the unsplit optimizer's: `.keras` and
 `.weights.h5` files (`save_own_variables`) and `tfdist.Checkpoint` (through
 `checkpointed_variables`) hold each slot whole, gathered from the devices'
 slices, and cut it into slices again when read. So a checkpoint moves freely
-between split and unsplit jobs and between numbers of devices.
+between split and unsplit jobs and between numbers of devices. Across
+processes the gather is a collective: every process saves together
+(`tfdist.Checkpoint`), and a Keras file written by one is refused.
 
 Example:
 
-    >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # doctest: +SKIP
+    >>> strategy = tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=1)  # doctest: +SKIP
     >>> with strategy.scope():  # doctest: +SKIP
     ...     model = build_model()
-    ...     optimizer = keras.optimizers.Adam(1e-3)
-    ...     shard_optimizer_state(optimizer, strategy)
-    ...     model.compile(optimizer=optimizer, loss="mse")
+    ...     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")  # split here
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.opt
 
 def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
                           collectives=None) -> OptimizerShards:
-    """Splits `optimizer`'s state over `strategy`'s replicas; call before the optimizer is built.
+    """Splits `optimizer`'s state over `strategy`'s replicas; call before the optimizer is built
+    (tfdist's strategies call it at `compile` when given `shard_optimizer`).
 
     Args:
       optimizer: a Keras optimizer of `ELEMENTWISE_OPTIMIZERS`, or a
