@@ -37,6 +37,10 @@ class ClusterError(RuntimeError):
     """
 
 
+# How a Horovod rank that lost another begins its one line; `tfdist launch` names the other rank instead.
+PEER_LOST_UNDER_HOROVOD = "Horovod stopped: another rank"
+
+
 # Lines of a TensorFlow graph error that say where, not why.
 _ERROR_FRAMING = (
     "Graph execution error", "Detected at node", "<stack traces unavailable>", "File ", "[[", "Traceback",

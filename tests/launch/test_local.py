@@ -124,3 +124,20 @@ def test_counts_that_do_not_fit_the_kind_are_one_line(flags, message):
     proc = run_tfdist("launch", *flags)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("tfdist: error: " + message), lines
+
+
+@pytest.mark.parametrize("reported", [[(0, 1), (1, 137)], [(1, 137), (0, 1)]])
+def test_a_horovod_job_names_the_rank_that_failed_not_the_one_that_lost_it(reported):
+    """Rank 0, seeing rank 1 go, can exit before horovodrun reaps the killed rank 1; rank 1 is named either way."""
+    import io
+
+    from tfdist.launch.local import Task, _Job
+
+    horovodrun = Task("horovodrun", 0, ["horovodrun"], {})
+    job = _Job([horovodrun], io.StringIO(), io.StringIO(), None)
+    job._label(horovodrun, "[0]<stderr>:tfdist: error: Horovod stopped: another rank failed or exited "
+                           "(its collective could not complete).\n")
+    for rank, code in reported:
+        job._label(horovodrun, f"Process {rank} exit with status code {code}.\n")
+    line, code = job._failure(horovodrun, 1, [])
+    assert line == "rank 1 failed (exit code 137, SIGKILL); horovodrun stopped the other ranks" and code == 137

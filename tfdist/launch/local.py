@@ -38,7 +38,7 @@ from typing import Callable, Optional, TextIO
 
 from tfdist.checkpoint_store import EXIT_PREEMPTED, EXIT_TERMINATED, SIGTERM_RECEIVED
 from tfdist.config.schema import Config, StrategyKind
-from tfdist.errors import ConfigError
+from tfdist.errors import PEER_LOST_UNDER_HOROVOD, ConfigError
 from tfdist.cluster.loopback import free_loopback_ports
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS, cluster_of
 from tfdist.launch import process_tree
@@ -230,7 +230,8 @@ class _Job:
         self.pumps: list[threading.Thread] = []
         self.write_lock = threading.Lock()
         self.signalled: Optional[int] = None
-        self.horovod_failure: Optional[tuple[int, int]] = None  # (rank, code), from horovodrun's report
+        self.horovod_failures: list[tuple[int, int]] = []  # (rank, code), in the order horovodrun reports them
+        self.ranks_that_lost_a_peer: set[int] = set()  # they failed because another rank did
         self.mid_line = False  # the last output ended without a newline (a progress bar)
         self.exits: queue.Queue = queue.Queue()  # (task, return code), as each task exits
         self.failure: Optional[str] = None  # what failed, as the one line says it
@@ -304,8 +305,11 @@ class _Job:
         preemption names the tasks that got SIGTERM, not the first to exit 75 after them.
         """
         name, stop = task.name, "stopped the other tasks"
-        if task.role == "horovodrun" and self.horovod_failure:
-            rank, code = self.horovod_failure
+        if task.role == "horovodrun" and self.horovod_failures:
+            # The first rank to fail by itself: a rank that saw its peer go can exit before horovodrun reaps
+            # the killed peer, and horovodrun reports whichever exited first.
+            causes = [f for f in self.horovod_failures if f[0] not in self.ranks_that_lost_a_peer]
+            rank, code = (causes or self.horovod_failures)[0]
             name, stop = f"rank {rank}", "horovodrun stopped the other ranks"
         if stopped:
             return f"{' and '.join(stopped)} stopped (SIGSTOP) and stalled the job: {name} failed waiting " \
@@ -402,11 +406,13 @@ class _Job:
         # with its prefix; what precedes the first prefix is horovodrun's own.
         own, *segments = _HOROVOD_PREFIX.split(line)
         failure = _HOROVOD_FAILURE.match(own)
-        if failure and self.horovod_failure is None:  # kept for the one line; the traceback after it is not
-            self.horovod_failure = (int(failure.group(1)), int(failure.group(2)))
+        if failure:  # kept for the one line; the traceback after them is not
+            self.horovod_failures.append((int(failure.group(1)), int(failure.group(2))))
         shown = []
         for rank, stream, text in zip(segments[::3], segments[1::3], segments[2::3]):
             self._note_preemption(f"rank {rank}", text)
+            if PEER_LOST_UNDER_HOROVOD in text:
+                self.ranks_that_lost_a_peer.add(int(rank))
             shown.append(text if rank == "0" and stream == "stdout" else f"[rank {rank}] {text}")
         return "".join(shown) or None
 

@@ -44,7 +44,7 @@ from tfdist._compat.tf_distribute import distribute_lib, distribute_utils, input
 
 from tfdist import _compat
 from tfdist.config.schema import HorovodOp
-from tfdist.errors import ClusterError
+from tfdist.errors import PEER_LOST_UNDER_HOROVOD, ClusterError
 from tfdist.horovod.all_reduce import HorovodAllReduce
 from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
@@ -295,12 +295,12 @@ class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
         step = self._watchdog.last_step_seconds if self._watchdog else 0.0
         if self.stall_shutdown_seconds and step >= self.stall_shutdown_seconds:
             return ClusterError(
-                f"Horovod stopped: another rank stopped responding (alive but stuck, or paused): its "
+                f"{PEER_LOST_UNDER_HOROVOD} stopped responding (alive but stuck, or paused): its "
                 f"collective did not start within {self.stall_shutdown_seconds:g} s "
                 "(horovod.stall_shutdown_seconds)."
             )
         return ClusterError(
-            "Horovod stopped: another rank failed or exited (its collective could not complete). "
+            f"{PEER_LOST_UNDER_HOROVOD} failed or exited (its collective could not complete). "
             "That rank's own error, if it printed one, is in its log."
         )
 
