@@ -95,7 +95,9 @@ def test_docs_block_runs(page, block, tmp_path):
             proc = _run(block, tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
     else:
         proc = _run(block, tmp_path)
-    assert proc.returncode == 0, f"a block of {page} failed:\n{block}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    output = proc.stdout + proc.stderr
+    crash = output.find("Fatal Python error")  # a native crash: where it was, not the modules listed after it
+    assert proc.returncode == 0, f"a block of {page} failed:\n{block}\n{output[crash:crash + 6000] if crash >= 0 else output[-3000:]}"
 
 
 def test_every_yaml_block_is_a_valid_config():
