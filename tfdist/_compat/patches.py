@@ -286,9 +286,8 @@ def _install_gradient_all_reduce() -> None:
         backward = [i for i, (g, _) in enumerate(pairs) if g is not None][::-1]
         wire_dtype = tf.as_dtype(wire) if wire else None
 
-        def compressed(g):
-            dense = isinstance(g, tf.Tensor) and g.dtype.is_floating
-            return tf.cast(g, wire_dtype) if wire_dtype and dense and g.dtype.size > wire_dtype.size else g
+        def compressed(g):  # dense gradients only: an all-reduce's sparse rows are all-gathered as they are
+            return _narrowed(g, wire_dtype) if wire_dtype and isinstance(g, tf.Tensor) else g
 
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [compressed(pairs[i][0]) for i in backward])
         for i, r in zip(backward, reduced):
