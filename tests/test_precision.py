@@ -1,5 +1,7 @@
 """Precision config -> dtype policy and loss scaling."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -58,3 +60,32 @@ def test_mixed_precision_trains_under_mirrored(policy, compute):
     losses = history.history["loss"]
     assert np.isfinite(losses).all()
     assert losses[-1] < losses[0]
+
+
+def test_an_overflow_in_one_replicas_part_skips_the_step_on_every_replica_as_on_one_device(cpus):
+    """Keras's LossScaleOptimizer decides step-or-skip from the first replica's gradients; one device decides
+    from the whole batch's, which an overflow in any part makes non-finite."""
+    from tfdist import MirroredStrategy
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 6)).astype("float32")
+    y = x[:, :2].argmax(axis=1)
+    x[31] = 1e5  # the first batch's last example: the second replica's part; float16 holds at most 65504
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        trained = []
+        for strategy in (MirroredStrategy(["/cpu:0", "/cpu:1"]), None):
+            keras.utils.set_random_seed(0)
+            with strategy.scope() if strategy else contextlib.nullcontext():
+                model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+                                          keras.layers.Dense(2, activation="softmax")])
+                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+            model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+            trained.append(model)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    for model in trained:  # the overflowing batch skipped in both epochs, the scale halved each time
+        assert int(model.optimizer.iterations.numpy()) == 2
+        assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**15 / 4
+    for a, b in zip(*(model.get_weights() for model in trained)):
+        np.testing.assert_allclose(a, b, atol=1e-4)

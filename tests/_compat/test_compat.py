@@ -37,3 +37,33 @@ def test_versions_outside_the_tested_ones_warn_once_naming_them():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _compat.check_versions() == []  # the environment the suite runs in is the tested one
+
+
+
+def test_keras_builds_the_model_without_reading_a_distributed_iterator(monkeypatch):
+    """Keras builds the model from a first batch read from a distributed iterator it drops at once, at every
+    fit and evaluate; such drops crashed TensorFlow natively under load. tfdist's build reads the batch before
+    distribution, and only while something is unbuilt."""
+    import traceback
+
+    import numpy as np
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    from tfdist import MirroredStrategy
+
+    made_by_build = []
+    init = multi_device_iterator_ops.OwnedMultiDeviceIterator.__init__
+
+    def counted(self, *args, **kwargs):
+        if any("symbolic_build" in frame.name for frame in traceback.extract_stack()):
+            made_by_build.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", counted)
+    with MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = np.ones((24, 4), "float32"), np.arange(24) % 3
+    history = model.fit(x, y, batch_size=8, epochs=2, validation_data=(x[:5], y[:5]), verbose=0)
+    model.evaluate(x[:5], y[:5], verbose=0)
+    assert made_by_build == [] and len(history.history["val_accuracy"]) == 2

@@ -93,6 +93,40 @@ def matches_single_process(op="average", fp16_compression="0", accumulation="1",
     return result
 
 
+@contextlib.contextmanager
+def _dtype_policy(name):
+    keras.mixed_precision.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def loss_scaling_matches_single_process(overflow_on_rank_1="0"):
+    """mixed_float16 (compile wraps the optimizer in Keras's LossScaleOptimizer) on two ranks against one
+    process with the global batch, 2 epochs. With `overflow_on_rank_1`, the last example of the first global
+    batch, in rank 1's part, overflows float16: one process skips that step (the batch's gradient is not
+    finite) and halves its loss scale, so both ranks must, though rank 0's part is finite."""
+    x, y = _data()
+    if overflow_on_rank_1 == "1":
+        x[BATCH - 1] = 1e5  # float16 holds at most 65504
+    with _dtype_policy("mixed_float16"):
+        strategy = HorovodStrategy()
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = _model()
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        reference = _model()
+        reference.set_weights(model.get_weights())
+        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        for trained in (model, reference):
+            trained.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return {"rank": strategy.rank, "loss_scaled": type(model.optimizer).__name__ == "LossScaleOptimizer",
+            "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
+            "steps": [int(m.optimizer.iterations.numpy()) for m in (model, reference)],
+            "scales": [float(m.optimizer.dynamic_scale.numpy()) for m in (model, reference)]}
+
+
 def _seeded_weights(seed, embedding=False):
     keras.utils.set_random_seed(seed)
     return _model(embedding).get_weights()
@@ -138,6 +172,7 @@ def _split_optimizer(name):
         return optimizer
     return {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
             "adam": lambda: keras.optimizers.Adam(0.01),
+            "mixed_float16_adam": lambda: keras.optimizers.Adam(0.01),  # compile adds loss scaling
             "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1)}[name]()
 
 
@@ -155,12 +190,13 @@ def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0"):
     def train(shard_optimizer, epochs, callbacks=()):
         keras.utils.set_random_seed(0)
         strategy = HorovodStrategy(shard_optimizer=shard_optimizer) if shard_optimizer is not None else None
-        with strategy.scope() if strategy else contextlib.nullcontext():
-            # 12*7 + 7 + 7*3 + 3 weights: lengths 2 ranks do not all divide, so slices are padded.
-            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(7, activation="tanh"),
-                                      keras.layers.Dense(3, activation="softmax")])
-            model.compile(optimizer=_split_optimizer(optimizer), loss="sparse_categorical_crossentropy")
-        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+        with _dtype_policy(optimizer.partition("_adam")[0] if "float16" in optimizer else "float32"):
+            with strategy.scope() if strategy else contextlib.nullcontext():
+                # 12*7 + 7 + 7*3 + 3 weights: lengths 2 ranks do not all divide, so slices are padded.
+                model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(7, activation="tanh"),
+                                          keras.layers.Dense(3, activation="softmax")])
+                model.compile(optimizer=_split_optimizer(optimizer), loss="sparse_categorical_crossentropy")
+            model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
         return model
 
     def diff(a, b):

@@ -40,10 +40,11 @@ MATCH_CASES = {
 }
 UNEVEN = "matches_single_process:examples=149"
 KERAS_API = ["keras_api_matches_single_process:accumulation=1", "keras_api_matches_single_process:accumulation=2"]
-# The optimizer split over the ranks: stage 2 (reduce-scatter) with each optimizer, stage 1 once. Not
-# mixed_float16: loss scaling under HorovodStrategy fails unsplit too (a merge_call in its tf.cond).
+# mixed_float16: two ranks against one process, the second with an overflow in rank 1's part only.
+LOSS_SCALING = ["loss_scaling_matches_single_process", "loss_scaling_matches_single_process:overflow_on_rank_1=1"]
+# The optimizer split over the ranks: stage 2 (reduce-scatter) with each optimizer, stage 1 once.
 SPLIT_CASES = [f"split_optimizer_matches_unsplit:stage=2,optimizer={name}" for name in (
-    "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm")] + [
+    "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam")] + [
     "split_optimizer_matches_unsplit:stage=1,optimizer=adam"]
 SPLIT_RESUME = "split_optimizer_matches_unsplit:stage=2,optimizer=adam,resume=1"
 
@@ -52,7 +53,8 @@ SPLIT_RESUME = "split_optimizer_matches_unsplit:stage=2,optimizer=adam,resume=1"
 def cases(tmp_path_factory):
     """Every case above, in one 2-rank job: {case: {rank: result}}."""
     tmp_path = tmp_path_factory.mktemp("horovod_cases")
-    _, results = _scenario(tmp_path, "cases", *MATCH_CASES, UNEVEN, *KERAS_API, *SPLIT_CASES, SPLIT_RESUME)
+    _, results = _scenario(tmp_path, "cases", *MATCH_CASES, UNEVEN, *KERAS_API, *LOSS_SCALING, *SPLIT_CASES,
+                           SPLIT_RESUME)
     assert sorted(results) == [0, 1]
     return {case: {rank: results[rank][case] for rank in results} for case in results[0]}
 
@@ -90,6 +92,20 @@ def test_horovod_keras_api_matches_one_process(cases, case):
         assert result["max_abs_diff"] <= 1e-5
         assert result["updates"] == 5 // accumulation
         assert result["loss_is_rank_average"]  # MetricAverageCallback averaged the logs
+
+
+@on_one_worker
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", LOSS_SCALING)
+def test_loss_scaling_on_two_ranks_steps_and_skips_as_one_process(cases, case):
+    """Keras's LossScaleOptimizer applies its update in a tf.cond, and decides from each rank's own
+    gradients; both ranks must take one process's decision (an overflow anywhere skips the step)."""
+    skipped = 2 if "overflow" in case else 0  # the overflowing batch comes once an epoch
+    for result in cases[case].values():
+        assert result["loss_scaled"] and result["steps"] == [10 - skipped] * 2, result
+        assert result["scales"] == [32768.0 / 2 ** skipped] * 2, result  # halved at each skip
+        assert result["max_abs_diff"] <= 2e-4, result  # float16 products over half the batch per rank
 
 
 @on_one_worker

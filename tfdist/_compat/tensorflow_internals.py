@@ -3,8 +3,8 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
-__all__ = ["all_gather", "auto_shard", "collective_launchers", "configure_coordination_service", "needs_gradient",
-           "partition_graphs", "peer_answers", "reduce_scatter", "remake_variables"]
+__all__ = ["all_gather", "auto_shard", "collective_launchers", "configure_coordination_service", "merge_calls_in_place",
+           "needs_gradient", "partition_graphs", "peer_answers", "reduce_scatter", "remake_variables"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
     """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's
@@ -159,3 +159,35 @@ def all_gather(launcher, tensor):
     """Every device's 1-D `tensor` (all the same length), concatenated in device order: one collective
     (the launcher's public `all_gather` first gathers the shapes, a second one)."""
     return launcher._all_gather(tensor, None)
+
+
+def merge_calls_in_place(extended_class) -> None:
+    """Lets strategies whose extended class is `extended_class` (one replica per process) run `merge_call`
+    where it is called.
+
+    MirroredStrategy runs each replica in a thread of its own and hands a
+    `merge_call`'s function to the main thread, which cannot reach a tensor
+    made inside a `tf.cond` branch ("`merge_call` called while defining a new
+    graph"). Keras's LossScaleOptimizer applies its inner optimizer inside such
+    a cond when the strategy does not use merge_call, and that optimizer's step
+    counter (an ONLY_FIRST_REPLICA variable) updates through a merge_call. With
+    one replica there is no other thread to wait for: the function runs in the
+    replica's own thread and graph, in cross-replica mode, as TensorFlow's base
+    ReplicaContext runs it, with the values one replica's regrouping leaves as
+    they are. Idempotent.
+    """
+    from tensorflow.python.distribute import distribute_lib, mirrored_run
+
+    if not _MERGE_IN_PLACE:
+        handed_over = mirrored_run._MirroredReplicaContext._merge_call
+
+        def _merge_call(self, fn, args, kwargs):
+            if type(self._strategy.extended) in _MERGE_IN_PLACE:
+                return distribute_lib.ReplicaContext._merge_call(self, fn, args, kwargs)
+            return handed_over(self, fn, args, kwargs)
+
+        mirrored_run._MirroredReplicaContext._merge_call = _merge_call
+    _MERGE_IN_PLACE.add(extended_class)
+
+
+_MERGE_IN_PLACE: set = set()
