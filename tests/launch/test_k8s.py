@@ -337,8 +337,6 @@ def test_every_user_config_goes_through_config_and_k8s(text, tmp_path):
     kind = resolved.strategy.kind.value
     spread = {"mirrored": ["strategy.kind=multi_worker_mirrored"], "pipeline": ["strategy.data_parallel=multi_worker"],
               "tensor_parallel": ["strategy.data_parallel=multi_worker"]}.get(kind, [])
-    if kind == "mirrored" and resolved.strategy.shard_optimizer:  # Horovod splits it over processes
-        spread = ["strategy.kind=horovod"]
     assert spread or resolved.strategy.launched_as in MULTI_PROCESS_KINDS
     objects = _write(tmp_path, str(path), "--workers", "2", sets=spread)
     for config_map in (o for o in objects if o["kind"] == "ConfigMap"):

@@ -191,7 +191,9 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 @pytest.mark.parametrize("setting, message", [
     ("strategy.shard_optimizer=2", "`strategy.shard_optimizer` 2 needs a reduce-scatter, which TensorFlow 2.21 "
                                    "has for NCCL only"),
-    ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored or horovod"),
+    ("strategy.kind=multi_worker_mirrored,strategy.shard_optimizer=2", "multi_worker_mirrored jobs take 1"),
+    ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored, "
+                                 "multi_worker_mirrored or horovod"),
     ("strategy.kind=horovod,horovod.elastic=true", "`strategy.shard_optimizer` cannot split the optimizer of a "
                                                    "Horovod job with horovod.op adasum"),
 ])

@@ -161,3 +161,53 @@ def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path, compr
     for index, weight in enumerate(reference.get_weights()):
         np.testing.assert_allclose(result[f"arr_{index}"], weight, atol=tolerance, rtol=0)
     np.testing.assert_allclose(result["loss"], expected["loss"], atol=tolerance)
+
+
+@pytest.mark.timeout(420)
+def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and_saves_it_whole(tmp_path):
+    """`shard_optimizer=1` across two processes, for each optimizer of the scenario: every worker holds the
+    slots of its own slice only, the weights after 20 steps are the same job's unsplit ones (and one
+    device's), and the checkpoint both workers joined (each slot gathered whole) resumes in one plain
+    process as if it had trained all along."""
+    import numpy as np
+
+    sys.path.insert(0, SCENARIO_DIR)
+    from multi_worker_split import OPTIMIZERS, train
+
+    from tfdist import Checkpoint
+
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(SCENARIO_DIR, "multi_worker_split.py"),
+             json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}), str(tmp_path)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    for code, _, err in _wait(procs, timeout=360):
+        assert code == 0, err[-3000:]
+    for index in range(2):
+        for name, result in json.loads((tmp_path / f"worker-{index}.json").read_text()).items():
+            report = result["report"]
+            assert result["iterations"] == 20 and result["ranks"] == [index], (name, result)
+            assert report["slot_bytes_per_device"][0] <= 1.15 / 2 * report["unsplit_slot_bytes"], (name, report)
+            assert result["slot_devices"] == [f"/job:worker/replica:0/task:{index}/device:CPU:0"], (name, result)
+            assert "cannot be saved by one process into a Keras file" in result["keras_file_refused"]
+    assert not list(tmp_path.glob("*.keras"))  # refused before Keras opened the file
+
+    def max_diff(saved, weights):
+        return max(float(np.abs(saved[f"arr_{i}"] - w).max()) for i, w in enumerate(weights))
+
+    for name in OPTIMIZERS:
+        alone = train(None, name).get_weights()
+        for index in range(2):
+            split = np.load(tmp_path / f"worker-{index}-{name}.npz")
+            unsplit = np.load(tmp_path / f"worker-{index}-{name}-unsplit.npz")
+            assert max_diff(split, [unsplit[k] for k in sorted(unsplit, key=lambda k: int(k[4:]))]) <= 1e-5, name
+            # float16 products over half the batch per worker differ from one device's over all of it
+            assert max_diff(split, alone) <= (2e-4 if "float16" in name else 1e-5), name
+    resumed = Checkpoint(str(tmp_path / "checkpoint"), write=False)
+    assert max_diff({f"arr_{i}": w for i, w in enumerate(train(None, "adam", epochs=5).get_weights())},
+                    train(None, "adam", epochs=5, callbacks=[resumed]).get_weights()) <= 1e-5
+    assert resumed.resumed_from_step == 20

@@ -133,15 +133,17 @@ def _check_strategy(config: Config) -> None:
             f"horovod.fp16_compression); strategy.kind is {s.kind.value}.",
             s.gradient_compression.value,
         )
-    if s.shard_optimizer and s.kind not in (StrategyKind.MIRRORED, StrategyKind.HOROVOD):
+    on_collective_ops = (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED)
+    if s.shard_optimizer and s.kind not in (*on_collective_ops, StrategyKind.HOROVOD):
         raise ConfigError(
             "strategy.shard_optimizer",
-            f"applies to strategy.kind=mirrored or horovod in this version; strategy.kind is {s.kind.value}.",
+            "applies to strategy.kind=mirrored, multi_worker_mirrored or horovod in this version; "
+            f"strategy.kind is {s.kind.value}.",
             s.shard_optimizer,
         )
-    if s.shard_optimizer == 2 and s.kind == StrategyKind.MIRRORED:
+    if s.shard_optimizer == 2 and s.kind in on_collective_ops:
         raise ConfigError("strategy.shard_optimizer", "2 needs a reduce-scatter, which TensorFlow 2.21 has for NCCL "
-                          "only; mirrored jobs take 1 (strategy.kind=horovod takes 2).", s.shard_optimizer)
+                          f"only; {s.kind.value} jobs take 1 (strategy.kind=horovod takes 2).", s.shard_optimizer)
     h = config.horovod
     if s.shard_optimizer and s.kind == StrategyKind.HOROVOD and (h.op.value == "adasum" or h.elastic
                                                                 or h.backward_passes_per_step != 1):

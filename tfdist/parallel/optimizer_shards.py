@@ -50,8 +50,8 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist._compat.tf_distribute import numpy_dataset
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "checkpointed_variables", "report_of",
-           "shard_optimizer_state", "shards_of"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "SplitsOptimizerState",
+           "checkpointed_variables", "collective_ops_stage", "report_of", "shard_optimizer_state", "shards_of"]
 
 # Optimizers whose update of an element depends only on that element's weight, gradient and slots,
 # so that updating slices equals updating the whole (each checked in the tests).
@@ -277,35 +277,73 @@ class WholeSlot(tf.__internal__.tracking.Trackable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
+class SplitsOptimizerState:
+    """The strategy-contract members of a data-parallel strategy that takes `shard_optimizer`: the split
+    at `compile`, a save by one process refused while the state spans processes, and the split in the
+    job's report."""
+
+    shard_optimizer = 0
+
+    def slice_collectives(self):
+        """How the replicas share the slices; default: the strategy's TensorFlow collectives."""
+        return DeviceCollectives(self)
+
+    def after_compile(self, model: keras.Model) -> None:
+        if self.shard_optimizer:
+            shard_optimizer_state(model.optimizer, self, self.slice_collectives())
+
+    def before_save(self, model: keras.Model) -> None:
+        shards = shards_of(getattr(model, "optimizer", None))
+        if shards is not None:
+            shards.check_saveable_by_one_process()
+
+    def job_report(self, model: keras.Model) -> dict:
+        return report_of(model.optimizer)
+
+
+def collective_ops_stage(shard_optimizer: int) -> int:
+    """`shard_optimizer` checked for a strategy on TensorFlow's collective ops: 0 or 1."""
+    if shard_optimizer not in (0, 1):
+        raise ValueError(f"`shard_optimizer` must be 0 or 1: stage 2 reduce-scatters the gradients, which "
+                         f"TensorFlow 2.21 does for NCCL only (HorovodStrategy takes 2). Received: {shard_optimizer}")
+    return shard_optimizer
+
+
 class DeviceCollectives:
-    """How the devices of an in-process strategy (MirroredStrategy) share the slices: its own TensorFlow
-    collectives, every part in this process.
+    """How the replicas of a MirroredStrategy or MultiWorkerMirroredStrategy share the slices: the
+    strategy's own TensorFlow collectives, over this process's devices and, across workers, theirs.
 
     Any collectives for `shard_optimizer_state` answer the same: `devices` (this
     process's), `parts` (slices per variable: the replicas in sync), `ranks` (the
-    slice each local device holds), `multi_process`, and `reduce_scatter(d,
-    packed)`, `all_gather(d, piece)` (in a step, for local device d) and
-    `gather_pieces(pieces)` (eagerly, every part of a saved slot), and the ZeRO
-    `stage` they implement.
+    slice each local device holds: its replica id), `multi_process`, and
+    `reduce_scatter(d, packed)`, `all_gather(d, piece)` (in a step, for local
+    device d) and `gather_pieces(pieces)` (eagerly, on every process at once
+    when they are several: every part of a saved slot), and the ZeRO `stage`
+    they implement.
     """
 
-    multi_process = False
     stage = 1  # TensorFlow 2.21 has no reduce-scatter kernel on CPUs: see `_compat.reduce_scatter`
 
     def __init__(self, strategy):
         self.strategy = strategy
         self.devices = tuple(strategy.extended.worker_devices)
-        self.parts = len(self.devices)
-        self.ranks = tuple(range(self.parts))
+        self.parts = strategy.num_replicas_in_sync
+        self.ranks = tuple(strategy.experimental_local_results(
+            strategy.experimental_distribute_values_from_function(lambda context: context.replica_id_in_sync_group)))
+        self.multi_process = self.parts > len(self.devices)
 
     def reduce_scatter(self, d, packed):
-        return _compat.reduce_scatter(_compat.collective_launchers(self.strategy)[d], packed, d)
+        return _compat.reduce_scatter(_compat.collective_launchers(self.strategy)[d], packed, self.ranks[d])
 
     def all_gather(self, d, piece):
         return _compat.all_gather(_compat.collective_launchers(self.strategy)[d], piece)
 
     def gather_pieces(self, pieces):
-        return tf.concat(pieces, axis=0)
+        if not self.multi_process:
+            return tf.concat(pieces, axis=0)
+        mine = dict(zip(self.ranks, pieces))
+        return self.strategy.gather(self.strategy.experimental_distribute_values_from_function(
+            lambda context: mine[context.replica_id_in_sync_group]), axis=0)
 
 
 def _build_noting_slots(copy, slices) -> list:

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 
 from tfdist import _compat
-from tfdist.parallel.optimizer_shards import report_of, shard_optimizer_state
+from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import ensure_logical_cpus
@@ -30,7 +30,7 @@ from tfdist.strategies.devices import ensure_logical_cpus
 __all__ = ["MirroredStrategy", "multi_step_train_function"]
 
 
-class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
+class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` that coexists with other instances.
 
     Every TensorFlow MirroredStrategy numbers its collective groups from the
@@ -58,17 +58,13 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
     _KEYS_PER_PROCESS = 10_000  # up to 100 processes
     # A subclass that places variables its own way gives its MirroredExtended subclass here.
     _extended_type = mirrored_strategy.MirroredExtended
-    shard_optimizer = 0
 
     def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0, shard_optimizer: int = 0):
         """`process_index`: this process's index when its local collectives share a cluster's
         collective runtime with other processes (their local groups must not share keys).
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
         devices; 0 keeps a whole copy on each."""
-        if shard_optimizer not in (0, 1):
-            raise ValueError(f"`shard_optimizer` must be 0 or 1: stage 2 reduce-scatters the gradients, which "
-                             f"TensorFlow 2.21 does for NCCL only (HorovodStrategy takes 2). Received: {shard_optimizer}")
-        self.shard_optimizer = shard_optimizer
+        self.shard_optimizer = collective_ops_stage(shard_optimizer)
         _make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)
@@ -79,13 +75,6 @@ class MirroredStrategy(StrategyContract, tf.distribute.MirroredStrategy):
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         return multi_step_hooks(self, model)
-
-    def after_compile(self, model: keras.Model) -> None:
-        if self.shard_optimizer:
-            shard_optimizer_state(model.optimizer, self)
-
-    def job_report(self, model: keras.Model) -> dict[str, Any]:
-        return report_of(model.optimizer)
 
 
 def _make_named_cpus(devices) -> None:

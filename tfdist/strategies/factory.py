@@ -123,7 +123,8 @@ def _multi_worker(config: Config, gpus: int = 0) -> MultiWorkerMirroredStrategy:
     try:
         with listening_as(resolver):
             return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options,
-                                               gradient_compression=_WIRE_DTYPES[s.gradient_compression])
+                                               gradient_compression=_WIRE_DTYPES[s.gradient_compression],
+                                               shard_optimizer=s.shard_optimizer)
     except tf.errors.DeadlineExceededError:
         spec = resolver.cluster_spec().as_dict()
         missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()

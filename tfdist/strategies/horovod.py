@@ -48,7 +48,7 @@ from tfdist.errors import PEER_LOST_UNDER_HOROVOD, ClusterError
 from tfdist.horovod.all_reduce import HorovodAllReduce
 from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
-from tfdist.parallel.optimizer_shards import report_of, shard_optimizer_state, shards_of
+from tfdist.parallel.optimizer_shards import SplitsOptimizerState, report_of
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
@@ -141,7 +141,7 @@ class _HorovodExtended(mirrored_strategy.MirroredExtended):
         )
 
 
-class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
+class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Strategy):
     """A tf.distribute strategy whose cross-replica reductions are Horovod collectives.
 
     Run one process per device under `horovodrun`. Options that configure
@@ -260,16 +260,9 @@ class HorovodStrategy(StrategyContract, distribute_lib.Strategy):
         self._elastic_resets = history.resets
         return history
 
-    def after_compile(self, model: keras.Model) -> None:
-        if self.shard_optimizer:
-            collectives = HorovodSliceCollectives(self.hvd, self.extended.worker_devices[0], stage=self.shard_optimizer,
-                                                  op=self._op, fp16_compression=self._fp16_compression)
-            shard_optimizer_state(model.optimizer, self, collectives)
-
-    def before_save(self, model: keras.Model) -> None:
-        shards = shards_of(getattr(model, "optimizer", None))
-        if shards is not None:
-            shards.check_saveable_by_one_process()
+    def slice_collectives(self) -> HorovodSliceCollectives:
+        return HorovodSliceCollectives(self.hvd, self.extended.worker_devices[0], stage=self.shard_optimizer,
+                                       op=self._op, fp16_compression=self._fp16_compression)
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         report = {"cluster": f"{self.size} Horovod rank(s), one process per device", **report_of(model.optimizer)}

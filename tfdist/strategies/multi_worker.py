@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfdist._compat import peer_answers
 from tfdist.errors import ClusterError, error_reason
+from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 
@@ -38,7 +39,7 @@ __all__ = ["MultiWorkerMirroredStrategy"]
 _HEALTH_CHECK_MS = 5000  # a live peer answers in milliseconds
 
 
-class MultiWorkerMirroredStrategy(StrategyContract, tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerMirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` whose `reduce` takes nests.
 
     Example:
@@ -51,16 +52,20 @@ class MultiWorkerMirroredStrategy(StrategyContract, tf.distribute.MultiWorkerMir
 
     clips_after_all_reduce = True  # gradient clipping sees the all-reduced gradient, as on one device
 
-    def __init__(self, *args, gradient_compression: Optional[str] = None, **kwargs):
+    def __init__(self, *args, gradient_compression: Optional[str] = None, shard_optimizer: int = 0, **kwargs):
         """Takes TensorFlow's arguments, and `gradient_compression`: `float16` or `bfloat16` sends the
         gradients at half their bytes (cast before the all-reduce and back after it, as Horovod's fp16
         compression does); None sends them as they are. Either way they are all-reduced last layer
-        first, so that packs (`CommunicationOptions.bytes_per_pack`) can leave during the backward pass."""
+        first, so that packs (`CommunicationOptions.bytes_per_pack`) can leave during the backward pass.
+        `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over every
+        worker's replicas (`tfdist.parallel.optimizer_shards`); 0 keeps a whole copy on each."""
         if gradient_compression not in (None, "float16", "bfloat16"):
             raise ValueError(f"`gradient_compression` must be None, 'float16' or 'bfloat16'. "
                              f"Received: {gradient_compression!r}")
+        stage = collective_ops_stage(shard_optimizer)
         super().__init__(*args, **kwargs)
         self.gradient_all_reduce = gradient_compression or ""
+        self.shard_optimizer = stage
 
     def keras_hooks(self, model):
         # Keras's own train function would reduce every log in a collective of its own, every step.
