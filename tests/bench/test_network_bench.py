@@ -5,7 +5,7 @@ import os
 import pytest
 
 from helpers import run_tfdist
-from tfdist.bench.network import algorithm_bytes, markdown_table, measure, overlap
+from tfdist.bench.network import _figures, algorithm_bytes, markdown_table, measure, overlap
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespace hosts need root")
 
@@ -35,6 +35,17 @@ def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
     assert overlap(10, 4, 14) == 0
     assert overlap(10, 4, 10) == 1
     assert overlap(10, 4, 12) == pytest.approx(0.5)
+
+
+def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
+    def row(link, samples, sent, received):
+        return {"link": link, "samples_per_sec": samples, "bytes_vs_algorithm": 1.0,
+                "link_bytes_per_step": {"sent": sent, "received": received}}
+
+    figures = _figures({"horovod": [row("100mbit", 1000, 600, 600), row("1gbit", 5000, 600, 600)],
+                        "horovod_split": [row("100mbit", 800, 606, 612), row("1gbit", 4500, 600, 600)]})
+    assert figures["split_bytes_ratio_horovod"] == pytest.approx(1.02)  # the larger direction, at its worst link
+    assert figures["split_speed_ratio_horovod"] == pytest.approx(0.8)  # at the slowest link
 
 
 @needs_root
