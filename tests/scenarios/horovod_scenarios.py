@@ -219,6 +219,12 @@ def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0"):
         except ValueError as error:
             result["keras_file_refused"] = str(error)
         result["keras_file_written"] = os.path.exists(path)  # refused before Keras opened it
+        together = os.path.join(os.environ["SCENARIO_DIR"], "model-together.keras")
+        split.distribute_strategy.save_model(split, together)  # every rank at once; rank 0 writes
+        split.distribute_strategy.any_process(False)  # a barrier: rank 0's file is whole
+        from_file = keras.models.load_model(together)  # one plain process's model: a 5th epoch alone
+        from_file.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        result["keras_file_resumed_diff"] = diff(from_file, whole)
         # The checkpoint of step 20 taken up by a split job (every rank) and by one plain process: a 5th epoch.
         resumed = train(int(stage), epochs=5, callbacks=[Checkpoint(directory, write=False)])
         plain = Checkpoint(directory, write=False)

@@ -5,7 +5,8 @@ workers (`shard_optimizer=1`).
 OPTIMIZERS in turn, 4 epochs of 5 steps (global batch 32), split and then unsplit; every worker
 writes OUT_DIR/worker-N.json (its slot bytes and devices) and the weights to
 OUT_DIR/worker-N-NAME.npz and worker-N-NAME-unsplit.npz. Adam's split job also saves a
-`tfdist.Checkpoint` to OUT_DIR/checkpoint, every worker joining, the chief writing.
+`tfdist.Checkpoint` to OUT_DIR/checkpoint and a Keras file to OUT_DIR/together.keras
+(`strategy.save_model`), every worker joining, the chief writing.
 test_optimizer_shards_multi_worker.py starts two and trains the same models on one device.
 """
 
@@ -78,6 +79,8 @@ if __name__ == "__main__":
             model.save(os.path.join(out_dir, f"worker-{index}.keras"))
         except ValueError as error:
             result[name]["keras_file_refused"] = str(error)
+        if name == "adam":  # every worker at once: the chief writes
+            strategy.save_model(model, os.path.join(out_dir, "together.keras"))
         strategy.shard_optimizer = 0  # read at compile: the same job, unsplit
         np.savez(os.path.join(out_dir, f"worker-{index}-{name}-unsplit.npz"), *train(strategy, name).get_weights())
         strategy.shard_optimizer = 1

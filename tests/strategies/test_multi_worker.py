@@ -167,12 +167,12 @@ def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path, compr
 def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and_saves_it_whole(tmp_path):
     """`shard_optimizer=1` across two processes, for each optimizer of the scenario: every worker holds the
     slots of its own slice only, the weights after 20 steps are the same job's unsplit ones (and one
-    device's), and the checkpoint both workers joined (each slot gathered whole) resumes in one plain
-    process as if it had trained all along."""
+    device's), and the checkpoint and the Keras file both workers wrote together (each slot gathered whole)
+    resume in one plain process as if it had trained all along; a Keras file one worker saves is refused."""
     import numpy as np
 
     sys.path.insert(0, SCENARIO_DIR)
-    from multi_worker_split import OPTIMIZERS, train
+    from multi_worker_split import OPTIMIZERS, data, train
 
     from tfdist import Checkpoint
 
@@ -194,7 +194,7 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
             assert report["slot_bytes_per_device"][0] <= 1.15 / 2 * report["unsplit_slot_bytes"], (name, report)
             assert result["slot_devices"] == [f"/job:worker/replica:0/task:{index}/device:CPU:0"], (name, result)
             assert "cannot be saved by one process into a Keras file" in result["keras_file_refused"]
-    assert not list(tmp_path.glob("*.keras"))  # refused before Keras opened the file
+    assert [path.name for path in tmp_path.glob("*.keras")] == ["together.keras"]  # one worker's: refused
 
     def max_diff(saved, weights):
         return max(float(np.abs(saved[f"arr_{i}"] - w).max()) for i, w in enumerate(weights))
@@ -211,3 +211,10 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
     assert max_diff({f"arr_{i}": w for i, w in enumerate(train(None, "adam", epochs=5).get_weights())},
                     train(None, "adam", epochs=5, callbacks=[resumed]).get_weights()) <= 1e-5
     assert resumed.resumed_from_step == 20
+    import keras
+
+    from_file = keras.models.load_model(tmp_path / "together.keras")  # saved by both workers at once
+    x, y = data()
+    from_file.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert max_diff({f"arr_{i}": w for i, w in enumerate(train(None, "adam", epochs=5).get_weights())},
+                    from_file.get_weights()) <= 1e-5

@@ -27,7 +27,8 @@ Saved, the split state takes the layout of the unsplit optimizer's: `.keras` and
 slices, and cut it into slices again when read. So a checkpoint moves freely
 between split and unsplit jobs and between numbers of devices. Across
 processes the gather is a collective: every process saves together
-(`tfdist.Checkpoint`), and a Keras file written by one is refused.
+(`tfdist.Checkpoint`, or `strategy.save_model` for a Keras file), and a Keras
+file written by one is refused.
 
 Example:
 
@@ -41,6 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
+import threading
 import warnings
 import weakref
 
@@ -212,12 +216,14 @@ class OptimizerShards:
 
     # Keras's saving (`.keras`, `.weights.h5`): the unsplit optimizer's variables, numbered as it numbers them.
     def check_saveable_by_one_process(self):
-        """Raises if the state is split over processes: gathering the slices is a collective, so a save by
-        one process (the usual rank-0 `model.save`) would wait forever for the others."""
-        if self.collectives.multi_process:
+        """Raises if the state is split over processes, unless they all save at once (`save_model`):
+        gathering the slices is a collective, so a save by one process (the usual rank-0 `model.save`)
+        would wait forever for the others."""
+        if self.collectives.multi_process and not getattr(_TOGETHER, "on", False):
             raise ValueError("An optimizer whose state is split over processes cannot be saved by one process "
-                             "into a Keras file: save the job with tfdist.Checkpoint, which every process joins "
-                             "(its checkpoints hold the state whole and load into split or unsplit jobs).")
+                             "into a Keras file: call `strategy.save_model(model, path)` on every process (the "
+                             "chief writes the file), or save with tfdist.Checkpoint, which every process joins. "
+                             "Both hold the state whole, for split or unsplit jobs.")
 
     def save_own_variables(self, store):
         self.check_saveable_by_one_process()  # `keras.saving.save_model` bypasses the strategy's check
@@ -296,6 +302,24 @@ class SplitsOptimizerState:
         shards = shards_of(getattr(model, "optimizer", None))
         if shards is not None:
             shards.check_saveable_by_one_process()
+
+    def save_model(self, model: keras.Model, filepath: str, **kwargs) -> None:
+        """`model.save(filepath, **kwargs)` called by every process of the job at once: the chief writes
+        the file, the others take part in gathering a split optimizer state and write nothing."""
+        with _saving_together(), tempfile.TemporaryDirectory() as scratch:
+            model.save(filepath if self.is_chief else os.path.join(scratch, os.path.basename(filepath)), **kwargs)
+
+
+_TOGETHER = threading.local()  # set while every process saves at once (`save_model`)
+
+
+@contextlib.contextmanager
+def _saving_together():
+    _TOGETHER.on = True
+    try:
+        yield
+    finally:
+        _TOGETHER.on = False
 
     def job_report(self, model: keras.Model) -> dict:
         return report_of(model.optimizer)
