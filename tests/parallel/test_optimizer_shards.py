@@ -3,15 +3,20 @@ each device holding the slots of 1/N of every variable."""
 
 import io
 import math
+import os
 import re
 
 import keras
 import numpy as np
 import pytest
 
+from helpers import ROOT
 from tfdist import Checkpoint, MirroredStrategy, load_config
 from tfdist.errors import ConfigError
+from tfdist.layers import ColumnParallelDense, RowParallelDense
 from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state, shards_of
+from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
+from tfdist.strategies.replica_groups import bytes_by_device
 from tfdist.training import run
 
 STEPS = 20  # 2 epochs of 10 batches of 32
@@ -175,6 +180,62 @@ def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path
         np.testing.assert_array_equal(slot.numpy(), whole.numpy())
 
 
+FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+REPLICA_GROUPS = {  # 2 replicas of 2 devices each: a stage, or a tensor-parallel shard, per device
+    "pipeline": lambda split: PipelineStrategy(2, 2, devices=FOUR, boundaries=["second"], verbose=False,
+                                               shard_optimizer=split),
+    "tensor_parallel": lambda split: TensorParallelStrategy(FOUR, group_size=2, shard_optimizer=split),
+}
+
+
+@pytest.mark.parametrize("kind", REPLICA_GROUPS)
+def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_beside_each_variable(cpus, kind):
+    """The data-parallel dimension: each of the 2 replicas keeps the slots of its slice of every variable,
+    on the device where that replica's copy of the variable lives (its stage's, or its shard's)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((320, 12)).astype("float32")
+    y = x[:, :3].argmax(axis=1).astype("int32")
+
+    def train(split):
+        strategy = REPLICA_GROUPS[kind](split)
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            hidden = ([ColumnParallelDense(8, activation="tanh", name="first"), RowParallelDense(7, name="second")]
+                      if kind == "tensor_parallel" else
+                      [keras.layers.Dense(8, activation="tanh", name="first"), keras.layers.Dense(7, name="second")])
+            model = keras.Sequential([keras.Input((12,)), *hidden, keras.layers.Dense(3, activation="softmax")])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    whole, split = train(0), train(1)
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    shards = shards_of(split.optimizer)
+    assert int(split.optimizer.iterations.numpy()) == STEPS
+    unsplit = bytes_by_device([v for v in whole.optimizer.variables if len(v.shape)])
+    held = bytes_by_device([slot for copy in shards.copies for slot in copy.variables if len(slot.shape)])
+    assert set(held) == set(unsplit) == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, (held, unsplit)
+    for device, nbytes in held.items():  # every device: about half of what it held unsplit
+        assert nbytes <= 1.15 / 2 * unsplit[device], (device, held, unsplit)
+    report = split.distribute_strategy.job_report(split)  # the summary and --metrics_out
+    assert report["optimizer_state"]["devices"] == 2
+    assert "optimizer_state" not in whole.distribute_strategy.job_report(whole)
+    if kind == "pipeline":  # the stages' bytes count the slices' slots where they live
+        for whole_stage, split_stage in zip(*(m.distribute_strategy.stage_memory(m) for m in (whole, split))):
+            assert 0 < split_stage["optimizer"] <= 1.15 / 2 * whole_stage["optimizer"], (whole_stage, split_stage)
+
+
+@pytest.mark.parametrize("path", ["configs/pipeline.yaml", "configs/tensor_parallel.yaml"])
+def test_a_pipeline_or_tensor_parallel_config_passes_the_split_to_its_strategy(cpus, path):
+    from tfdist import make_strategy
+
+    # TensorFlow runs already here: its thread counts stay as they are.
+    config = load_config(os.path.join(ROOT, path), ["strategy.shard_optimizer=1", "runtime.intra_op_threads=0",
+                                                    "runtime.inter_op_threads=0"])
+    assert make_strategy(config).shard_optimizer == 1
+
+
 def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
     common = ["train.epochs=2", "train.steps_per_epoch=6", "train.verbose=0", "strategy.devices=[/cpu:0, /cpu:1]",
               "train.optimizer=adamw", "model.width=16"]
@@ -193,7 +254,8 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
                                    "has for NCCL only"),
     ("strategy.kind=multi_worker_mirrored,strategy.shard_optimizer=2", "multi_worker_mirrored jobs take 1"),
     ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored, "
-                                 "multi_worker_mirrored or horovod"),
+                                 "multi_worker_mirrored, horovod, pipeline or tensor_parallel"),
+    ("strategy.kind=pipeline,strategy.data_parallel=horovod", "strategy.data_parallel must be local, not horovod"),
     ("strategy.kind=horovod,horovod.elastic=true", "`strategy.shard_optimizer` cannot split the optimizer of a "
                                                    "Horovod job with horovod.op adasum"),
 ])

@@ -133,14 +133,19 @@ def _check_strategy(config: Config) -> None:
             f"horovod.fp16_compression); strategy.kind is {s.kind.value}.",
             s.gradient_compression.value,
         )
-    on_collective_ops = (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED)
+    replica_groups = (StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL)
+    on_collective_ops = (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED, *replica_groups)
     if s.shard_optimizer and s.kind not in (*on_collective_ops, StrategyKind.HOROVOD):
         raise ConfigError(
             "strategy.shard_optimizer",
-            "applies to strategy.kind=mirrored, multi_worker_mirrored or horovod in this version; "
-            f"strategy.kind is {s.kind.value}.",
+            "applies to strategy.kind=mirrored, multi_worker_mirrored, horovod, pipeline or tensor_parallel in this "
+            f"version; strategy.kind is {s.kind.value}.",
             s.shard_optimizer,
         )
+    if s.shard_optimizer and s.kind in replica_groups and s.data_parallel != DataParallel.LOCAL:
+        raise ConfigError("strategy.shard_optimizer", f"splits a {s.kind.value} job's state over one process's "
+                          "replicas in this version: strategy.data_parallel must be local, not "
+                          f"{s.data_parallel.value}.", s.shard_optimizer)
     if s.shard_optimizer == 2 and s.kind in on_collective_ops:
         raise ConfigError("strategy.shard_optimizer", "2 needs a reduce-scatter, which TensorFlow 2.21 has for NCCL "
                           f"only; {s.kind.value} jobs take 1 (strategy.kind=horovod takes 2).", s.shard_optimizer)

@@ -55,7 +55,8 @@ from tfdist import _compat
 from tfdist._compat.tf_distribute import numpy_dataset
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "SplitsOptimizerState",
-           "checkpointed_variables", "collective_ops_stage", "report_of", "shard_optimizer_state", "shards_of"]
+           "checkpointed_variables", "collective_ops_stage", "held_variables", "report_of", "shard_optimizer_state",
+           "shards_of"]
 
 # Optimizers whose update of an element depends only on that element's weight, gradient and slots,
 # so that updating slices equals updating the whole (each checked in the tests).
@@ -119,6 +120,14 @@ def report_of(optimizer) -> dict:
     return {"optimizer_state": shards.report()} if shards is not None and shards.copies else {}
 
 
+def held_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The variables that hold `optimizer`'s state where they live: its own, and for a split one every
+    device's slices and their slots (for memory by device)."""
+    shards = _SPLIT.get(optimizer)
+    own = list(optimizer.variables)
+    return own if shards is None else own + [v for copy in shards.copies for v in copy.variables]
+
+
 def checkpointed_variables(optimizer: keras.optimizers.Optimizer) -> list:
     """The TensorFlow variables a checkpoint holds for `optimizer`, in the unsplit optimizer's order
     and shapes: its own variables, or for a split one, each slot as a whole (`WholeSlot`)."""
@@ -146,18 +155,44 @@ class OptimizerShards:
         _compat.build_without_slots(self.inner, variables)
         # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt.
         config = {**self.inner.get_config(), "learning_rate": 0.0}
-        slots_by_device = []
+        self._slots = []  # [device]: (slot, index of its slice), in the order the copy made them
         with self.strategy.scope():
-            for device in self.devices:
-                with _single_device_variables(device):
+            for d, device in enumerate(self.devices):
+                with _single_device_variables(device):  # the copy's step counter; each slice beside its variable
                     copy = type(self.inner).from_config(config)
-                    slices = [keras.Variable(tf.zeros([self._slice_length(v)], v.dtype), trainable=False,
-                                             name=f"{v.name}_slice") for v in variables]
-                    slots_by_device.append(_build_noting_slots(copy, slices))
+                    slices = [self._slice_beside(v, d) for v in variables]
+                    self._slots.append(_build_noting_slots(copy, slices))
                 self.copies.append(copy)
                 self.slices.append(slices)
-        self.whole_slots = [WholeSlot([slots[k][0] for slots in slots_by_device], variables[i], self.collectives)
-                            for k, (_, i) in enumerate(slots_by_device[0])]
+        self.whole_slots = [WholeSlot([slots[k][0] for slots in self._slots], variables[i], self.collectives)
+                            for k, (_, i) in enumerate(self._slots[0])]
+
+    def _slice_beside(self, variable, d):
+        """Device d's slice of `variable`, on the device of the variable's copy there (a pipeline stage's
+        or a tensor-parallel shard's device: not necessarily the replica's first)."""
+        with _single_device_variables(_local(self.strategy, variable.value, d).device):
+            return keras.Variable(tf.zeros([self._slice_length(variable)], variable.dtype), trainable=False,
+                                  name=f"{variable.name}_slice")
+
+    def move_beside(self, moves) -> None:
+        """Makes the slices of moved variables, and their slots, again beside them, keeping their values
+        (a pipeline places its stages' variables once the model, and maybe the optimizer, is built).
+
+        Args:
+          moves: (Keras variable, the devices of its copies, replica by replica) pairs.
+        """
+        if not self.copies:  # not built yet: the slices will be made beside the variables
+            return
+        index = {id(v): i for i, v in enumerate(self.inner._trainable_variables)}
+        for d, copy in enumerate(self.copies):
+            remade = []
+            for variable, devices in moves:
+                i = index.get(id(variable))
+                if i is not None:
+                    beside = [self.slices[d][i]] + [slot for slot, j in self._slots[d] if j == i]
+                    remade += [(piece, _single_device_variables(devices[d])) for piece in beside]
+            with self.strategy.scope():
+                _compat.remake_variables(remade, copy)
 
     def update(self, grads, variables, learning_rate):
         """A step, in replica context: the gradients are reduce-scattered (each device receives the sum of
@@ -186,8 +221,10 @@ class OptimizerShards:
                                         for g, n in zip(local_grads, lengths)], axis=0)
                     mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
                     for p, piece, grad in zip(positions, pieces, mine):
-                        piece.assign(self._slice(_local(distribution, variables[p].value, d), rank, piece.shape[0]))
-                        copy.update_step(grad, piece, _local(distribution, learning_rate, d))
+                        with tf.device(piece.value.device):  # where its slots are
+                            piece.assign(self._slice(_local(distribution, variables[p].value, d), rank,
+                                                     piece.shape[0]))
+                            copy.update_step(grad, piece, _local(distribution, learning_rate, d))
                     gathered = tf.reshape(collectives.all_gather(d, tf.concat([piece.value for piece in pieces], 0)),
                                           [parts, -1])
                     for p, whole in zip(positions, tf.split(gathered, lengths, axis=1)):
@@ -309,6 +346,9 @@ class SplitsOptimizerState:
         with _saving_together(), tempfile.TemporaryDirectory() as scratch:
             model.save(filepath if self.is_chief else os.path.join(scratch, os.path.basename(filepath)), **kwargs)
 
+    def job_report(self, model: keras.Model) -> dict:
+        return report_of(model.optimizer)
+
 
 _TOGETHER = threading.local()  # set while every process saves at once (`save_model`)
 
@@ -320,9 +360,6 @@ def _saving_together():
         yield
     finally:
         _TOGETHER.on = False
-
-    def job_report(self, model: keras.Model) -> dict:
-        return report_of(model.optimizer)
 
 
 def collective_ops_stage(shard_optimizer: int) -> int:
@@ -378,7 +415,8 @@ def _build_noting_slots(copy, slices) -> list:
     index = {id(piece): i for i, piece in enumerate(slices)}
 
     def noted(reference, *args, **kwargs):
-        slot = make_slot(reference, *args, **kwargs)
+        with _single_device_variables(reference.value.device):
+            slot = make_slot(reference, *args, **kwargs)
         made.append((slot, index[id(reference)]))
         return slot
 
@@ -396,10 +434,12 @@ def _local(distribution, value, d):
 @contextlib.contextmanager
 def _single_device_variables(device):
     """Variables created inside a strategy's scope are plain variables on `device`, not mirrored ones:
-    MirroredStrategy makes one for a `colocate_with` naming a single device."""
+    MirroredStrategy makes one for a `colocate_with` naming a single device. An inner scope's device
+    stands (its creator runs first)."""
 
     def on_device(next_creator, **kwargs):
-        kwargs["colocate_with"] = numpy_dataset.SingleDevice(device)
+        if kwargs.get("colocate_with") is None:
+            kwargs["colocate_with"] = numpy_dataset.SingleDevice(device)
         return next_creator(**kwargs)
 
     with tf.variable_creator_scope(on_device):

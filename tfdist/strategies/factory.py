@@ -201,6 +201,7 @@ def _pipeline(config: Config, gpus: int) -> PipelineStrategy:
             recompute=p.recompute,
             tensor_parallel_size=tensor_parallel_size(config, len(devices)),
             data_parallel=_process_group(config),
+            shard_optimizer=config.strategy.shard_optimizer,
         )
 
 
@@ -211,7 +212,8 @@ def _tensor_parallel(config: Config, gpus: int) -> TensorParallelStrategy:
         return TensorParallelStrategy(devices, group_size=tensor_parallel_size(config, len(devices)),
                                       placement=placement_pairs(config),
                                       balance_by_memory=config.placement.balance_by_memory,
-                                      data_parallel=_process_group(config))
+                                      data_parallel=_process_group(config),
+                                      shard_optimizer=config.strategy.shard_optimizer)
 
 
 def _tpu(config: Config, gpus: int = 0) -> tf.distribute.TPUStrategy:

@@ -57,6 +57,7 @@ from tfdist.errors import ConfigError
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
+from tfdist.parallel.optimizer_shards import held_variables
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
 from tfdist.reporting import megabytes
@@ -100,6 +101,9 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         `horovod` (the ranks `horovodrun` started), or a
         `MultiWorkerMirroredStrategy` / `HorovodStrategy` made with the options
         wanted. Each process passes its own devices; all must have as many.
+      shard_optimizer: 1 splits the optimizer's state over the replicas (ZeRO
+        stage 1), each slice of a stage's variable on that stage's device of
+        its replica; with `data_parallel` local only, in this version.
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
@@ -121,6 +125,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         tensor_parallel_size: int = 1,
         place_variables: bool = True,
         data_parallel: Union[str, tf.distribute.Strategy] = "local",
+        shard_optimizer: int = 0,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
         if devices is None:
@@ -158,7 +163,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         self._partitions: dict[int, partition_lib.Partition] = {}
         self._micro_batch_sizes: dict[int, int] = {}  # per model: the micro-batch its step was traced with
         super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)],
-                         processes=processes)
+                         processes=processes, shard_optimizer=shard_optimizer)
 
     @property
     def peak_stashed_micro_batches(self) -> list[int]:
@@ -336,14 +341,15 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             report["micro_batch_size"] = self._micro_batch_sizes[id(model)]
         if self.tensor_parallel_size > 1:
             report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
-        return report
+        return {**report, **super().job_report(model)}  # the optimizer's split, if any
 
     def stage_memory(self, model: keras.Model) -> list[dict[str, int]]:
         """Per stage, the bytes its devices hold in the first replica: `params` (the model's
         weights) and `optimizer` (the optimizer's variables), read from where each copy lives."""
         held = [{"params": 0, "optimizer": 0} for _ in range(self.num_stages)]
         optimizer = getattr(model, "optimizer", None)
-        for kind, variables in (("params", model.weights), ("optimizer", optimizer.variables if optimizer else [])):
+        state = held_variables(optimizer) if optimizer else []
+        for kind, variables in (("params", model.weights), ("optimizer", state)):
             for device, size in bytes_by_device(variables).items():
                 for stage_index, group in enumerate(self.stage_groups[0]):
                     if group.index(device) is not None:

@@ -46,6 +46,7 @@ from tfdist._compat.tf_distribute import (cross_device_ops_lib, device_util, dis
 
 from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica
+from tfdist.parallel.optimizer_shards import shards_of
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.process_group import ProcessGroup
 
@@ -207,24 +208,31 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         and a device's counterpart in another replica is the one at the same
         position. A replica's first device runs its step and holds what is
         placed nowhere else.
+      shard_optimizer: 1 splits the state of an optimizer compiled under this
+        strategy over the replicas, each slice beside its variable's copy (one
+        process's replicas only, in this version).
 
     Raises:
-      ValueError: no replicas, replicas of different sizes, or a device that
-        does not exist or is named twice.
+      ValueError: no replicas, replicas of different sizes, a device that
+        does not exist or is named twice, or `shard_optimizer` across processes.
     """
 
     _extended_type = _ReplicaGroupsExtended
 
-    def __init__(self, replica_devices: Sequence[Sequence[str]], processes: Optional[ProcessGroup] = None):
+    def __init__(self, replica_devices: Sequence[Sequence[str]], processes: Optional[ProcessGroup] = None,
+                 shard_optimizer: int = 0):
         sizes = {len(devices) for devices in replica_devices}
         if len(sizes) != 1:
             raise ValueError(
                 f"`replica_devices` must give every replica the same number of devices. Received: {replica_devices}"
             )
+        if shard_optimizer and processes is not None:
+            raise ValueError("`shard_optimizer` splits the state over one process's replicas in this version, "
+                             f"not across {processes.name} processes. Received: {shard_optimizer}")
         DeviceGroup([d for devices in replica_devices for d in devices])  # one check for missing and repeated devices
         self.replicas = [DeviceGroup(devices) for devices in replica_devices]
         super().__init__(devices=[group.devices[0] for group in self.replicas],
-                         process_index=processes.index if processes else 0)
+                         process_index=processes.index if processes else 0, shard_optimizer=shard_optimizer)
         self.processes = processes
         if processes is not None:
             _check_same_layout(processes, len(self.replicas), len(self.replicas[0].devices))
@@ -330,6 +338,9 @@ class ReplicaGroupsStrategy(MirroredStrategy):
                 moves.append((slot, device_of[reference]))
         with tf.init_scope(), self.scope():
             _compat.remake_variables([(variable, tf.device(device)) for variable, device in moves], optimizer)
+            shards = shards_of(optimizer)
+            if shards is not None:  # the optimizer's state split over the replicas: each slice beside its copy
+                shards.move_beside([(variable, self.mirrored_devices(device)) for variable, device in destinations])
 
 
 class ProcessLayoutError(ValueError):

@@ -64,6 +64,9 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
       data_parallel: `local`, `multi_worker`, `horovod` or a strategy for
         them: train the groups of every process of a multi-process job data
         parallel (see `PipelineStrategy`).
+      shard_optimizer: 1 splits the optimizer's state over the groups (ZeRO
+        stage 1), each slice of a shard on its device in the group; with
+        `data_parallel` local only, in this version.
 
     Raises:
       ValueError: a device that does not exist or is named twice, a group size
@@ -79,6 +82,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         placement: Optional[Mapping[str, str]] = None,
         balance_by_memory: bool = False,
         data_parallel: Union[str, tf.distribute.Strategy] = "local",
+        shard_optimizer: int = 0,
     ):
         if devices is None:
             split_cpu(group_size or 1)
@@ -90,7 +94,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
                 f"`group_size` must divide the {len(devices)} devices into whole groups. Received: {group_size}"
             )
         self.groups = split_into_groups(devices, size)
-        super().__init__([group.devices for group in self.groups], processes=processes)
+        super().__init__([group.devices for group in self.groups], processes=processes, shard_optimizer=shard_optimizer)
         self.placement: dict[str, str] = {}
         self.place(placement or {})
         self.balance_by_memory = balance_by_memory
@@ -138,7 +142,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         if self.placement:
             per_device = collections.Counter(self.placement.values())
             report["placement"] = ", ".join(f"{n} layer(s) on {d}" for d, n in sorted(per_device.items()))
-        return report
+        return {**report, **super().job_report(model)}  # the optimizer's split, if any
 
     def local_keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """Places the named layers' computation before Keras makes its step functions."""
