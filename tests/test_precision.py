@@ -71,19 +71,16 @@ def test_an_overflow_in_one_replicas_part_skips_the_step_on_every_replica_as_on_
     x = rng.standard_normal((64, 6)).astype("float32")
     y = x[:, :2].argmax(axis=1)
     x[31] = 1e5  # the first batch's last example: the second replica's part; float16 holds at most 65504
-    keras.mixed_precision.set_dtype_policy("mixed_float16")
-    try:
-        trained = []
-        for strategy in (MirroredStrategy(["/cpu:0", "/cpu:1"]), None):
-            keras.utils.set_random_seed(0)
-            with strategy.scope() if strategy else contextlib.nullcontext():
-                model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
-                                          keras.layers.Dense(2, activation="softmax")])
-                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
-            model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-            trained.append(model)
-    finally:
-        keras.mixed_precision.set_dtype_policy("float32")
+    keras.mixed_precision.set_dtype_policy("mixed_float16")  # conftest's fixture sets float32 back
+    trained = []
+    for strategy in (MirroredStrategy(["/cpu:0", "/cpu:1"]), None):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+                                      keras.layers.Dense(2, activation="softmax")])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        trained.append(model)
     for model in trained:  # the overflowing batch skipped in both epochs, the scale halved each time
         assert int(model.optimizer.iterations.numpy()) == 2
         assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**15 / 4

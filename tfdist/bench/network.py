@@ -270,7 +270,7 @@ def _figures(table: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 figures[f"{name}_{kind}_link"] = closest["link"]
     for kind in _COMPRESSED:
         if f"{kind}_fp16" in table:
-            slowest = min(range(len(table[kind])), key=lambda i: link_bits_per_second(table[kind][i]["link"]))
+            slowest = _slowest_link(table[kind])
             figures[f"compression_gain_{kind}"] = (table[f"{kind}_fp16"][slowest]["samples_per_sec"]
                                                    / table[kind][slowest]["samples_per_sec"])
     for kind in _SPLIT:
@@ -279,12 +279,17 @@ def _figures(table: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             figures[f"split_bytes_ratio_{kind}"] = max(
                 max(split["link_bytes_per_step"][d] / whole["link_bytes_per_step"][d] for d in ("sent", "received"))
                 for split, whole in pairs)
-            split, whole = min(pairs, key=lambda pair: link_bits_per_second(pair[0]["link"]))
+            split, whole = pairs[_slowest_link(table[kind])]
             figures[f"split_speed_ratio_{kind}"] = split["samples_per_sec"] / whole["samples_per_sec"]
     figures["bytes_within_tolerance"] = all(v <= BYTES_TOLERANCE for k, v in figures.items()
                                             if k.startswith("bytes_vs_algorithm_"))
     figures["overlap_target"] = OVERLAP_TARGET
     return figures
+
+
+def _slowest_link(rows: list[dict[str, Any]]) -> int:
+    """The index of the row at the slowest link, where communication dominates."""
+    return min(range(len(rows)), key=lambda i: link_bits_per_second(rows[i]["link"]))
 
 
 def markdown_table(result: dict[str, Any]) -> str:

@@ -146,6 +146,7 @@ class OptimizerShards:
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
         self.slices: list[list[keras.Variable]] = []  # [device][variable]: that device's slice of the weights
         self.whole_slots: list[WholeSlot] = []  # in the order the unsplit optimizer makes its slots
+        self._slots: list[list] = []  # [device]: (slot, index of its slice), in the order the copy made them
         inner.build = self.build
         optimizer.save_own_variables = self.save_own_variables
         optimizer.load_own_variables = self.load_own_variables
@@ -155,7 +156,6 @@ class OptimizerShards:
         _compat.build_without_slots(self.inner, variables)
         # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt.
         config = {**self.inner.get_config(), "learning_rate": 0.0}
-        self._slots = []  # [device]: (slot, index of its slice), in the order the copy made them
         with self.strategy.scope():
             for d, device in enumerate(self.devices):
                 with _single_device_variables(device):  # the copy's step counter; each slice beside its variable

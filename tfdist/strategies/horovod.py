@@ -48,7 +48,7 @@ from tfdist.errors import PEER_LOST_UNDER_HOROVOD, ClusterError
 from tfdist.horovod.all_reduce import HorovodAllReduce
 from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
-from tfdist.parallel.optimizer_shards import SplitsOptimizerState, report_of
+from tfdist.parallel.optimizer_shards import SplitsOptimizerState
 from tfdist.strategies.base import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
@@ -265,7 +265,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
                                        op=self._op, fp16_compression=self._fp16_compression)
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        report = {"cluster": f"{self.size} Horovod rank(s), one process per device", **report_of(model.optimizer)}
+        report = {"cluster": f"{self.size} Horovod rank(s), one process per device", **super().job_report(model)}
         if self.elastic_commit_batches:
             report["elastic"] = {"resets": self._elastic_resets, "ranks": self.size,
                                  "optimizer_steps": int(model.optimizer.iterations.numpy())}
