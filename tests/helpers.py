@@ -43,6 +43,16 @@ def doc_blocks(language):
     return found
 
 
+def why_it_failed(output: str) -> str:
+    """The part of a failed process's output that says why: a native crash's stacks (not the
+    extension modules the faulthandler lists after them), else the last Python traceback (not
+    the gRPC shutdown noise printed after it), else the tail."""
+    for start in (output.find("Fatal Python error"), output.rfind("Traceback (most recent call last)")):
+        if start >= 0:
+            return output[start:start + 6000]
+    return output[-3000:]
+
+
 def user_lines(stderr):
     """The lines of `stderr` a user reads, without TensorFlow's start-up info lines."""
     return [line for line in stderr.strip().splitlines() if not _TENSORFLOW_STARTUP.match(line)]
@@ -161,7 +171,7 @@ def train_with_metrics(tmp_path, config, *overrides, timeout=400):
     for override in overrides:
         args += ["--set", override]
     proc = run_tfdist(*args, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     return proc, json.loads(metrics.read_text())
 
 
@@ -173,7 +183,7 @@ def measure_in_fresh_process(module, kwargs, timeout=600):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

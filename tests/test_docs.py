@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, doc_blocks
+from helpers import HOROVODRUN, ROOT, doc_blocks, why_it_failed
 
 README_LAYERS = (
     '[keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]'
@@ -95,9 +95,7 @@ def test_docs_block_runs(page, block, tmp_path):
             proc = _run(block, tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
     else:
         proc = _run(block, tmp_path)
-    output = proc.stdout + proc.stderr
-    crash = output.find("Fatal Python error")  # a native crash: where it was, not the modules listed after it
-    assert proc.returncode == 0, f"a block of {page} failed:\n{block}\n{output[crash:crash + 6000] if crash >= 0 else output[-3000:]}"
+    assert proc.returncode == 0, f"a block of {page} failed:\n{block}\n{why_it_failed(proc.stdout + proc.stderr)}"
 
 
 def test_every_yaml_block_is_a_valid_config():

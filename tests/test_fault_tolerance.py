@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, task_pid, tfdist_command
+from helpers import ROOT, task_pid, tfdist_command, why_it_failed
 from tfdist.callbacks import EXIT_PREEMPTED
 from tfdist.checkpoint_store import CheckpointStore
 
@@ -166,7 +166,7 @@ def test_a_parameter_server_job_resumes_from_its_checkpoint(tmp_path):
     for epochs, resumed in ((1, 0), (3, 10)):
         proc = subprocess.run(tfdist_command(*ps, "--set", f"train.epochs={epochs}"), cwd=ROOT, capture_output=True,
                               text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, why_it_failed(proc.stderr)
         result = json.loads((tmp_path / "metrics.json").read_text())
         assert result["resumed_from_step"] == resumed
     assert CheckpointStore(str(tmp_path / "ckpt")).steps()[0] == 30
@@ -178,10 +178,10 @@ def test_rerunning_a_finished_job_says_so_and_keeps_its_results(tmp_path):
     args = ["train", "--set", "train.epochs=1", "--set", "train.steps_per_epoch=5", "--set", "train.verbose=0",
             "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--metrics_out", str(metrics)]
     first = subprocess.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, why_it_failed(first.stderr)
     finished = metrics.read_text()
     assert json.loads(finished)["final"]["loss"] > 0
     again = subprocess.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 0, why_it_failed(again.stderr)
     assert "tfdist: nothing to train: the checkpoint in " in again.stdout and "is of step 5" in again.stdout
     assert metrics.read_text() == finished  # not rewritten with an empty `final` and 0 samples/sec

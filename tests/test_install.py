@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, why_it_failed
 
 
 @pytest.mark.slow
@@ -17,7 +17,7 @@ def test_pip_installs_tfdist_with_extras_into_a_clean_venv_and_it_trains(tmp_pat
     bin_dir = venv / "bin"
     install = subprocess.run([str(bin_dir / "pip"), "install", "--quiet", f"{ROOT}[cpu,k8s]"],
                              capture_output=True, text=True, timeout=840)
-    assert install.returncode == 0, install.stderr[-3000:]
+    assert install.returncode == 0, why_it_failed(install.stderr)
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", TF_CPP_MIN_LOG_LEVEL="2")
     # The copy pip installed, not this checkout: run from elsewhere.
@@ -30,10 +30,10 @@ def test_pip_installs_tfdist_with_extras_into_a_clean_venv_and_it_trains(tmp_pat
     train = subprocess.run([str(bin_dir / "tfdist"), "train", "--set", "train.epochs=1", "--set",
                             "train.steps_per_epoch=4", "--set", "train.verbose=0"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert train.returncode == 0, train.stderr[-3000:]
+    assert train.returncode == 0, why_it_failed(train.stderr)
     assert "tfdist summary" in train.stdout
     # The k8s extra: manifests are validated with the packages it brings.
     manifests = subprocess.run([str(bin_dir / "tfdist"), "k8s", "--image", "repo/tfdist:0.1", "--workers", "2",
                                 "--set", "strategy.kind=multi_worker_mirrored", "--out", str(tmp_path / "k8s")],
                                capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
-    assert manifests.returncode == 0, manifests.stderr[-3000:]
+    assert manifests.returncode == 0, why_it_failed(manifests.stderr)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, train_with_metrics
+from helpers import ROOT, train_with_metrics, why_it_failed
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_example_script_reads_the_same_config(config, expected):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     assert expected in proc.stdout
     accuracy = float(proc.stdout.rsplit("val_accuracy=", 1)[1].split()[0])
     assert accuracy > 0.5  # two epochs: well above chance (0.1)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from helpers import run_tfdist
+from helpers import run_tfdist, why_it_failed
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +15,7 @@ def test_checkpoint_bench_times_rounds_with_and_without_saves(tmp_path):
     # A one-device job keeps the test short; `make bench` measures the default mirrored one.
     proc = run_tfdist("bench", "checkpoint", "--json", str(out), "--repeats", "1", "--set", "strategy.kind=one_device",
                       "--set", "train.verbose=0", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(out.read_text())
     assert result["benchmark"] == "checkpoint" and result["every_steps"] == 100
     assert result["steps_per_round"] > 2 * result["every_steps"]  # two saves inside the timed steps

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from helpers import run_tfdist
+from helpers import run_tfdist, why_it_failed
 
 pytestmark = pytest.mark.slow
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_overhead_bench_writes_json(tmp_path):
     out = tmp_path / "overhead.json"
     proc = run_tfdist("bench", "overhead", "--json", str(out), "--repeats", "2", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(out.read_text())
     assert result["benchmark"] == "overhead"
     assert result["num_replicas"] == 4

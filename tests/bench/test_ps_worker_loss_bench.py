@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import run_tfdist
+from helpers import run_tfdist, why_it_failed
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(40
 def test_killed_rounds_lose_no_step_and_repeat_at_most_the_one_in_flight(tmp_path):
     out = tmp_path / "ps_worker_loss.json"
     proc = run_tfdist("bench", "ps_worker_loss", "--json", str(out), "--repeats", "1", timeout=360)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(out.read_text())
     figures = result["figures"]
     steps = result["steps_per_round"]

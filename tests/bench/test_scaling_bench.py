@@ -5,7 +5,7 @@ import json
 import matplotlib.image
 import pytest
 
-from helpers import run_tfdist
+from helpers import run_tfdist, why_it_failed
 from tfdist.bench.scaling import device_counts, markdown_table, plot
 
 RESULT = {
@@ -54,7 +54,7 @@ def test_cli_writes_the_table_and_the_plot(tmp_path):
     proc = run_tfdist("bench", "scaling", "--config", "configs/default.yaml", "--set", "strategy.logical_devices=2",
                       "--set", "train.global_batch_size=32", "--repeats", "1", "--json", str(out), "--plot", str(png),
                       timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(out.read_text())
     for backend in ("mirrored", "horovod"):  # make setup installs Horovod
         rows = result["table"][backend]

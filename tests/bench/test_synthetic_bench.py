@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import run_tfdist
+from helpers import run_tfdist, why_it_failed
 from tfdist.bench.jobs import on_core
 from tfdist.bench.synthetic import jobs, markdown_table
 
@@ -17,7 +17,7 @@ def test_every_kind_trains_the_model_and_the_table_relates_each_to_one_device(tm
     # A small built-in model keeps this quick; keras.applications models build the same way (tests/data).
     proc = run_tfdist("bench", "synthetic", "--model", "mlp", "--image_size", "8", "--batch_per_device", "8",
                       "--repeats", "1", "--json", str(out), "--plot", str(plot), timeout=540)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(out.read_text())
     rows = {row["job"]: row for row in result["table"]}
     assert list(rows) == ["one_device", "mirrored_2", "mirrored_4", "horovod_2", "multi_worker_2", "parameter_server"]

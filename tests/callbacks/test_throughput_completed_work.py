@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import throughput_probe
-from helpers import ROOT, free_ports, horovodrun
+from helpers import ROOT, free_ports, horovodrun, why_it_failed
 
 PROBE = throughput_probe.__file__
 TOLERANCE = 0.05
@@ -80,5 +80,5 @@ def test_multi_worker_mirrored(tmp_path):
 def test_horovod(tmp_path):
     out = tmp_path / "probe.json"
     done = horovodrun([sys.executable, PROBE, str(out), *COMMON, "strategy.kind=horovod"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why_it_failed(done.stderr)
     _assert_claims_match_completed_work(json.loads(out.read_text()))

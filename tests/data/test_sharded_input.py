@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from helpers import ROOT, tfdist_command
+from helpers import ROOT, tfdist_command, why_it_failed
 from sample_files import FEATURES, digits, write_image_folder, write_tfrecords
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -18,7 +18,7 @@ def _launch(tmp_path, *flags):
                              "--set", "train.epochs=8")
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
     return proc, json.loads(metrics.read_text())
 
 

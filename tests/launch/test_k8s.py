@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, doc_blocks, free_port_block, run_tfdist
+from helpers import ROOT, doc_blocks, free_port_block, run_tfdist, why_it_failed
 
 from tfdist.cluster import kubernetes
 from tfdist.launch import k8s
@@ -312,7 +312,7 @@ def test_the_mpi_launchers_horovodrun_command_trains_over_an_operator_style_host
                for part in _containers(mpi_job)["launcher"]["command"]]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=360,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + why_it_failed(proc.stderr)
     result = json.loads(metrics.read_text())
     assert result["strategy"] == "horovod" and result["num_replicas"] == 2
 

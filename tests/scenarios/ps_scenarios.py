@@ -84,6 +84,45 @@ def _short_epochs(strategy):
             "one_batch_loss": one_batch.get("loss", []), "iterations": int(model.optimizer.iterations.numpy())}
 
 
+class _SlowCount(keras.metrics.Metric):
+    """Counts the examples twice: in `total` at once, in `count` after slow arithmetic. Its result is
+    exactly 1 whenever the two hold the same steps, and above 1 when the total holds a step the
+    count lacks."""
+
+    def __init__(self):
+        super().__init__(name="same_steps")
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        examples = tf.cast(tf.shape(y_true)[0], "float32")
+        self.total.assign_add(examples)
+        slow = tf.random.uniform((192, 192))  # random: nothing to fold away before it runs
+        for _ in range(24):
+            slow = tf.matmul(slow, slow) / 192.0
+        self.count.assign_add(examples + 0.0 * tf.reduce_sum(slow))
+
+    def result(self):
+        return self.total / tf.maximum(self.count, 1.0)
+
+
+def mid_epoch_metric_reads():
+    """Every step's logs, read from the parameter servers while two workers update the metrics."""
+    from tfdist.strategies import parameter_server
+
+    parameter_server.LOG_INTERVAL_SECONDS = 0.0  # read at every step the chief schedules
+    x, y = _data(2048)
+    reads = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: reads.append(logs))
+    with LocalCluster(num_workers=2, num_ps=2, threads=1) as cluster:
+        with ParameterServerStrategy(cluster.resolver()).scope():
+            model = _model()
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=[_SlowCount()])
+        history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[record])
+    ratios = [float(logs["same_steps"]) for logs in reads if "same_steps" in logs]
+    return {"reads": len(ratios), "max_ratio": max(ratios), "epoch_ratios": history.history["same_steps"]}
+
+
 def killed_worker_is_restarted():
     x, y = _data(2048)
     with LocalCluster(num_workers=2, num_ps=1, threads=1) as cluster:

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, horovod_rank_pid, tfdist_command
+from helpers import (HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, horovod_rank_pid, tfdist_command,
+                     why_it_failed)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -189,10 +190,10 @@ def test_digits_train_to_095_under_the_launcher_and_resume_from_the_chiefs_check
               "--set", f"checkpoint.dir={ckpt}", "--metrics_out", str(metrics)]
     first = subprocess.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=400)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, why_it_failed(first.stderr)
     saved = sorted(os.listdir(ckpt))
     second = subprocess.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.returncode == 0, why_it_failed(second.stderr)
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
     assert result["resumed_from_step"] == 2 * result["steps_per_epoch"]

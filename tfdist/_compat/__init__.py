@@ -28,6 +28,7 @@ from tfdist._compat.patches import (
     forget_step_functions,
     gradient_weight,
     keras_step_function,
+    parameter_server_writes_in_reverse,
     resume_epoch_iterator,
     training_epoch_iterator,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "make_slots_where_created",
     "needs_gradient",
     "nvml",
+    "parameter_server_writes_in_reverse",
     "partition_graphs",
     "peer_answers",
     "reduce_scatter",

@@ -244,20 +244,28 @@ def _train_function(strategy: ParameterServerStrategy, model: keras.Model):
             @tf.function
             def run_steps(iterator):
                 for _ in range(steps):
-                    strategy.run(model.train_step, args=(next(iterator),))
+                    strategy.run(train_step, args=(next(iterator),))
                 # No output: waiting on it must not copy a tensor from a worker that may have died since.
 
             step_functions[steps] = run_steps
         return step_functions[steps]
 
+    def metric_variables() -> list:
+        return [variable for metric in model.metrics for variable in metric.variables]
+
+    def train_step(batch):
+        # The metrics' updates run in the reverse of the order `metric_values` reads them.
+        with _compat.parameter_server_writes_in_reverse(metric_variables()):
+            return model.train_step(batch)
+
     @tf.function
     def metric_values():
-        # Workers update a metric's variables in creation order (Mean: total,
-        # then count) while this reads them. Read all at once, total and count
-        # (maybe on different parameter servers) came from different moments:
-        # accuracy showed 1.08. Read one after another in that same order, a
-        # step counted in a total is counted in its count by the time that is
-        # read, so a mid-epoch value lags by at most a step in flight.
+        # Workers update the metrics' variables while this reads them. Read
+        # all at once, a total and its count (maybe on different parameter
+        # servers) came from different moments: accuracy showed 1.08. Read
+        # one after another, first to last, while `train_step` updates them
+        # last to first, a step counted in a total is counted in its count,
+        # so a mid-epoch value lags by at most the steps in flight.
         values, previous = {}, []
         for metric in model.metrics:
             snapshot = []
