@@ -13,13 +13,23 @@ def test_measure_reports_the_slots_split_n_ways_the_bytes_and_the_speed():
     figures = result["figures"]
     for n in (2, 4):
         memory = result["slot_bytes_by_device"][str(n)]
-        assert set(memory["split"]) == set(memory["unsplit"]) == {f"CPU:{i}" for i in range(n)}
+        assert set(memory) == {"unsplit", "stage_1", "stage_2"}
+        assert all(set(m) == {f"CPU:{i}" for i in range(n)} for m in memory.values())
         # Adam's two slots of (784*32 + 32 + 32*32 + 32 + 32*10 + 10) weights, whole on every device.
         assert set(memory["unsplit"].values()) == {2 * 4 * 26_506}
-        assert figures[f"slot_bytes_share_{n}"] == pytest.approx(1 / n, abs=0.002)  # padding: < 1 float/slice
-        assert figures[f"meets_memory_target_{n}"]
-        assert figures[f"wire_bytes_ratio_{n}"] == pytest.approx(1.5, abs=0.01)  # all-reduce + all-gather
+        gradients = result["reduced_gradient_bytes_by_device"][str(n)]
+        assert set(gradients["unsplit"].values()) == {4 * 26_506}  # the whole all-reduced gradient
+        for stage in ("stage_1", "stage_2"):
+            assert figures[f"slot_bytes_share_{n}_{stage}"] == pytest.approx(1 / n, abs=0.002)  # padding
+        # Stage 1 holds the whole sum before keeping its slice; stage 2 receives its slice's only.
+        assert figures[f"gradient_bytes_share_{n}_stage_1"] == pytest.approx(1, abs=0.002)
+        assert figures[f"gradient_bytes_share_{n}_stage_2"] == pytest.approx(1 / n, abs=0.002)
+        # All-reduce + all-gather, against reduce-scatter + all-gather (an all-reduce's bytes).
+        assert figures[f"wire_bytes_ratio_{n}_stage_1"] == pytest.approx(1.5, abs=0.01)
+        assert figures[f"wire_bytes_ratio_{n}_stage_2"] == pytest.approx(1.0, abs=0.01)
+        assert figures[f"meets_memory_target_{n}"] and figures[f"meets_wire_target_{n}"]
     step_ms = result["speed"]["step_time_ms"]
-    assert set(step_ms) == {"split", "unsplit"} and all(t > 0 for t in step_ms.values())
-    assert figures["speed_ratio"] == pytest.approx(step_ms["unsplit"] / step_ms["split"])
-    assert figures["meets_speed_target"] == (figures["speed_ratio"] >= 0.95)
+    assert set(step_ms) == {"unsplit", "stage_1", "stage_2"} and all(t > 0 for t in step_ms.values())
+    for stage in ("stage_1", "stage_2"):
+        assert figures[f"speed_ratio_{stage}"] == pytest.approx(step_ms["unsplit"] / step_ms[stage])
+    assert figures["meets_speed_target"] == (figures["speed_ratio_stage_2"] >= 0.95)

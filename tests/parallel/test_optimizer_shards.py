@@ -1,4 +1,4 @@
-"""The optimizer state split over a mirrored job's devices (ZeRO stage 1): the same weights as unsplit,
+"""The optimizer state split over a mirrored job's devices (ZeRO stages 1 and 2): the same weights as unsplit,
 each device holding the slots of 1/N of every variable."""
 
 import io
@@ -12,6 +12,7 @@ import pytest
 
 from helpers import ROOT
 from tfdist import Checkpoint, MirroredStrategy, load_config
+from tfdist.bench.sharded_optimizer import step_collectives
 from tfdist.errors import ConfigError
 from tfdist.layers import ColumnParallelDense, RowParallelDense
 from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state, shards_of
@@ -39,10 +40,10 @@ OPTIMIZERS = {
 }
 
 
-def _train(devices, make_optimizer, split, epochs=2, callbacks=()):
+def _train(devices, make_optimizer, stage, epochs=2, callbacks=()):
     """(model, optimizer, its shards or None) after `epochs` epochs of 10 steps under a MirroredStrategy on
-    `devices` logical CPUs, with `shard_optimizer=1` if `split`."""
-    strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=int(split))
+    `devices` logical CPUs, with `shard_optimizer=stage` (0 or False: unsplit, 1 or True, 2)."""
+    strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=int(stage))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 12)).astype("float32")
     y = x[:, :3].argmax(axis=1).astype("int32")
@@ -54,7 +55,7 @@ def _train(devices, make_optimizer, split, epochs=2, callbacks=()):
         optimizer = make_optimizer()
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")  # split here if `split`
         shards = shards_of(optimizer)
-        assert (shards is not None) == split
+        assert (shards is not None) == bool(stage)
     if epochs:
         model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
     return model, optimizer, shards
@@ -66,14 +67,30 @@ CASES = [(name, 2) for name in OPTIMIZERS] + [("adam", 4), ("mixed_float16_loss_
 
 @pytest.mark.parametrize("name, devices", CASES)
 def test_split_state_trains_the_same_weights_as_one_copy_per_device(cpus, name, devices):
+    """Stage 1 (the gradients all-reduced) and stage 2 (reduce-scattered) against the same job unsplit."""
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
-    whole, whole_optimizer, _ = _train(devices, OPTIMIZERS[name], split=False)
-    split, optimizer, shards = _train(devices, OPTIMIZERS[name], split=True)
-    assert int(optimizer.iterations.numpy()) == STEPS
-    for a, b in zip(whole.get_weights(), split.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
-    if name == "adam":
-        _assert_each_device_holds_the_slots_of_its_slices_only(whole_optimizer, optimizer, shards, devices)
+    whole, whole_optimizer, _ = _train(devices, OPTIMIZERS[name], stage=0)
+    for stage in (1, 2):
+        split, optimizer, shards = _train(devices, OPTIMIZERS[name], stage=stage)
+        assert int(optimizer.iterations.numpy()) == STEPS and shards.collectives.stage == stage
+        for a, b in zip(whole.get_weights(), split.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
+        if name == "adam":
+            _assert_each_device_holds_the_slots_of_its_slices_only(whole_optimizer, optimizer, shards, devices)
+            _assert_the_reduced_gradients_are_split_at_stage_2(whole, split, stage, devices)
+
+
+def _assert_the_reduced_gradients_are_split_at_stage_2(whole, split, stage, devices):
+    batch = (np.zeros((8, 12), "float32"), np.zeros((8,), "int32"))
+    unsplit = step_collectives(whole, batch)["reduced_bytes_by_device"]
+    assert len(unsplit) == devices and len(set(unsplit.values())) == 1  # every device: the whole gradient
+    held = step_collectives(split, batch)["reduced_bytes_by_device"]
+    assert len(held) == devices, held
+    largest = max(held.values()) / next(iter(unsplit.values()))
+    if stage == 2:
+        assert largest <= 1.15 / devices, held
+    else:  # the whole sum reaches every device before it keeps its slice
+        assert largest >= 1, held
 
 
 def _assert_each_device_holds_the_slots_of_its_slices_only(whole, split, shards, devices):
@@ -135,18 +152,18 @@ def _assert_same_weights(a, b, exact=False):
 @pytest.mark.parametrize("name", ["adam", "mixed_float16_loss_scaling"])
 def test_a_killed_split_run_resumes_from_its_checkpoint_bit_exact(cpus, tmp_path, name):
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
-    whole, _, _ = _train(2, OPTIMIZERS[name], split=True)
+    whole, _, _ = _train(2, OPTIMIZERS[name], stage=1)
     with pytest.raises(_Killed):
-        _train(2, OPTIMIZERS[name], split=True, callbacks=[Checkpoint(str(tmp_path), every_steps=4), _KillAt(15)])
+        _train(2, OPTIMIZERS[name], stage=1, callbacks=[Checkpoint(str(tmp_path), every_steps=4), _KillAt(15)])
     checkpoint = Checkpoint(str(tmp_path), every_steps=4)
-    resumed, optimizer, _ = _train(2, OPTIMIZERS[name], split=True, callbacks=[checkpoint])
+    resumed, optimizer, _ = _train(2, OPTIMIZERS[name], stage=1, callbacks=[checkpoint])
     assert checkpoint.resumed_from_step == 12 and int(optimizer.iterations.numpy()) == STEPS
     _assert_same_weights(resumed, whole, exact=True)
 
 
 @pytest.fixture(scope="module")
 def three_unsplit_epochs(cpus):
-    return _train(2, OPTIMIZERS["adam"], split=False, epochs=3)[0].get_weights()
+    return _train(2, OPTIMIZERS["adam"], stage=0, epochs=3)[0].get_weights()
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, True), (4, True)), ((2, True), (2, False)), ((4, False), (2, True))])
@@ -163,8 +180,8 @@ def test_a_checkpoint_resumes_split_or_unsplit_on_another_number_of_devices(thre
 
 
 def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path):
-    unsplit, unsplit_optimizer, _ = _train(2, OPTIMIZERS["adam"], split=False)
-    split, _, _ = _train(2, OPTIMIZERS["adam"], split=True)
+    unsplit, unsplit_optimizer, _ = _train(2, OPTIMIZERS["adam"], stage=0)
+    split, _, _ = _train(2, OPTIMIZERS["adam"], stage=1)
     split.save(tmp_path / "split.keras")
     loaded = keras.models.load_model(tmp_path / "split.keras")  # Keras's own optimizer, not split
     assert len(loaded.optimizer.variables) == len(unsplit_optimizer.variables)
@@ -172,7 +189,7 @@ def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, rtol=0, err_msg=b.path)
 
     unsplit.save_weights(tmp_path / "unsplit.weights.h5")
-    into, optimizer, shards = _train(4, OPTIMIZERS["adam"], split=True, epochs=0)
+    into, optimizer, shards = _train(4, OPTIMIZERS["adam"], stage=1, epochs=0)
     optimizer.build(into.trainable_variables)
     into.load_weights(tmp_path / "unsplit.weights.h5")
     assert int(optimizer.iterations.numpy()) == STEPS
@@ -208,22 +225,24 @@ def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_besid
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         return model
 
-    whole, split = train(0), train(1)
-    for a, b in zip(whole.get_weights(), split.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
-    shards = shards_of(split.optimizer)
-    assert int(split.optimizer.iterations.numpy()) == STEPS
-    unsplit = bytes_by_device([v for v in whole.optimizer.variables if len(v.shape)])
-    held = bytes_by_device([slot for copy in shards.copies for slot in copy.variables if len(slot.shape)])
-    assert set(held) == set(unsplit) == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, (held, unsplit)
-    for device, nbytes in held.items():  # every device: about half of what it held unsplit
-        assert nbytes <= 1.15 / 2 * unsplit[device], (device, held, unsplit)
-    report = split.distribute_strategy.job_report(split)  # the summary and --metrics_out
-    assert report["optimizer_state"]["devices"] == 2
-    assert "optimizer_state" not in whole.distribute_strategy.job_report(whole)
-    if kind == "pipeline":  # the stages' bytes count the slices' slots where they live
-        for whole_stage, split_stage in zip(*(m.distribute_strategy.stage_memory(m) for m in (whole, split))):
-            assert 0 < split_stage["optimizer"] <= 1.15 / 2 * whole_stage["optimizer"], (whole_stage, split_stage)
+    whole = train(0)
+    for stage in (1, 2):  # the gradients all-reduced, or reduce-scattered
+        split = train(stage)
+        for a, b in zip(whole.get_weights(), split.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
+        shards = shards_of(split.optimizer)
+        assert int(split.optimizer.iterations.numpy()) == STEPS
+        unsplit = bytes_by_device([v for v in whole.optimizer.variables if len(v.shape)])
+        held = bytes_by_device([slot for copy in shards.copies for slot in copy.variables if len(slot.shape)])
+        assert set(held) == set(unsplit) == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, (held, unsplit)
+        for device, nbytes in held.items():  # every device: about half of what it held unsplit
+            assert nbytes <= 1.15 / 2 * unsplit[device], (device, held, unsplit)
+        report = split.distribute_strategy.job_report(split)  # the summary and --metrics_out
+        assert report["optimizer_state"]["devices"] == 2 and report["optimizer_state"]["stage"] == stage
+        assert "optimizer_state" not in whole.distribute_strategy.job_report(whole)
+        if kind == "pipeline":  # the stages' bytes count the slices' slots where they live
+            for whole_stage, split_stage in zip(*(m.distribute_strategy.stage_memory(m) for m in (whole, split))):
+                assert 0 < split_stage["optimizer"] <= 1.15 / 2 * whole_stage["optimizer"], (whole_stage, split_stage)
 
 
 @pytest.mark.parametrize("path", ["configs/pipeline.yaml", "configs/tensor_parallel.yaml"])
@@ -250,9 +269,7 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("strategy.shard_optimizer=2", "`strategy.shard_optimizer` 2 needs a reduce-scatter, which TensorFlow 2.21 "
-                                   "has for NCCL only"),
-    ("strategy.kind=multi_worker_mirrored,strategy.shard_optimizer=2", "multi_worker_mirrored jobs take 1"),
+    ("strategy.shard_optimizer=3", "`strategy.shard_optimizer` must be >= 0 and <= 2. Received: 3"),
     ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored, "
                                  "multi_worker_mirrored, horovod, pipeline or tensor_parallel"),
     ("strategy.kind=pipeline,strategy.data_parallel=horovod", "strategy.data_parallel must be local, not horovod"),

@@ -1,10 +1,10 @@
 """One worker of a two-process MultiWorkerMirroredStrategy job whose optimizer state is split over the
-workers (`shard_optimizer=1`).
+workers (`shard_optimizer=1` and 2).
 
 `python multi_worker_split.py TF_CONFIG OUT_DIR` trains `train`'s model with each optimizer of
-OPTIMIZERS in turn, 4 epochs of 5 steps (global batch 32), split and then unsplit; every worker
-writes OUT_DIR/worker-N.json (its slot bytes and devices) and the weights to
-OUT_DIR/worker-N-NAME.npz and worker-N-NAME-unsplit.npz. Adam's split job also saves a
+OPTIMIZERS in turn, 4 epochs of 5 steps (global batch 32), split at stage 1, at stage 2 and
+unsplit; every worker writes OUT_DIR/worker-N.json (its slot bytes and devices) and the weights to
+OUT_DIR/worker-N-NAME.npz, worker-N-NAME-stage2.npz and worker-N-NAME-stage0.npz. Adam's split job also saves a
 `tfdist.Checkpoint` to OUT_DIR/checkpoint and a Keras file to OUT_DIR/together.keras
 (`strategy.save_model`), every worker joining, the chief writing.
 test_optimizer_shards_multi_worker.py starts two and trains the same models on one device.
@@ -81,8 +81,12 @@ if __name__ == "__main__":
             result[name]["keras_file_refused"] = str(error)
         if name == "adam":  # every worker at once: the chief writes
             strategy.save_model(model, os.path.join(out_dir, "together.keras"))
-        strategy.shard_optimizer = 0  # read at compile: the same job, unsplit
-        np.savez(os.path.join(out_dir, f"worker-{index}-{name}-unsplit.npz"), *train(strategy, name).get_weights())
+        for stage in (2, 0):  # read at compile: the same job reduce-scattering its gradients, and unsplit
+            strategy.shard_optimizer = stage
+            model = train(strategy, name)
+            np.savez(os.path.join(out_dir, f"worker-{index}-{name}-stage{stage}.npz"), *model.get_weights())
+            if stage:
+                result[name]["stage_2_report"] = shards_of(model.optimizer).report()
         strategy.shard_optimizer = 1
     with open(os.path.join(out_dir, f"worker-{index}.json"), "w") as f:
         json.dump(result, f)

@@ -165,7 +165,7 @@ def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path, compr
 
 @pytest.mark.timeout(420)
 def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and_saves_it_whole(tmp_path):
-    """`shard_optimizer=1` across two processes, for each optimizer of the scenario: every worker holds the
+    """`shard_optimizer=1` and 2 across two processes, for each optimizer of the scenario: every worker holds the
     slots of its own slice only, the weights after 20 steps are the same job's unsplit ones (and one
     device's), and the checkpoint and the Keras file both workers wrote together (each slot gathered whole)
     resume in one plain process as if it had trained all along; a Keras file one worker saves is refused."""
@@ -189,9 +189,10 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
         assert code == 0, err[-3000:]
     for index in range(2):
         for name, result in json.loads((tmp_path / f"worker-{index}.json").read_text()).items():
-            report = result["report"]
             assert result["iterations"] == 20 and result["ranks"] == [index], (name, result)
-            assert report["slot_bytes_per_device"][0] <= 1.15 / 2 * report["unsplit_slot_bytes"], (name, report)
+            for report, stage in ((result["report"], 1), (result["stage_2_report"], 2)):
+                assert report["slot_bytes_per_device"][0] <= 1.15 / 2 * report["unsplit_slot_bytes"], (name, report)
+                assert report["stage"] == stage and report["devices"] == 2, (name, report)
             assert result["slot_devices"] == [f"/job:worker/replica:0/task:{index}/device:CPU:0"], (name, result)
             assert "cannot be saved by one process into a Keras file" in result["keras_file_refused"]
     assert [path.name for path in tmp_path.glob("*.keras")] == ["together.keras"]  # one worker's: refused
@@ -202,11 +203,12 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
     for name in OPTIMIZERS:
         alone = train(None, name).get_weights()
         for index in range(2):
-            split = np.load(tmp_path / f"worker-{index}-{name}.npz")
-            unsplit = np.load(tmp_path / f"worker-{index}-{name}-unsplit.npz")
-            assert max_diff(split, [unsplit[k] for k in sorted(unsplit, key=lambda k: int(k[4:]))]) <= 1e-5, name
-            # float16 products over half the batch per worker differ from one device's over all of it
-            assert max_diff(split, alone) <= (2e-4 if "float16" in name else 1e-5), name
+            unsplit = np.load(tmp_path / f"worker-{index}-{name}-stage0.npz")
+            for file in (f"worker-{index}-{name}.npz", f"worker-{index}-{name}-stage2.npz"):
+                split = np.load(tmp_path / file)
+                assert max_diff(split, [unsplit[k] for k in sorted(unsplit, key=lambda k: int(k[4:]))]) <= 1e-5, file
+                # float16 products over half the batch per worker differ from one device's over all of it
+                assert max_diff(split, alone) <= (2e-4 if "float16" in name else 1e-5), file
     resumed = Checkpoint(str(tmp_path / "checkpoint"), write=False)
     assert max_diff({f"arr_{i}": w for i, w in enumerate(train(None, "adam", epochs=5).get_weights())},
                     train(None, "adam", epochs=5, callbacks=[resumed]).get_weights()) <= 1e-5

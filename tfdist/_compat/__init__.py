@@ -34,6 +34,7 @@ from tfdist._compat.patches import (
 )
 from tfdist._compat.tensorflow_internals import (
     all_gather,
+    all_reduced_slice,
     auto_shard,
     collective_launchers,
     configure_coordination_service,
@@ -49,6 +50,7 @@ from tfdist._compat.versions import TESTED_VERSIONS, check_versions
 __all__ = [
     "TESTED_VERSIONS",
     "all_gather",
+    "all_reduced_slice",
     "auto_shard",
     "batches_read",
     "build_for_training",

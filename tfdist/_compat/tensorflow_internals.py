@@ -3,8 +3,8 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
-__all__ = ["all_gather", "auto_shard", "collective_launchers", "configure_coordination_service", "merge_calls_in_place",
-           "needs_gradient", "partition_graphs", "peer_answers", "reduce_scatter", "remake_variables"]
+__all__ = ["all_gather", "all_reduced_slice", "auto_shard", "collective_launchers", "configure_coordination_service",
+           "merge_calls_in_place", "needs_gradient", "partition_graphs", "peer_answers", "reduce_scatter", "remake_variables"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
     """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's
@@ -139,14 +139,32 @@ def collective_launchers(strategy) -> list:
 
 
 def reduce_scatter(launcher, tensor, rank: int):
-    """Slice `rank` (of as many as the group has devices) of the sum over the group of the 1-D `tensor`.
+    """Slice `rank` (of as many as the group has devices) of the sum over the group of the 1-D `tensor`,
+    with the bytes of a reduce-scatter.
 
     TensorFlow 2.21's CollectiveReduceScatterV2 has a kernel for NCCL only
-    (GPUs): on CPUs the collective registry finds no implementation. So the
-    tensor is all-reduced with the launcher's ring all-reduce (its keys,
-    ordering and timeout) and this device keeps its slice: the bytes of an
-    all-reduce, not of a reduce-scatter.
+    (GPUs): on CPUs the collective registry finds no implementation. Its
+    all-to-all has one: device j sends its slice i to device i and receives
+    every device's slice j, which it sums. Each device sends and receives
+    (n - 1)/n of the tensor, as a ring reduce-scatter does. The collective
+    takes the launcher's keys, ordering token and timeout, as its all-reduce
+    does.
     """
+    import tensorflow as tf
+    from tensorflow.python.ops import collective_ops
+
+    options = launcher._options
+    with tf.device(launcher._device):
+        received = collective_ops.all_to_all_v2(
+            tf.reshape(tensor, [launcher._group_size, -1]), launcher._group_size, launcher._group_key,
+            launcher._next_instance_key(), communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds, ordering_token=launcher._get_ordering_token())
+        return tf.reduce_sum(received, axis=0)
+
+
+def all_reduced_slice(launcher, tensor, rank: int):
+    """Slice `rank` of the sum over the group of the 1-D `tensor`, by the launcher's all-reduce: the
+    whole sum reaches every device (ZeRO stage 1), with an all-reduce's bytes."""
     import tensorflow as tf
 
     reduced = launcher.all_reduce(tensor)

@@ -22,14 +22,14 @@ model, data and batch per worker for every kind:
   64 KiB packs (`strategy.bytes_per_pack`), last layer first, so that the
   first packs can leave during the backward pass: its `overlap` figures
   measure how much of the wire time that hides;
-- `horovod_split`: Horovod with the optimizer's state split over the ranks
-  (`strategy.shard_optimizer: 2`, ZeRO stage 2): each gradient slice is
-  reduce-scattered to its owner and the updated weights all-gathered, which
-  together move an all-reduce's bytes. Figure `split_bytes_ratio_horovod` is
-  its measured bytes over the unsplit job's (the larger direction, at the
-  link where it is largest), `split_speed_ratio_horovod` its samples/sec over
-  theirs at the slowest link. Dense models only: a sparse gradient would be
-  made dense to be sliced.
+- `multi_worker_split`, `horovod_split`: the kind with the optimizer's state
+  split over the workers or ranks (`strategy.shard_optimizer: 2`, ZeRO stage
+  2): each gradient slice is reduce-scattered to its owner and the updated
+  weights all-gathered, which together move an all-reduce's bytes. Figure
+  `split_bytes_ratio_KIND` is its measured bytes over the unsplit job's (the
+  larger direction, at the link where it is largest), `split_speed_ratio_KIND`
+  its samples/sec over theirs at the slowest link. Dense models only: a
+  sparse gradient would be made dense to be sliced.
 
 For each kind and link it reports samples/sec and the step time (wall clock,
 completed work, as `tfdist train` measures them) and the bytes the reporting
@@ -98,7 +98,8 @@ _COMPRESSED = {"multi_worker": "strategy.gradient_compression=fp16", "horovod": 
 # Gradients all-reduced in 64 KiB packs, last layer first, so that packs leave while earlier layers'
 # gradients are still computed: the variant that measures how much of the wire time that hides.
 _PACKED = {"multi_worker": "strategy.bytes_per_pack=65536"}
-_SPLIT = {"horovod": "strategy.shard_optimizer=2"}  # reduce-scatter + all-gather: an all-reduce's bytes
+# Reduce-scatter + all-gather: an all-reduce's bytes.
+_SPLIT = {"multi_worker": "strategy.shard_optimizer=2", "horovod": "strategy.shard_optimizer=2"}
 SPARSE_MODEL = "sparse_embedding"  # --model's name for tfdist.bench.sparse_workload
 BYTES_TOLERANCE = 1.10  # measured over algorithm bytes, per the issue's target
 OVERLAP_TARGET = 0.7

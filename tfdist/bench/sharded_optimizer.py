@@ -1,28 +1,33 @@
-"""`tfdist bench sharded_optimizer`: a mirrored job's optimizer state split over its devices (ZeRO stage 1)
-against a whole copy of it on every device.
+"""`tfdist bench sharded_optimizer`: a mirrored job's optimizer state split over its devices (ZeRO stages
+1 and 2) against a whole copy of it on every device.
 
 The model is an MLP (784 -> width -> width -> 10) trained with Adam, whose
 two slots per weight are the state that is split, under tfdist's
-`MirroredStrategy` on logical CPU devices (intra-op 1, inter-op 2 threads).
+`MirroredStrategy` on logical CPU devices (intra-op 1, inter-op 2 threads),
+in three layouts: `unsplit`, `stage_1` (`shard_optimizer=1`: the gradients
+all-reduced, each device keeping its slice of the sum) and `stage_2`
+(`shard_optimizer=2`: the gradients reduce-scattered).
 
 - **Memory**, on 2 and 4 devices: every optimizer slot variable's bytes,
   summed by the device the variable lives on (after one training step, so
-  the optimizer is built). `slot_bytes_share_N` = the fullest device's slot
-  bytes split / unsplit; the target is at most 1.15/N.
-- **Bytes on the wire** per device and step, from the payloads a step hands
-  its collectives and the ring algorithm's traffic for them: unsplit, one
-  all-reduce of the gradients (2(N-1)/N of their bytes); split, the same
-  all-reduce of the gradients packed slice by slice (padded to N equal
-  slices) plus the all-gather of the updated slices ((N-1)/N). TensorFlow has
-  no reduce-scatter kernel on CPUs (NCCL only), which would halve the
-  all-reduce's share. `wire_bytes_ratio_N` = split / unsplit.
-- **Speed**, on 2 devices: samples/sec of `model.fit`, the two jobs in
-  alternated rounds, medians compared: `speed_ratio` = split / unsplit
-  (target at least 0.95).
+  the optimizer is built); and the gradient bytes each device holds once they
+  are reduced, read from a traced training step (an all-reduce's output, or
+  the sum of what an all-to-all brought: the reduce-scatter's output).
+  `slot_bytes_share_N` and `gradient_bytes_share_N` = the fullest device's
+  bytes split / unsplit, per stage; the target is at most 1.15/N.
+- **Bytes on the wire** per device and step, from the payloads of the
+  collectives in the same traced step and each algorithm's traffic: a ring
+  all-reduce sends 2(N-1)/N of its input, a ring all-gather N-1 times its
+  input (the other devices' pieces), an all-to-all (N-1)/N of its input. `wire_bytes_ratio_N` = split /
+  unsplit, per stage (target: within 10% of unsplit).
+- **Speed**, on 2 devices: samples/sec of `model.fit`, the three layouts in
+  alternated rounds, medians compared: `speed_ratio` = split / unsplit, per
+  stage (target at least 0.95).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -30,15 +35,17 @@ import numpy as np
 
 from tfdist.bench.timing import alternate, fit_round, medians
 
-__all__ = ["measure"]
+__all__ = ["measure", "step_collectives"]
 
 DEVICE_COUNTS = (2, 4)
+LAYOUTS = {"unsplit": 0, "stage_1": 1, "stage_2": 2}  # shard_optimizer
 TARGET_SLOT_SHARE = 1.15  # / N
+TARGET_WIRE_RATIO = 1.1
 TARGET_SPEED = 0.95
 
 
 def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_round: int = 20) -> dict[str, Any]:
-    """Builds and times both layouts in this process (call before TensorFlow has started)."""
+    """Builds and times the three layouts in this process (call before TensorFlow has started)."""
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -56,8 +63,8 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
     y = rng.integers(0, 10, batch).astype("int32")
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
 
-    def build(devices: int, split: bool):
-        strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=int(split))
+    def build(devices: int, stage: int):
+        strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=stage)
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(width, activation="relu"),
@@ -67,43 +74,83 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
         model.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)  # builds the optimizer
         return model
 
-    gradient_bytes = None
-    memory, wire = {}, {}
+    def slots(model):
+        shards = shards_of(model.optimizer)
+        return model.optimizer.variables if shards is None else [v for copy in shards.copies for v in copy.variables]
+
+    memory, gradients, wire = {}, {}, {}
     figures: dict[str, Any] = {}
     models = {}
     for n in DEVICE_COUNTS:
-        whole, split = build(n, split=False), build(n, split=True)
-        models[n] = {"unsplit": whole, "split": split}
-        shards = shards_of(split.optimizer)
-        memory[n] = {"unsplit": _slot_bytes_by_device(whole.optimizer.variables),
-                     "split": _slot_bytes_by_device(v for copy in shards.copies for v in copy.variables)}
-        gradient_bytes = sum(math.prod(v.shape) * 4 for v in whole.trainable_variables)
-        packed = n * sum(piece.shape[0] for piece in shards.slices[0]) * 4  # every slice, padded
-        wire[n] = {"unsplit": 2 * (n - 1) / n * gradient_bytes,
-                   "split": 2 * (n - 1) / n * packed + (n - 1) / n * packed}
-        figures[f"slot_bytes_share_{n}"] = max(memory[n]["split"].values()) / max(memory[n]["unsplit"].values())
-        figures[f"meets_memory_target_{n}"] = figures[f"slot_bytes_share_{n}"] <= TARGET_SLOT_SHARE / n
-        figures[f"wire_bytes_ratio_{n}"] = wire[n]["split"] / wire[n]["unsplit"]
+        models[n] = {name: build(n, stage) for name, stage in LAYOUTS.items()}
+        memory[n] = {name: _slot_bytes_by_device(slots(model)) for name, model in models[n].items()}
+        steps = {name: step_collectives(model, (x[:8], y[:8])) for name, model in models[n].items()}
+        gradients[n] = {name: step["reduced_bytes_by_device"] for name, step in steps.items()}
+        wire[n] = {name: step["wire_bytes_per_device"] for name, step in steps.items()}
+        for name in ("stage_1", "stage_2"):
+            slot_share = max(memory[n][name].values()) / max(memory[n]["unsplit"].values())
+            figures[f"slot_bytes_share_{n}_{name}"] = slot_share
+            figures[f"gradient_bytes_share_{n}_{name}"] = (max(gradients[n][name].values())
+                                                            / max(gradients[n]["unsplit"].values()))
+            figures[f"wire_bytes_ratio_{n}_{name}"] = wire[n][name] / wire[n]["unsplit"]
+        figures[f"meets_memory_target_{n}"] = all(
+            figures[f"{kind}_bytes_share_{n}_stage_2"] <= TARGET_SLOT_SHARE / n for kind in ("slot", "gradient"))
+        figures[f"meets_wire_target_{n}"] = figures[f"wire_bytes_ratio_{n}_stage_2"] <= TARGET_WIRE_RATIO
 
     rounds = {name: fit_round(model, dataset, batch=batch, steps=steps_per_round)
               for name, model in models[DEVICE_COUNTS[0]].items()}
     samples = alternate(rounds, repeats=repeats)
     step_ms = medians(samples)
-    figures["speed_ratio"] = step_ms["unsplit"] / step_ms["split"]
-    figures["meets_speed_target"] = figures["speed_ratio"] >= TARGET_SPEED
+    for name in ("stage_1", "stage_2"):
+        figures[f"speed_ratio_{name}"] = step_ms["unsplit"] / step_ms[name]
+    figures["meets_speed_target"] = figures["speed_ratio_stage_2"] >= TARGET_SPEED
+    gradient_bytes = sum(math.prod(v.shape) * 4 for v in models[DEVICE_COUNTS[0]]["unsplit"].trainable_variables)
     return {
         "benchmark": "sharded_optimizer",
         "strategy": "mirrored",
-        "stage": 1,
+        "layouts": LAYOUTS,
         "model": {"mlp": [784, width, width, 10], "optimizer": "adam", "gradient_bytes": gradient_bytes},
         "threads": {"intra_op": 1, "inter_op": 2},
         "slot_bytes_by_device": {str(n): m for n, m in memory.items()},
+        "reduced_gradient_bytes_by_device": {str(n): g for n, g in gradients.items()},
         "wire_bytes_per_device_and_step": {str(n): w for n, w in wire.items()},
         "speed": {"devices": DEVICE_COUNTS[0], "global_batch_size": batch, "steps_per_round": steps_per_round,
                   "repeats": repeats, "step_time_ms": step_ms,
                   "samples_per_sec": {k: 1000 * batch / v for k, v in step_ms.items()}, "samples": samples},
         "figures": figures,
     }
+
+
+def step_collectives(model, batch) -> dict[str, Any]:
+    """What the collectives of one traced training step of `model` (under a mirrored strategy) hold and
+    move: `reduced_bytes_by_device`, the gradient bytes each device holds once they are reduced (an
+    all-reduce's output, or the sum of what an all-to-all brought), and `wire_bytes_per_device`, the bytes
+    a device sends per step by each algorithm's traffic (the devices send alike)."""
+    import tensorflow as tf
+
+    strategy = model.distribute_strategy
+    n = strategy.num_replicas_in_sync
+    inputs = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch))))
+    graph = tf.function(lambda data: strategy.run(model.train_step, args=(data,))).get_concrete_function(inputs).graph
+    ops = list(graph.get_operations())
+    for function in graph._functions.values():
+        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+
+    def nbytes(tensors):
+        return sum(math.prod(t.shape) * t.dtype.size for t in tensors)
+
+    held, sent = collections.Counter(), collections.Counter()
+    for op in ops:
+        device = op.device.split("device:")[-1]
+        if op.type == "CollectiveReduceV2":  # a ring all-reduce
+            held[device] += nbytes(op.outputs)
+            sent[device] += 2 * (n - 1) / n * nbytes(op.inputs[:1])
+        elif op.type == "CollectiveAllToAllV2":  # a reduce-scatter: each device sums the slices it receives
+            held[device] += nbytes([consumer.outputs[0] for consumer in op.outputs[0].consumers()])
+            sent[device] += (n - 1) / n * nbytes(op.inputs[:1])
+        elif op.type == "CollectiveGatherV2":  # a ring all-gather passes on the other devices' pieces
+            sent[device] += (n - 1) * nbytes(op.inputs[:1])
+    return {"reduced_bytes_by_device": dict(held), "wire_bytes_per_device": max(sent.values())}
 
 
 def _slot_bytes_by_device(variables) -> dict[str, int]:

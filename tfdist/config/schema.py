@@ -194,9 +194,8 @@ class StrategyConfig:
         the unsplit layout. 2 also reduces each gradient only to its slice's
         owner (a reduce-scatter), so the bytes a step moves are an
         all-reduce's. 0 keeps a whole copy on every device. In this version:
-        strategy.kind=mirrored, multi_worker_mirrored, and pipeline and
-        tensor_parallel with data_parallel local (stage 1: TensorFlow has a
-        reduce-scatter for NCCL only), and horovod (stages 1 and 2).
+        strategy.kind=mirrored, multi_worker_mirrored, horovod, and pipeline
+        and tensor_parallel with data_parallel local.
     """
 
     kind: StrategyKind = StrategyKind.MIRRORED

@@ -146,9 +146,6 @@ def _check_strategy(config: Config) -> None:
         raise ConfigError("strategy.shard_optimizer", f"splits a {s.kind.value} job's state over one process's "
                           "replicas in this version: strategy.data_parallel must be local, not "
                           f"{s.data_parallel.value}.", s.shard_optimizer)
-    if s.shard_optimizer == 2 and s.kind in on_collective_ops:
-        raise ConfigError("strategy.shard_optimizer", "2 needs a reduce-scatter, which TensorFlow 2.21 has for NCCL "
-                          f"only; {s.kind.value} jobs take 1 (strategy.kind=horovod takes 2).", s.shard_optimizer)
     h = config.horovod
     if s.shard_optimizer and s.kind == StrategyKind.HOROVOD and (h.op.value == "adasum" or h.elastic
                                                                 or h.backward_passes_per_step != 1):

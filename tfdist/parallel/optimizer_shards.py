@@ -10,10 +10,11 @@ each step, so a change to the weights between steps is seen). A step reduces
 the gradients to their slices' owners, each replica applies Keras's own update
 for the optimizer to its slice (the `update_step` of a copy of it, built on
 that replica's slices), and the updated slices are all-gathered into every
-replica's weights. The collectives are the strategy's: `DeviceCollectives` in
-one process (TensorFlow's collective ops; stage 1, TensorFlow having no
-reduce-scatter on CPUs), `tfdist.horovod.split_collectives` across Horovod's
-ranks (stage 2 reduce-scatters).
+replica's weights. Stage 1 all-reduces the gradients and each replica keeps
+its slice of the sum; stage 2 reduce-scatters them, so a step moves an
+all-reduce's bytes. The collectives are the strategy's: `DeviceCollectives`
+(TensorFlow's collective ops, in one process or across workers),
+`tfdist.horovod.split_collectives` across Horovod's ranks.
 
 Clipping (`clipnorm`, `global_clipnorm`), weight decay with its exclusions and
 loss scaling stay in the optimizer's `apply`, on the whole gradients and
@@ -329,7 +330,7 @@ class SplitsOptimizerState:
 
     def slice_collectives(self):
         """How the replicas share the slices; default: the strategy's TensorFlow collectives."""
-        return DeviceCollectives(self)
+        return DeviceCollectives(self, self.shard_optimizer)
 
     def after_compile(self, model: keras.Model) -> None:
         if self.shard_optimizer:
@@ -363,10 +364,10 @@ def _saving_together():
 
 
 def collective_ops_stage(shard_optimizer: int) -> int:
-    """`shard_optimizer` checked for a strategy on TensorFlow's collective ops: 0 or 1."""
-    if shard_optimizer not in (0, 1):
-        raise ValueError(f"`shard_optimizer` must be 0 or 1: stage 2 reduce-scatters the gradients, which "
-                         f"TensorFlow 2.21 does for NCCL only (HorovodStrategy takes 2). Received: {shard_optimizer}")
+    """`shard_optimizer` checked: 0, 1 or 2."""
+    if shard_optimizer not in (0, 1, 2):
+        raise ValueError(f"`shard_optimizer` must be 0 (a whole copy on every device), 1 (the optimizer state split) "
+                         f"or 2 (the gradients reduce-scattered too). Received: {shard_optimizer!r}")
     return shard_optimizer
 
 
@@ -380,13 +381,12 @@ class DeviceCollectives:
     `reduce_scatter(d, packed)`, `all_gather(d, piece)` (in a step, for local
     device d) and `gather_pieces(pieces)` (eagerly, on every process at once
     when they are several: every part of a saved slot), and the ZeRO `stage`
-    they implement.
+    they implement: 1 all-reduces the gradients and keeps each device's slice,
+    2 reduce-scatters them.
     """
 
-    stage = 1  # TensorFlow 2.21 has no reduce-scatter kernel on CPUs: see `_compat.reduce_scatter`
-
-    def __init__(self, strategy):
-        self.strategy = strategy
+    def __init__(self, strategy, stage: int = 1):
+        self.strategy, self.stage = strategy, stage
         self.devices = tuple(strategy.extended.worker_devices)
         self.parts = strategy.num_replicas_in_sync
         self.ranks = tuple(strategy.experimental_local_results(
@@ -394,7 +394,8 @@ class DeviceCollectives:
         self.multi_process = self.parts > len(self.devices)
 
     def reduce_scatter(self, d, packed):
-        return _compat.reduce_scatter(_compat.collective_launchers(self.strategy)[d], packed, self.ranks[d])
+        reduce = _compat.reduce_scatter if self.stage == 2 else _compat.all_reduced_slice
+        return reduce(_compat.collective_launchers(self.strategy)[d], packed, self.ranks[d])
 
     def all_gather(self, d, piece):
         return _compat.all_gather(_compat.collective_launchers(self.strategy)[d], piece)

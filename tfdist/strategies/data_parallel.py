@@ -42,7 +42,8 @@ class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.Mir
 
     With `shard_optimizer=1`, an optimizer compiled under its scope keeps the
     state of 1/N of every variable on each of the N devices instead of all of it
-    on each (ZeRO stage 1, `tfdist.parallel.optimizer_shards`).
+    on each (ZeRO stage 1, `tfdist.parallel.optimizer_shards`); with 2 the
+    gradients are also reduce-scattered (stage 2).
 
     Example:
 
@@ -63,7 +64,7 @@ class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.Mir
         """`process_index`: this process's index when its local collectives share a cluster's
         collective runtime with other processes (their local groups must not share keys).
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
-        devices; 0 keeps a whole copy on each."""
+        devices, 2 also reduce-scatters the gradients; 0 keeps a whole copy on each."""
         self.shard_optimizer = collective_ops_stage(shard_optimizer)
         _make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE

@@ -58,7 +58,8 @@ class MultiWorkerMirroredStrategy(SplitsOptimizerState, StrategyContract, tf.dis
         compression does); None sends them as they are. Either way they are all-reduced last layer
         first, so that packs (`CommunicationOptions.bytes_per_pack`) can leave during the backward pass.
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over every
-        worker's replicas (`tfdist.parallel.optimizer_shards`); 0 keeps a whole copy on each."""
+        worker's replicas (`tfdist.parallel.optimizer_shards`), 2 also reduce-scatters the gradients; 0
+        keeps a whole copy on each."""
         if gradient_compression not in (None, "float16", "bfloat16"):
             raise ValueError(f"`gradient_compression` must be None, 'float16' or 'bfloat16'. "
                              f"Received: {gradient_compression!r}")

@@ -209,8 +209,9 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         position. A replica's first device runs its step and holds what is
         placed nowhere else.
       shard_optimizer: 1 splits the state of an optimizer compiled under this
-        strategy over the replicas, each slice beside its variable's copy (one
-        process's replicas only, in this version).
+        strategy over the replicas, each slice beside its variable's copy, and
+        2 also reduce-scatters the gradients (one process's replicas only, in
+        this version).
 
     Raises:
       ValueError: no replicas, replicas of different sizes, a device that
