@@ -1,14 +1,20 @@
 """One process of a 2-process pipeline or tensor-parallel job trained data parallel across processes.
 
-`python process_group_scenarios.py BACKEND LAYOUT OUT`: BACKEND is `multi_worker`
+`python process_group_scenarios.py BACKEND LAYOUT OUT [SHARD]`: BACKEND is `multi_worker`
 (the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
-CPUs) or `tensor_parallel` (a group of 2). Process 0 saves the trained
+CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4) or `tensor_parallel` (a
+group of 2). Process 0 saves the trained
 weights (unsharded), the per-epoch loss, and the predictions and evaluation
 loss over the training data to OUT (.npz). Every process
 trains on its shard of the same global batches as the one-device reference.
+With SHARD (0, 1 or 2) the job trains with Adam, its state split over the
+replicas of both processes at that stage (0: unsplit); each process records
+its slot and weight bytes by device, and a pipeline's processes save the
+model together (`strategy.save_model`) to OUT.keras.
 """
 
+import json
 import os
 import sys
 
@@ -16,8 +22,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+REPLICAS = 2 if sys.argv[2].endswith("2x2") else 1  # this process's replicas, of 2 devices each
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2 * REPLICAS
 )
 
 import keras  # noqa: E402
@@ -38,7 +45,7 @@ def data():
 
 def model(layout):
     keras.utils.set_random_seed(0)
-    if layout == "pipeline":
+    if layout.startswith("pipeline"):
         hidden = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16, activation="relu"),
                   keras.layers.Dense(16, activation="tanh")]
     else:
@@ -47,20 +54,21 @@ def model(layout):
                              keras.layers.Dense(3, activation="softmax")])
 
 
-def strategy_for(backend, layout):
+def strategy_for(backend, layout, shard=0):
     if backend == "one_device":
         return DeviceGroup(["/cpu:0"])
-    if layout == "pipeline":
-        return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=["/cpu:0", "/cpu:1"],
-                                balance_by="params", verbose=False, data_parallel=backend)
-    return TensorParallelStrategy(["/cpu:0", "/cpu:1"], data_parallel=backend)
+    if layout.startswith("pipeline"):
+        return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(2 * REPLICAS)],
+                                balance_by="params", verbose=False, data_parallel=backend, shard_optimizer=shard)
+    return TensorParallelStrategy(["/cpu:0", "/cpu:1"], data_parallel=backend, shard_optimizer=shard)
 
 
-def train(backend, layout):
-    strategy = strategy_for(backend, layout)
+def train(backend, layout, shard=None):
+    strategy = strategy_for(backend, layout, shard or 0)
     with strategy.scope():
         trained = model(layout)
-        trained.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+        optimizer = keras.optimizers.SGD(0.1) if shard is None else keras.optimizers.Adam(0.01)
+        trained.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     x, y = data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     history = trained.fit(dataset, epochs=3, verbose=0)
@@ -88,10 +96,32 @@ def cross_process_reductions(strategy, trained):
                    if op.type == "CollectiveReduceV2" or op.type.startswith("HorovodGroupedAllreduce")})
 
 
+def split_state(strategy, trained, out):
+    """This process's optimizer slot bytes and weight bytes by device (every process writes its own
+    OUT-pN.json, OUT without .npz), and for a pipeline the model saved by every process at once."""
+    from tfdist.parallel.optimizer_shards import held_variables, shards_of
+    from tfdist.strategies.replica_groups import bytes_by_device
+
+    shards = shards_of(trained.optimizer)
+    index, out = strategy.processes.index, out.removesuffix(".npz")
+    with open(f"{out}-p{index}.json", "w") as f:
+        json.dump({"slots": bytes_by_device([v for v in held_variables(trained.optimizer) if len(v.shape)]),
+                   "weights": bytes_by_device(trained.trainable_variables),
+                   "report": shards.report() if shards else None,
+                   "ranks": list(shards.collectives.ranks) if shards else []}, f)
+    if isinstance(strategy, PipelineStrategy):
+        strategy.save_model(trained, f"{out}.keras")
+
+
 if __name__ == "__main__":
     backend, layout, out = sys.argv[1:4]
-    strategy, trained, weights, results = train(backend, layout)
+    shard = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    strategy, trained, weights, results = train(backend, layout, shard)
     devices = cross_process_reductions(strategy, trained) if backend != "one_device" else []
+    if shard is not None and backend != "one_device":
+        split_state(strategy, trained, out)
+    elif shard is not None and layout.startswith("pipeline"):  # the reference's optimizer state, to compare saved ones
+        results["optimizer"] = np.concatenate([np.ravel(v.numpy()) for v in trained.optimizer.variables])
     if getattr(strategy, "is_chief", True):
         np.savez(out, *weights, **results, replicas=getattr(strategy, "num_replicas_in_sync", 1),
                  reduced_on=np.array(devices))

@@ -34,21 +34,21 @@ def _wait_all(procs, timeout):
             proc.kill()
 
 
-def _run(backend, layout, out):
+def _run(backend, layout, out, *shard):
     """The scenario on 2 processes of `backend`, or on one device; returns the chief's saved arrays."""
+    arguments = [SCENARIOS, backend, layout, out, *shard]
     if backend == "one_device":
-        procs = [subprocess.Popen([sys.executable, SCENARIOS, backend, layout, out], cwd=ROOT, env=ENV,
-                                  stderr=subprocess.PIPE, text=True)]
+        procs = [subprocess.Popen([sys.executable, *arguments], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
     elif backend == "horovod":
-        procs = [subprocess.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, SCENARIOS,
-                                   backend, layout, out], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
+        procs = [subprocess.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *arguments],
+                                  cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
     else:
         ports = free_ports(2)
-        procs = [subprocess.Popen([sys.executable, SCENARIOS, backend, layout, out], cwd=ROOT,
+        procs = [subprocess.Popen([sys.executable, *arguments], cwd=ROOT,
                                   env={**ENV, "TF_CONFIG": _tf_config(ports, i)}, stderr=subprocess.PIPE, text=True)
                  for i in range(2)]
     for code, proc in _wait_all(procs, timeout=300):
-        assert code == 0, proc.stderr.read()[-3000:]
+        assert code == 0, why_it_failed(proc.stderr.read())
     return np.load(out)
 
 
@@ -77,6 +77,48 @@ def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, bac
     # Each gradient crosses processes on the device that holds its variable: stage 1's (or shard 1's)
     # on /cpu:1, never gathered on the first device.
     assert list(result["reduced_on"]) == ["CPU:0", "CPU:1"]
+
+
+@pytest.fixture(scope="module")
+def one_device_adam(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("one_device_adam")
+    return {layout: _run("one_device", layout, str(directory / f"{layout}.npz"), "0")
+            for layout in ("pipeline", "tensor_parallel")}
+
+
+@pytest.mark.xdist_group("process_groups_one_device")
+@pytest.mark.parametrize("backend, layout, stage", [
+    ("multi_worker", "pipeline", 2), ("multi_worker", "tensor_parallel", 1), ("multi_worker", "pipeline_2x2", 2),
+    pytest.param("horovod", "pipeline", 1, marks=pytest.mark.horovod),
+    pytest.param("horovod", "tensor_parallel", 2, marks=pytest.mark.horovod),
+])
+def test_an_optimizer_split_over_every_processs_replicas_trains_the_one_device_weights(
+        tmp_path, one_device_adam, backend, layout, stage):
+    """`shard_optimizer` with `data_parallel`: each replica of each process (1, or 2 of 2 stages each in
+    `pipeline_2x2`) keeps the slots of its own slice of every variable, beside the variable (its
+    stage's or its shard's device), and the job trains one device's weights; a pipeline's model saved
+    by both processes at once holds the state whole."""
+    out = tmp_path / "split"
+    result = _run(backend, layout, f"{out}.npz", str(stage))
+    reference = one_device_adam[layout.removesuffix("_2x2")]  # 2 replicas a process: the same model
+    replicas = 2 if layout.endswith("2x2") else 1
+    for key in (k for k in reference.files if k.startswith("arr_")):
+        np.testing.assert_allclose(result[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
+    for index in range(2):
+        held = json.loads((tmp_path / f"split-p{index}.json").read_text())
+        parts = 2 * replicas  # every replica of both processes
+        assert held["ranks"] == [index * replicas + r for r in range(replicas)], held
+        assert held["report"]["devices"] == parts and held["report"]["stage"] == stage
+        # Adam keeps two slots the size of each weight: unsplit, twice the weights' bytes on each device.
+        assert set(held["slots"]) == set(held["weights"]) == {f"CPU:{i}" for i in range(2 * replicas)}, held
+        for device, nbytes in held["slots"].items():
+            assert nbytes <= 1.15 / parts * 2 * held["weights"][device], (device, held)
+    if layout.startswith("pipeline"):
+        import keras
+
+        saved = keras.models.load_model(f"{out}.keras")  # one plain process reads the state whole
+        state = np.concatenate([np.ravel(v.numpy()) for v in saved.optimizer.variables])
+        np.testing.assert_allclose(state, reference["optimizer"], atol=1e-5, rtol=0)
 
 
 def _workers(tmp_path, overrides_per_task, *common):

@@ -193,9 +193,10 @@ class StrategyConfig:
         every variable, with the same weights as unsplit, and checkpoints hold
         the unsplit layout. 2 also reduces each gradient only to its slice's
         owner (a reduce-scatter), so the bytes a step moves are an
-        all-reduce's. 0 keeps a whole copy on every device. In this version:
-        strategy.kind=mirrored, multi_worker_mirrored, horovod, and pipeline
-        and tensor_parallel with data_parallel local.
+        all-reduce's. 0 keeps a whole copy on every device. For
+        strategy.kind=mirrored, multi_worker_mirrored, horovod, pipeline and
+        tensor_parallel (over the replicas of every process with
+        data_parallel).
     """
 
     kind: StrategyKind = StrategyKind.MIRRORED

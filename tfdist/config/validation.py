@@ -142,10 +142,6 @@ def _check_strategy(config: Config) -> None:
             f"version; strategy.kind is {s.kind.value}.",
             s.shard_optimizer,
         )
-    if s.shard_optimizer and s.kind in replica_groups and s.data_parallel != DataParallel.LOCAL:
-        raise ConfigError("strategy.shard_optimizer", f"splits a {s.kind.value} job's state over one process's "
-                          "replicas in this version: strategy.data_parallel must be local, not "
-                          f"{s.data_parallel.value}.", s.shard_optimizer)
     h = config.horovod
     if s.shard_optimizer and s.kind == StrategyKind.HOROVOD and (h.op.value == "adasum" or h.elastic
                                                                 or h.backward_passes_per_step != 1):

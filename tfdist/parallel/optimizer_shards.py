@@ -216,7 +216,9 @@ class OptimizerShards:
                 for positions in by_dtype.values():
                     pieces = [self.slices[d][indices[p]] for p in positions]
                     lengths = [piece.shape[0] for piece in pieces]
-                    local_grads = [tf.convert_to_tensor(_local(distribution, grads[p], d)) for p in positions]
+                    # A gradient that crossed processes may have lost its static shape: its variable's.
+                    local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, grads[p], d)),
+                                                   variables[p].shape) for p in positions]
                     # Slice e of every gradient, for e = 0..parts-1: replica e receives the sum of the e-th part.
                     packed = tf.concat([self._slice(g, e, n) for e in range(parts)
                                         for g, n in zip(local_grads, lengths)], axis=0)

@@ -103,8 +103,8 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         wanted. Each process passes its own devices; all must have as many.
       shard_optimizer: 1 splits the optimizer's state over the replicas (ZeRO
         stage 1), each slice of a stage's variable on that stage's device of
-        its replica; 2 also reduce-scatters the gradients (stage 2); with
-        `data_parallel` local only, in this version.
+        its replica, over the replicas of every process with `data_parallel`;
+        2 also reduce-scatters the gradients (stage 2).
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count

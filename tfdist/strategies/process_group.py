@@ -12,6 +12,8 @@ a strategy needs from the processes:
   gathered on another device);
 - `broadcast`: process 0's initial value of a variable, so every process
   starts from the same weights;
+- `reduce_scatter` and `all_gather`: an optimizer state split over the
+  replicas of every process (`shard_optimizer`) shares its slices with them;
 - `any_process`, `job_error`, `wrap_step`: the agreement, lost-peer errors and
   hang protection of the backend's own strategy.
 
@@ -31,6 +33,7 @@ import threading
 from typing import Callable, Optional
 
 import tensorflow as tf
+from tfdist import _compat
 from tfdist._compat.tf_distribute import collective_ops, collective_util, context, cross_device_utils
 
 from tfdist.errors import ClusterError
@@ -61,8 +64,15 @@ class ProcessGroup:
         """Process 0's `value`, on every process (called eagerly, by every process in the same order)."""
         raise NotImplementedError
 
-    def all_gather(self, tensor: tf.Tensor) -> tf.Tensor:
-        """Every process's `tensor`, concatenated along axis 0 in process order."""
+    def all_gather(self, tensor: tf.Tensor, device: Optional[str] = None) -> tf.Tensor:
+        """Every process's `tensor`, concatenated along axis 0 in process order (on `device`, whose
+        counterparts the other processes name; default: the tensor's own)."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, tensor: tf.Tensor, device: str, stage: int) -> tf.Tensor:
+        """This process's part (the `index`-th of `size`) of the sum over the processes of the 1-D
+        `tensor` on `device`: by a reduce-scatter at `stage` 2, at stage 1 by an all-reduce of which
+        it keeps its part (ZeRO's stages, `tfdist.parallel.optimizer_shards`)."""
         raise NotImplementedError
 
     def any_process(self, flag: bool) -> bool:
@@ -127,8 +137,12 @@ class WorkerProcesses(ProcessGroup):
                 tf.shape(value), value.dtype, self.size, launcher._group_key, instance
             )
 
-    def all_gather(self, tensor):
-        return self._launcher(tensor.device or "/cpu:0")._all_gather(tensor, collective_util.Options())
+    def all_gather(self, tensor, device=None):
+        return _compat.all_gather(self._launcher(device or tensor.device or "/cpu:0"), tensor)
+
+    def reduce_scatter(self, tensor, device, stage):
+        reduce = _compat.reduce_scatter if stage == 2 else _compat.all_reduced_slice
+        return reduce(self._launcher(device), tensor, self.index)
 
 
 class HorovodProcesses(ProcessGroup):
@@ -155,8 +169,17 @@ class HorovodProcesses(ProcessGroup):
         return self.strategy.hvd.broadcast(tf.convert_to_tensor(value), root_rank=0,
                                            name=f"tfdist_group_initial_value_{self._broadcasts}")
 
-    def all_gather(self, tensor):
-        return self.strategy.hvd.allgather(tensor)
+    def all_gather(self, tensor, device=None):
+        with tf.device(device or tensor.device):
+            return self.strategy.hvd.allgather(tensor)
+
+    def reduce_scatter(self, tensor, device, stage):
+        hvd = self.strategy.hvd
+        with tf.device(device):
+            if stage == 2:
+                return hvd.reducescatter(tensor, op=hvd.Sum)
+            length = tensor.shape[0] // self.size
+            return hvd.allreduce(tensor, op=hvd.Sum)[self.index * length:(self.index + 1) * length]
 
     def wrap_step(self, function):
         watchdog = self.strategy._watchdog

@@ -94,6 +94,46 @@ class _AcrossProcesses(tf.distribute.CrossDeviceOps):
         ]
 
 
+class _SlicesAcrossProcesses:
+    """How the replicas of every process share an optimizer state split over all of them (the
+    collectives `shard_optimizer_state` takes; see `DeviceCollectives`).
+
+    Replica r of process p holds slice p x L + r (its replica id in sync, L
+    replicas a process) of every variable. A step reduces the packed
+    gradients across the processes first, on each replica's first device with
+    its counterparts (each process receives the sum of its L slices), then
+    among the process's replicas; the updated slices are gathered the other
+    way round. Either step reduce-scatters at stage 2 and all-reduces then
+    keeps its part at stage 1, so the bytes are those of the one-level split.
+    """
+
+    multi_process = True
+
+    def __init__(self, strategy: "ReplicaGroupsStrategy", processes: ProcessGroup, stage: int):
+        self.strategy, self.processes, self.stage = strategy, processes, stage
+        self.devices = tuple(strategy.extended.worker_devices)
+        self.parts = len(self.devices) * processes.size
+        self.ranks = tuple(processes.index * len(self.devices) + d for d in range(len(self.devices)))
+
+    def reduce_scatter(self, d, packed):
+        ours = self.processes.reduce_scatter(packed, self.devices[d], self.stage)
+        if len(self.devices) == 1:
+            return ours
+        reduce = _compat.reduce_scatter if self.stage == 2 else _compat.all_reduced_slice
+        return reduce(_compat.collective_launchers(self.strategy)[d], ours, d)
+
+    def all_gather(self, d, piece):
+        if len(self.devices) > 1:
+            piece = _compat.all_gather(_compat.collective_launchers(self.strategy)[d], piece)
+        return self.processes.all_gather(piece, self.devices[d])
+
+    def gather_pieces(self, pieces):
+        """Every replica's piece of a slot, in slice order: a collective, so every process saves together."""
+        with tf.device(self.devices[0]):
+            ours = tf.concat([tf.convert_to_tensor(piece) for piece in pieces], axis=0)
+        return self.processes.all_gather(ours, self.devices[0])
+
+
 class _ReplicaGroupsExtended(mirrored_strategy.MirroredExtended):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -209,13 +249,12 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         position. A replica's first device runs its step and holds what is
         placed nowhere else.
       shard_optimizer: 1 splits the state of an optimizer compiled under this
-        strategy over the replicas, each slice beside its variable's copy, and
-        2 also reduce-scatters the gradients (one process's replicas only, in
-        this version).
+        strategy over the replicas (of every process), each slice beside its
+        variable's copy, and 2 also reduce-scatters the gradients.
 
     Raises:
       ValueError: no replicas, replicas of different sizes, a device that
-        does not exist or is named twice, or `shard_optimizer` across processes.
+        does not exist or is named twice.
     """
 
     _extended_type = _ReplicaGroupsExtended
@@ -227,9 +266,6 @@ class ReplicaGroupsStrategy(MirroredStrategy):
             raise ValueError(
                 f"`replica_devices` must give every replica the same number of devices. Received: {replica_devices}"
             )
-        if shard_optimizer and processes is not None:
-            raise ValueError("`shard_optimizer` splits the state over one process's replicas in this version, "
-                             f"not across {processes.name} processes. Received: {shard_optimizer}")
         DeviceGroup([d for devices in replica_devices for d in devices])  # one check for missing and repeated devices
         self.replicas = [DeviceGroup(devices) for devices in replica_devices]
         super().__init__(devices=[group.devices[0] for group in self.replicas],
@@ -244,6 +280,12 @@ class ReplicaGroupsStrategy(MirroredStrategy):
     def is_chief(self) -> bool:
         """Process 0 of a multi-process job reports and checkpoints; a one-process job always."""
         return self.processes is None or self.processes.index == 0
+
+    def slice_collectives(self):
+        """How the replicas share a split optimizer state: across processes too, when they span several."""
+        if self.processes is None:
+            return super().slice_collectives()
+        return _SlicesAcrossProcesses(self, self.processes, self.shard_optimizer)
 
     @property
     def replicas_per_process(self) -> int:

@@ -65,9 +65,9 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         them: train the groups of every process of a multi-process job data
         parallel (see `PipelineStrategy`).
       shard_optimizer: 1 splits the optimizer's state over the groups (ZeRO
-        stage 1), each slice of a shard on its device in the group; 2 also
-        reduce-scatters the gradients (stage 2); with `data_parallel` local
-        only, in this version.
+        stage 1), each slice of a shard on its device in the group, over the
+        groups of every process with `data_parallel`; 2 also reduce-scatters
+        the gradients (stage 2).
 
     Raises:
       ValueError: a device that does not exist or is named twice, a group size
