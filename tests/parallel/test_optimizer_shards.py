@@ -34,6 +34,7 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adamw_excluding_biases": _adamw_without_decay_on_biases,
     "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
+    "adam_schedule": lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 5, 0.5)),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "mixed_float16_loss_scaling": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
@@ -110,6 +111,41 @@ def _assert_each_device_holds_the_slots_of_its_slices_only(whole, split, shards,
     largest = max(bytes_ for d in per_device for bytes_ in d.values())
     assert largest <= 1.15 / devices * next(iter(unsplit.values()))
     assert all(len(v.shape) == 0 for v in split.variables)  # the optimizer itself: its step and rate only
+
+
+def test_keras_features_train_the_same_weights_and_history_split_and_unsplit(cpus):
+    """What a user's fit does besides the optimizer: BatchNorm's moving statistics, sample and class
+    weights, validation, callbacks and clipnorm, at stage 2 on 2 devices against the same job unsplit."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((320, 12)).astype("float32")
+    y = x[:, :3].argmax(axis=1).astype("int32")
+    sample_weight = rng.uniform(0.5, 1.5, 320).astype("float32")
+
+    def fit(stage):
+        strategy = MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=stage)
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                      keras.layers.Activation("relu"), keras.layers.Dense(3, activation="softmax")])
+            model.compile(optimizer=keras.optimizers.Adam(0.01, clipnorm=0.5), loss="sparse_categorical_crossentropy",
+                          metrics=["accuracy"])
+        lowered = []
+        schedule = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5 if epoch else rate)
+        record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: lowered.append(logs["val_loss"]))
+        history = model.fit(x, y, sample_weight=sample_weight, batch_size=32, epochs=2, validation_split=0.2,
+                            shuffle=False, verbose=0, callbacks=[schedule, record]).history
+        more = model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 0.5}, batch_size=32, epochs=1, shuffle=False,
+                         verbose=0).history  # Keras takes sample or class weights, not both at once
+        return model, {**history, **{f"then_{key}": value for key, value in more.items()}}, lowered
+
+    whole, whole_history, whole_seen = fit(0)
+    split, split_history, split_seen = fit(2)
+    assert shards_of(split.optimizer) is not None and set(split_history) == set(whole_history)
+    for a, b in zip(whole.get_weights(), split.get_weights()):  # BatchNorm's moving mean and variance too
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    for key in whole_history:
+        np.testing.assert_allclose(split_history[key], whole_history[key], atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(split_seen, whole_seen, atol=1e-6)
 
 
 def test_an_optimizer_that_does_not_split_element_by_element_is_refused(cpus):
