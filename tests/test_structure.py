@@ -16,7 +16,7 @@ LAYERS = [
                "tfdist.precision", "tfdist.optimizers", "tfdist.models", "tfdist.reporting"]),
     ("strategies", ["tfdist.strategies", "tfdist.callbacks"]),
     ("training", ["tfdist.training", "tfdist.horovod_keras"]),
-    ("entry points", ["tfdist.launch", "tfdist.bench", "tfdist.cli", "tfdist"]),
+    ("entry points", ["tfdist.launch", "tfdist.bench", "tfdist.plan", "tfdist.cli", "tfdist"]),
 ]
 
 

@@ -7,6 +7,7 @@
     tfdist launch --workers 2 [--ps 1] [--chief] --config configs/horovod.yaml [--set ...]
     tfdist slurm --tasks 4 --config configs/parameter_server.yaml | sbatch --wait
     tfdist k8s --image REPO/tfdist:0.1 --workers 2 --config configs/parameter_server.yaml --out k8s/
+    tfdist plan --config configs/tensor_parallel.yaml --cluster 2x8-a100-80g-ib --out plan.yaml
 
 `tfdist --help` lists the commands, `tfdist COMMAND --help` (or -h) the
 command's own flags. A bad config, a bad flag value or a flag the command does
@@ -52,10 +53,22 @@ _CHIEF = flags.DEFINE_bool("chief", False, "Add a chief task to a multi-worker j
 _MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 0, "Run the job again after a failure, up to this many times "
                                      "(it resumes from checkpoint.dir); preemptions (exit 75) do not count.",
                                      lower_bound=0)
-_HOSTS = flags.DEFINE_integer("hosts", 0, "Run the tasks on this many hosts: network namespaces of this machine "
-                               "on a private bridge (needs root; 0: every task on loopback).", lower_bound=0)
+_HOSTS = flags.DEFINE_integer("hosts", 0, "launch: run the tasks on this many hosts, network namespaces of this "
+                               "machine on a private bridge (needs root; 0: every task on loopback). plan: the hosts "
+                               "the devices are spread over (0: one).", lower_bound=0)
 _LINK = flags.DEFINE_string("link", None, "With --hosts: each host's link rate in tc's notation (100mbit, 1gbit, "
-                            "10gbit); unshaped when omitted.")
+                            "10gbit); launch leaves links unshaped when omitted.")
+_DEVICES = flags.DEFINE_integer("devices", None, "plan: devices in all (with --cluster: its own).", lower_bound=1)
+_DEVICE_MEMORY = flags.DEFINE_string("device_memory", None, "plan: memory per device, e.g. 80GiB (unchecked when "
+                                     "omitted).")
+_DEVICE_TFLOPS = flags.DEFINE_float("device_tflops", None, "plan: sustained TFLOP/s of one device in a training "
+                                    "step.", lower_bound=0)
+_INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between two devices of a host, e.g. 600GB/s "
+                                  "or 100gbit.")
+_CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib or "
+                               "1x8-v100-32g (its source is printed).")
+_MEASURE = flags.DEFINE_bool("measure", False, "plan: time the model's training step on one device of this "
+                             "machine for the device rate.")
 _TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")
 _NODES = flags.DEFINE_integer("nodes", None, "Nodes (#SBATCH --nodes).")
 _GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "GPUs per node (#SBATCH --gpus-per-node).")
@@ -65,7 +78,8 @@ _OVERCOMMIT = flags.DEFINE_bool("overcommit", False, "More tasks than CPUs on a 
 _REQUEUE = flags.DEFINE_bool("requeue", False, "Requeue the job (scontrol requeue) when it is preempted (its "
                              "tasks exit 75), so it runs again and resumes from checkpoint.dir.")
 _IMAGE = flags.DEFINE_string("image", None, "The container image, with tfdist installed.")
-_OUT = flags.DEFINE_string("out", None, "The directory the manifests are written to; required.")
+_OUT = flags.DEFINE_string("out", None, "k8s: the directory the manifests are written to (required). plan: the "
+                           "file the recommended layout's config is written to.")
 _NAME = flags.DEFINE_string("name", "tfdist", "The job's name (objects and pod hostnames start with it).")
 _FLAVOR = flags.DEFINE_enum("flavor", "jobs", ["jobs", "jobset", "tfjob"],
                             "Indexed Jobs and a Service, one JobSet, or a Kubeflow TFJob.")
@@ -200,6 +214,56 @@ def _k8s_command(args) -> None:
     print(f"# valid for Kubernetes {KUBERNETES_VERSION}; run it with: kubectl apply -f {_OUT.value}", file=sys.stderr)
 
 
+def _plan_command(args) -> None:
+    from tfdist import plan
+
+    if args:
+        _fail(f"`plan` takes no arguments. Received: {' '.join(args)}")
+    config = _load()
+    dtype = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}.get(config.precision.policy.value, "float32")
+    if _CLUSTER.value:
+        cluster = plan.from_preset(_CLUSTER.value, _HOSTS.value or None, dtype)
+    elif not _DEVICES.value:
+        _fail("`plan` needs the devices: --devices N (with --hosts, --device_memory, --link, --intra_link), or "
+              "--cluster NAME.")
+    else:
+        cluster = plan.Cluster(
+            devices=_DEVICES.value, hosts=_HOSTS.value or 1,
+            device_memory=plan.parse_bytes(_DEVICE_MEMORY.value, "--device_memory") if _DEVICE_MEMORY.value else 0.0,
+            device_flops=(_DEVICE_TFLOPS.value or 0.0) * 1e12,
+            link=plan.parse_rate(_LINK.value, "--link") if _LINK.value else 0.0,
+            intra_link=plan.parse_rate(_INTRA_LINK.value, "--intra_link") / 8 if _INTRA_LINK.value else 0.0)
+    if not (cluster.device_flops or _MEASURE.value):
+        _fail("`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure.")
+    import_tensorflow()
+    if _MEASURE.value:  # one device of this machine, set up as the job sets up its runtime, before anything runs
+        from tfdist.strategies.devices import configure_runtime
+
+        one_device = plan.one_device_config(config, max(1, config.train.global_batch_size // cluster.devices))
+        configure_runtime(one_device)
+    model = plan.profile(config)
+    if _MEASURE.value:
+        cluster = dataclasses.replace(cluster, device_flops=plan.measured_flops(one_device, model),
+                                      source=f"{cluster.source}; device rate measured here")
+    result = plan.make_plan(config, cluster, model)
+    print(plan.table(result))
+    if _JSON.value:
+        from tfdist.reporting import write_json
+
+        write_json(_JSON.value, result)
+    if _OUT.value and result["recommended"]:
+        import yaml
+
+        from tfdist.config import load_config, to_dict
+
+        recommended = load_config(_CONFIG.value, [*_SET.value, *result["recommended_overrides"]])
+        with open(_OUT.value, "w", encoding="utf-8") as f:
+            f.write(f"# tfdist plan: {result['recommended']['layout']}, predicted "
+                    f"{result['recommended']['samples_per_sec']:.4g} samples/sec\n")
+            yaml.safe_dump(to_dict(recommended), f, sort_keys=False)
+        print(f"wrote {_OUT.value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Command:
     """One `tfdist` command: what it does, the flags it takes, and its function."""
@@ -216,6 +280,9 @@ _COMMANDS = {
     "config": _Command("print the resolved config as YAML", _JOB, _config_command),
     "bench": _Command("run a benchmark and print its one-line summary", (_JSON, *_JOB, _REPEATS, _PLOT, _MODEL,
                       _IMAGE_SIZE, _BATCH_PER_DEVICE, _LINKS, _KINDS), _bench_command, positional="NAME"),
+    "plan": _Command("predict every layout's memory and speed on a cluster; write the best as a config",
+                     (*_JOB, _DEVICES, _HOSTS, _DEVICE_MEMORY, _DEVICE_TFLOPS, _LINK, _INTRA_LINK, _CLUSTER, _MEASURE,
+                      _JSON, _OUT), _plan_command),
     "launch": _Command("run every task of a multi-process job on this machine",
                        (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, *_JOB, _METRICS_OUT),
                        _launch_command),

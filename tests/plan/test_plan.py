@@ -1,0 +1,155 @@
+"""`tfdist plan`: its memory predictions against what a real job's devices hold, its step-time terms, and
+the command a user runs."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from helpers import ROOT, run_tfdist, why_it_failed
+from tfdist.errors import ConfigError
+from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_rate, profile
+from tfdist.plan.predict import predict
+from tfdist.plan.profile import LayerCost, ModelProfile
+
+# TensorFlow runs already here: its thread counts stay as they are.
+IN_THIS_PROCESS = ["runtime.intra_op_threads=0", "runtime.inter_op_threads=0"]
+
+
+def test_sizes_and_rates_read_as_users_write_them():
+    assert parse_bytes("80GiB", "--device_memory") == 80 * 2**30
+    assert parse_bytes("16GB", "--device_memory") == 16e9
+    assert parse_rate("100gbit", "--link") == 100e9
+    assert parse_rate("600GB/s", "--intra_link") == 600e9 * 8
+    for bad, parse in (("80 gigs", parse_bytes), ("fast", parse_rate)):
+        with pytest.raises(ConfigError, match="must be a"):
+            parse(bad, "--flag")
+    with pytest.raises(ConfigError, match="--link"):
+        Cluster(devices=4, hosts=2)  # two hosts and no link between them
+    with pytest.raises(ConfigError, match="multiple of --hosts"):
+        Cluster(devices=3, hosts=2, link=1e9)
+
+
+def _uniform_model(layers=8, flops=1e6, nbytes=4000, output=400):
+    return ModelProfile("uniform", tuple(LayerCost(f"layer{i}", nbytes, 0, output, flops, True) for i in range(layers)),
+                        slot_bytes=2 * layers * nbytes, optimizer="Adam", compute_dtype="float32")
+
+
+def test_the_step_time_is_its_terms():
+    """The pipeline bubble is (K-1)/(M+K-1) of the step, a ring all-reduce moves 2(N-1)/N of the gradients
+    (3(N-1)/N with ZeRO stage 1's all-gather), and tensor parallelism sums each layer's output twice."""
+    model = _uniform_model()
+    cluster = Cluster(devices=4, device_flops=1e9, intra_link=1e9)
+    pipe = predict(model, cluster, Layout(1, stages=4), global_batch=32, micro_batches=8, balance_by="params")
+    step = pipe.step_ms
+    assert step["bubble"] / step["total"] == pytest.approx(3 / 11)
+    assert step["compute"] == pytest.approx(1000 * 3 * 2 * 1e6 * 4 * 8 / 1e9)  # 2 layers a stage, 8 x 4 examples
+    for zero, factor in ((0, 2), (1, 3), (2, 2)):
+        data = predict(model, cluster, Layout(4, zero=zero), global_batch=32, micro_batches=1).step_ms
+        assert data["data_parallel"] == pytest.approx(1000 * factor * 3 / 4 * 32000 / 1e9)
+    tensor = predict(model, cluster, Layout(1, tensor_parallel=4), global_batch=32, micro_batches=1)
+    assert tensor.step_ms["tensor_parallel"] == pytest.approx(1000 * 8 * 2 * 2 * 3 / 4 * 400 * 32 / 1e9)
+    assert tensor.memory["weights"] == pytest.approx(8 * 4000 / 4)
+    small = Cluster(devices=4, device_memory=2**16, device_flops=1e9, intra_link=1e9)
+    squeezed = predict(model, small, Layout(4), global_batch=32, micro_batches=1)
+    assert not squeezed.fits and squeezed.note.startswith("does not fit: needs 0.000")
+
+
+# Each config and overrides, the layout they train, and each stage's first device.
+JOBS = {
+    "mirrored": ("configs/default.yaml", ["strategy.logical_devices=2"], Layout(2), ["CPU:0"]),
+    "mirrored_zero_1": ("configs/default.yaml", ["strategy.logical_devices=2", "strategy.shard_optimizer=1"],
+                        Layout(2, zero=1), ["CPU:0"]),
+    "mirrored_zero_2": ("configs/default.yaml", ["strategy.logical_devices=4", "strategy.shard_optimizer=2"],
+                        Layout(4, zero=2), ["CPU:0"]),
+    "pipeline": ("configs/pipeline.yaml", ["pipeline.balance_by=params"], Layout(2, stages=2), ["CPU:0", "CPU:1"]),
+    "tensor_parallel": ("configs/tensor_parallel.yaml", [], Layout(1, tensor_parallel=2), ["CPU:0"]),
+    "pipeline_tensor_parallel": ("configs/pipeline_tensor_parallel.yaml", ["pipeline.balance_by=params"],
+                                 Layout(1, stages=2, tensor_parallel=2), ["CPU:0", "CPU:2"]),
+}
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_predicted_weight_and_optimizer_bytes_are_what_each_device_holds(job):
+    """Within 5% of the bytes of the variables (and of the optimizer's slots) on each stage's first
+    device, the fullest, after a real step of the same job on logical CPUs."""
+    from tfdist import training
+    from tfdist.config import load_config
+    from tfdist.parallel.optimizer_shards import held_variables
+    from tfdist.strategies.replica_groups import bytes_by_device
+
+    path, overrides, layout, devices = JOBS[job]
+    config = load_config(os.path.join(ROOT, path), [*overrides, *IN_THIS_PROCESS, "train.steps_per_epoch=1"])
+    cluster = Cluster(devices=layout.dp * layout.stages * layout.tensor_parallel, device_flops=1e9, intra_link=1e9)
+    model = profile(config)
+    predicted = predict(model, cluster, layout, global_batch=config.train.global_batch_size,
+                        micro_batches=config.pipeline.num_micro_batches, balance_by=config.pipeline.balance_by.value)
+    job_ = training.prepare(config)
+    job_.model.fit(job_.train_data, epochs=1, steps_per_epoch=1, verbose=0)
+    weights = bytes_by_device(job_.model.weights)
+    slots = bytes_by_device([v for v in held_variables(job_.model.optimizer) if len(v.shape)])
+    assert len(predicted.memory_by_stage) == len(devices)
+    for stage, device in zip(predicted.memory_by_stage, devices):
+        assert stage["weights"] == pytest.approx(weights[device], rel=0.05), (device, stage, weights)
+        assert stage["optimizer"] == pytest.approx(slots[device], rel=0.05), (device, stage, slots)
+
+
+def test_the_plan_command_prints_the_layouts_and_writes_a_config_train_takes(tmp_path):
+    out, table = tmp_path / "plan.yaml", tmp_path / "plan.json"
+    proc = run_tfdist("plan", "--config", "configs/pipeline.yaml", "--devices", "4", "--device_memory", "64MiB",
+                      "--device_tflops", "0.05", "--intra_link", "10GB/s", "--out", str(out), "--json", str(table),
+                      timeout=300)
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
+    result = json.loads(table.read_text())
+    names = [row["layout"] for row in result["layouts"]]
+    assert {"data 4", "data 4, ZeRO 1", "data 4, ZeRO 2", "data 2 x pipeline 2", "data 1 x pipeline 4",
+            "parameter servers, 4 workers"} <= set(names)
+    speeds = [row["samples_per_sec"] for row in result["layouts"] if row["fits"]]
+    assert speeds == sorted(speeds, reverse=True)  # fastest first
+    best = result["recommended"]
+    assert best["layout"] == names[0] and f"recommended: {best['layout']}" in proc.stdout
+    assert "memory on the fullest device" in proc.stdout and best["layout"] in proc.stdout
+    assert proc.stdout.startswith("4 devices on 1 host(s), digits_cnn, global batch 64 (flags)")
+    written = yaml.safe_load(out.read_text().split("\n", 1)[1])
+    from tfdist.config import load_config
+
+    check = load_config(str(out), [])  # the file tfdist train takes, as it is
+    assert check.strategy.logical_devices == 4 and written["strategy"]["kind"] == check.strategy.kind.value
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "`plan` needs the devices: --devices N"),
+    (("--devices", "2"), "`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure"),
+    (("--cluster", "9x9-tpu"), "`--cluster` must be one of 1x8-a100-80g, 2x8-a100-80g-ib, 1x8-v100-32g"),
+    (("--devices", "2", "--device_tflops", "1", "--device_memory", "lots"), "`--device_memory` must be a size"),
+])
+def test_a_plan_without_what_it_needs_is_one_line(args, message):
+    proc = run_tfdist("plan", *args)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(proc.stderr.strip().splitlines()[-1])
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+def test_the_recommended_overrides_make_a_config_of_each_layout():
+    from tfdist.config import load_config
+
+    two_hosts = Cluster(devices=8, hosts=2, device_flops=1e12, link=1e10, intra_link=1e11)
+    for layout, kind in ((Layout(8, zero=2), "multi_worker_mirrored"), (Layout(2, stages=2, tensor_parallel=2),
+                                                                          "pipeline"),
+                         (Layout(4, tensor_parallel=2), "tensor_parallel"), (Layout(8, parameter_server=True),
+                                                                             "parameter_server")):
+        config = load_config(None, ["model.name=transformer", *layout_overrides(layout, two_hosts, 64)])
+        assert config.strategy.kind.value == kind
+
+
+def test_a_preset_plans_a_transformer_on_two_hosts():
+    from tfdist.config import load_config
+    from tfdist.plan import from_preset
+
+    config = load_config(os.path.join(ROOT, "configs/tensor_parallel.yaml"), [*IN_THIS_PROCESS,
+                                                                              "train.global_batch_size=256"])
+    cluster = from_preset("2x8-a100-80g-ib", None, "float32")
+    assert cluster.devices == 16 and cluster.hosts == 2 and "A100" in cluster.source
+    result = make_plan(config, cluster)
+    assert result["recommended"] and all(row["fits"] for row in result["layouts"] if row["memory_bytes"])
+    assert any(row["tensor_parallel"] == 8 for row in result["layouts"])

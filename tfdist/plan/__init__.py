@@ -1,0 +1,88 @@
+"""`tfdist plan`: which layout of a job fits the devices, and how fast each would run, before a run.
+
+    tfdist plan --config my.yaml --devices 8 --device_memory 80GiB --device_tflops 100 --intra_link 600GB/s
+    tfdist plan --config my.yaml --cluster 2x8-a100-80g-ib --out plan.yaml --json plan.json
+    tfdist plan --config configs/pipeline.yaml --devices 2 --measure     # this machine's own speed
+
+The config's model is built once on the CPU (`profile`), every layout the
+devices allow is predicted (`predict`), and the table is printed fastest
+first; the fastest that fits is written as a config (`--out`) that `tfdist
+train`, `launch`, `slurm` and `k8s` take as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tfdist.plan.cluster import PRESETS, Cluster, from_preset, parse_bytes, parse_rate
+from tfdist.plan.predict import Layout, Prediction, layouts, predict, recommended
+from tfdist.plan.profile import ModelProfile, measured_flops, one_device_config, profile
+
+__all__ = ["PRESETS", "Cluster", "Layout", "ModelProfile", "Prediction", "from_preset", "layout_overrides", "make_plan",
+           "measured_flops", "one_device_config", "parse_bytes", "parse_rate", "profile", "table"]
+
+
+def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None) -> dict[str, Any]:
+    """Every layout's prediction for `config`'s job on `cluster`, fastest first, and the recommended one."""
+    model = model or profile(config)
+    batch = config.train.global_batch_size
+    pipeline = config.pipeline
+    predictions = [predict(model, cluster, layout, global_batch=batch, micro_batches=pipeline.num_micro_batches,
+                           schedule=pipeline.schedule.value, recompute=pipeline.recompute,
+                           balance_by=pipeline.balance_by.value)
+                   for layout in layouts(model, cluster, global_batch=batch)]
+    predictions.sort(key=lambda p: (not p.fits, -p.samples_per_sec))
+    best = recommended(predictions)
+    return {"model": model.to_dict(), "cluster": vars(cluster), "global_batch_size": batch,
+            "layouts": [p.to_dict() for p in predictions],
+            "recommended": best.to_dict() if best else None,
+            "recommended_overrides": layout_overrides(best.layout, cluster, batch) if best else []}
+
+
+def layout_overrides(layout: Layout, cluster: Cluster, global_batch: int) -> list[str]:
+    """The `--set` overrides that make a config train with `layout` on `cluster`'s devices."""
+    across = cluster.hosts > 1
+    if layout.parameter_server:  # a parameter-server job's batch is one worker's
+        return ["strategy.kind=parameter_server", f"parameter_server.num_workers={layout.dp}",
+                f"parameter_server.num_ps={cluster.hosts}", f"train.global_batch_size={global_batch // layout.dp}"]
+    overrides = [f"strategy.logical_devices={cluster.per_host}", f"strategy.shard_optimizer={layout.zero}"]
+    if layout.stages > 1:
+        overrides += ["strategy.kind=pipeline", f"pipeline.num_stages={layout.stages}",
+                      f"strategy.data_parallel={'multi_worker' if across else 'local'}"]
+        if layout.tensor_parallel > 1:
+            overrides.append(f"strategy.tensor_parallel_size={layout.tensor_parallel}")
+    elif layout.tensor_parallel > 1:
+        overrides += ["strategy.kind=tensor_parallel", f"strategy.tensor_parallel_size={layout.tensor_parallel}",
+                      f"strategy.data_parallel={'multi_worker' if across else 'local'}"]
+    else:
+        overrides.append(f"strategy.kind={'multi_worker_mirrored' if across else 'mirrored'}")
+    return overrides
+
+
+def table(result: dict[str, Any]) -> str:
+    """The plan as the text `tfdist plan` prints: one row per layout, fastest first."""
+    cluster = result["cluster"]
+    lines = [f"{cluster['devices']} devices on {cluster['hosts']} host(s), {result['model']['name']}, "
+             f"global batch {result['global_batch_size']} ({cluster['source']})",
+             f"{'':<40} {'memory on the fullest device':^49}",
+             f"{'layout':<40} {'total':>9} {'weights':>9} {'grads':>9} {'optimizer':>9} {'activ.':>9} "
+             f"{'step ms':>9} {'samples/s':>10}  note"]
+    for row in result["layouts"]:
+        memory, step = row["memory_bytes"], row["step_ms"]
+        sizes = [_size(memory[key]) if memory else "-"
+                 for key in ("total", "weights", "gradients", "optimizer", "activations")]
+        speed = f"{row['samples_per_sec']:.4g}" if row["samples_per_sec"] else "-"
+        total = f"{step['total']:.4g}" if step else "-"
+        lines.append(f"{row['layout']:<40} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>9} {sizes[3]:>9} {sizes[4]:>9} "
+                     f"{total:>9} {speed:>10}  {row['note']}")
+    best = result["recommended"]
+    lines.append(f"recommended: {best['layout']} ({' '.join('--set ' + o for o in result['recommended_overrides'])})"
+                 if best else "recommended: none fits")
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"

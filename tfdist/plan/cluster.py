@@ -1,0 +1,101 @@
+"""The machines a plan is for: devices, their memory and speed, and the links between them.
+
+`Cluster` is given by flags (`--devices 16 --hosts 2 --device_memory 80GiB
+--device_tflops 125 --link 200gbit --intra_link 600GB/s`) or a preset
+(`--cluster 2x8-a100-80g-ib`). A preset states a device's peak rate for its
+dtypes from the vendor's datasheet, which the planner derates by
+`SUSTAINED_SHARE` unless a rate is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from tfdist.errors import ConfigError
+
+__all__ = ["PRESETS", "SUSTAINED_SHARE", "Cluster", "parse_bytes", "parse_rate"]
+
+# The share of a datasheet's peak a training step sustains, when nothing better is known (large
+# transformer runs report 30-55% model FLOPs utilization; convolutional ones less).
+SUSTAINED_SHARE = 0.4
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Attributes:
+      devices: accelerators (or CPU devices) in all.
+      hosts: machines they are spread over, evenly.
+      device_memory: bytes per device.
+      device_flops: sustained FLOP/s of one device in a training step (0: measure, or unknown).
+      link: bits/s of each host's link to the others.
+      intra_link: bytes/s between two devices of one host.
+      source: where the figures come from.
+    """
+
+    devices: int
+    hosts: int = 1
+    device_memory: float = 0.0
+    device_flops: float = 0.0
+    link: float = 0.0
+    intra_link: float = 0.0
+    source: str = "flags"
+
+    def __post_init__(self):
+        if self.devices < 1 or self.hosts < 1 or self.devices % self.hosts:
+            raise ConfigError("--devices", f"must be a positive multiple of --hosts ({self.hosts}).", self.devices)
+        if self.hosts > 1 and self.link <= 0:
+            raise ConfigError("--link", "must be given for more than one host: the rate of each host's link.",
+                              self.link)
+
+    @property
+    def per_host(self) -> int:
+        return self.devices // self.hosts
+
+
+# name: (devices per host, memory, peak FLOP/s by compute dtype, host link bits/s, intra-host bytes/s, source)
+PRESETS = {
+    "1x8-a100-80g": (8, 80 * 2**30, {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12}, 0.0, 600e9,
+                     "NVIDIA A100 datasheet (SXM4 80GB: 19.5 TFLOPS FP32, 312 TFLOPS FP16/BF16 Tensor Core; "
+                     "NVLink 600 GB/s)"),
+    "2x8-a100-80g-ib": (8, 80 * 2**30, {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12}, 8 * 200e9,
+                        600e9, "NVIDIA A100 and DGX A100 datasheets (8 x 200 Gb/s HDR InfiniBand a host)"),
+    "1x8-v100-32g": (8, 32 * 2**30, {"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12}, 0.0, 300e9,
+                     "NVIDIA V100 datasheet (SXM2 32GB: 15.7 TFLOPS FP32, 125 TFLOPS Tensor Core; NVLink "
+                     "300 GB/s)"),
+}
+
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)\s*$", re.I)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|B/s)\s*$", re.I)
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str, flag: str) -> float:
+    """`80GiB`, `16GB`, `512MiB` as bytes."""
+    match = _BYTES.match(text or "")
+    if not match:
+        raise ConfigError(flag, "must be a size such as 80GiB or 16GB.", text)
+    unit = match.group(2).upper()
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return float(match.group(1)) * ((1024 if "I" in unit else 1000) ** power)
+
+
+def parse_rate(text: str, flag: str) -> float:
+    """A rate as bits per second: tc's notation (`100mbit`, `10gbit`; `600gbps` is bytes), or `600GB/s`."""
+    match = _RATE.match(text or "")
+    if not match:
+        raise ConfigError(flag, "must be a rate such as 100gbit, 25gbit or 600GB/s.", text)
+    bits = 1 if match.group(3).lower() == "bit" else 8
+    return float(match.group(1)) * _SCALE[match.group(2).lower()] * bits
+
+
+def from_preset(name: str, hosts: Optional[int], compute_dtype: str) -> Cluster:
+    """The preset's cluster (`NxM-...`: N hosts of M devices, unless `hosts` says otherwise)."""
+    if name not in PRESETS:
+        raise ConfigError("--cluster", f"must be one of {', '.join(PRESETS)}.", name)
+    per_host, memory, peak, link, intra, source = PRESETS[name]
+    hosts = hosts or int(name.split("x", 1)[0])
+    return Cluster(devices=hosts * per_host, hosts=hosts, device_memory=memory,
+                   device_flops=SUSTAINED_SHARE * peak.get(compute_dtype, peak["float32"]), link=link,
+                   intra_link=intra, source=f"{name}: {source}; {SUSTAINED_SHARE:.0%} of peak sustained")

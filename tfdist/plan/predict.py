@@ -1,0 +1,195 @@
+"""Every layout the devices allow, with its memory per device and its step time, from a model's profile.
+
+A layout is data parallel over `dp` replicas, each replica `stages`
+pipeline stages of `tensor_parallel` devices each (stages x tensor_parallel
+x dp = the devices), with the optimizer state split `zero` ways or not, or
+parameter servers. For each:
+
+- **memory per device** (the fullest device): its stage's weights (a
+  tensor-parallel layer's divided by the group), as many gradient bytes, the
+  optimizer's slots for them (divided by dp when split), and activations:
+  the stage's layers' outputs per example (what the backward pass reads) for
+  the examples in flight (a replica's batch; in a pipeline, micro-batches of
+  it: all M under GPipe, K - stage under 1F1B; with recompute, each
+  micro-batch's stage input and one micro-batch's outputs);
+- **step time**, with nothing overlapped (tfdist measured no overlap of
+  all-reduce with the backward pass on CPUs): compute from the stage's
+  training FLOPs at the device's sustained rate; a pipeline runs M + K - 1
+  micro-batch slots of its slowest stage, so (K - 1)/(M + K - 1) of the step
+  is bubble; tensor parallelism sums each of its layers' outputs across the
+  group forward and backward; the stages pass activations and their
+  gradients on; data parallelism all-reduces the gradients with a ring (2(N
+  - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
+  all-gather), over the hosts' links when the replicas span hosts, where
+  every device of a host sends its own ring's share at once;
+- **parameter servers**: every device a worker that reads the weights and
+  sends its gradients each step over its host's link, asynchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from tfdist.plan.cluster import Cluster
+from tfdist.plan.profile import ModelProfile
+
+__all__ = ["Layout", "Prediction", "layouts", "predict"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int
+    stages: int = 1
+    tensor_parallel: int = 1
+    zero: int = 0
+    parameter_server: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.parameter_server:
+            return f"parameter servers, {self.dp} workers"
+        parts = [f"data {self.dp}"]
+        if self.stages > 1:
+            parts.append(f"pipeline {self.stages}")
+        if self.tensor_parallel > 1:
+            parts.append(f"tensor {self.tensor_parallel}")
+        name = " x ".join(parts)
+        return name + (f", ZeRO {self.zero}" if self.zero else "")
+
+
+@dataclasses.dataclass
+class Prediction:
+    layout: Layout
+    memory: dict[str, float]  # bytes on the fullest device: weights, gradients, optimizer, activations, total
+    fits: bool
+    step_ms: dict[str, float]  # compute, bubble, tensor_parallel, pipeline, data_parallel, parameter_server, total
+    samples_per_sec: float
+    note: str = ""
+    memory_by_stage: list = dataclasses.field(default_factory=list)  # each stage's first device, as `memory`
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.name, **dataclasses.asdict(self.layout), "memory_bytes": self.memory,
+                "memory_bytes_by_stage": self.memory_by_stage, "fits": self.fits, "step_ms": self.step_ms,
+                "samples_per_sec": self.samples_per_sec, "note": self.note}
+
+
+def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int) -> list[Layout]:
+    """Every layout of `cluster`'s devices: stages and tensor-parallel groups within a host, dividing
+    its devices; tensor parallelism only for a model with tensor-parallel layers."""
+    divisors = [k for k in range(1, cluster.per_host + 1) if cluster.per_host % k == 0]
+    has_parallel_layers = any(layer.tensor_parallel for layer in model.layers)
+    found = []
+    for stages in divisors:
+        for tensor in divisors:
+            if stages * tensor > cluster.per_host or cluster.per_host % (stages * tensor):
+                continue
+            if tensor > 1 and not has_parallel_layers or stages > len(model.layers):
+                continue
+            dp = cluster.devices // (stages * tensor)
+            if global_batch % dp:
+                continue
+            found += [Layout(dp, stages, tensor, zero) for zero in ((0, 1, 2) if dp > 1 else (0,))]
+    if cluster.devices > 1 and global_batch % cluster.devices == 0:
+        found.append(Layout(cluster.devices, parameter_server=True))
+    return found
+
+
+def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_batch: int, micro_batches: int,
+            schedule: str = "1f1b", recompute: bool = False, balance_by: str = "time") -> Prediction:
+    """The memory and step time of `layout` for `model` on `cluster` (see the module docstring)."""
+    from tfdist.parallel.partition import balance
+
+    if layout.parameter_server:
+        return _parameter_servers(model, cluster, layout, global_batch)
+    k, t, dp = layout.stages, layout.tensor_parallel, layout.dp
+    batch = global_batch // dp  # a replica's examples a step
+    m = micro_batches if k > 1 else 1
+    if batch % m:
+        return Prediction(layout, {}, False, {}, 0.0, note=f"a replica's batch of {batch} does not split into "
+                                                           f"{m} micro-batches")
+    micro = batch // m
+    costs = [layer.trainable_bytes if balance_by == "params" else layer.forward_flops_per_example
+             for layer in model.layers]
+    starts = [0, *balance(costs, k), len(model.layers)] if k > 1 else [0, len(model.layers)]
+    stages = [model.layers[a:b] for a, b in zip(starts, starts[1:])]
+
+    def share(layer, value):  # a tensor-parallel layer's share on one device of its group
+        return value / t if layer.tensor_parallel else value
+
+    memory_by_stage, compute_ms, tp_ms = [], [], []
+    rate = cluster.device_flops
+    for index, layers in enumerate(stages):
+        trainable = sum(share(layer, layer.trainable_bytes) for layer in layers)
+        other = sum(share(layer, layer.other_bytes) for layer in layers)
+        slots = model.slot_bytes * trainable / max(model.trainable_bytes, 1) / (dp if layout.zero else 1)
+        outputs = sum(layer.output_bytes_per_example for layer in layers)
+        in_flight = 1 if k == 1 else (m if schedule == "gpipe" else min(m, k - index))
+        if recompute and k > 1:
+            activations = micro * (in_flight * layers[0].output_bytes_per_example + outputs)
+        else:
+            activations = micro * in_flight * outputs
+        memory_by_stage.append({"weights": trainable + other, "gradients": trainable, "optimizer": slots,
+                                "activations": activations})
+        flops = sum(share(layer, layer.forward_flops_per_example) for layer in layers) * 3
+        compute_ms.append(1000 * flops * micro / rate if rate else 0.0)
+        # Each tensor-parallel layer's output is summed (or gathered) across the group, and its input
+        # gradient in the backward pass: two ring all-reduces of the micro-batch's output.
+        tp_bytes = sum(2 * 2 * (t - 1) / t * layer.output_bytes_per_example * micro
+                       for layer in layers if layer.tensor_parallel and t > 1)
+        tp_ms.append(1000 * tp_bytes / cluster.intra_link if tp_bytes else 0.0)
+    boundary = max((stage[-1].output_bytes_per_example for stage in stages[:-1]), default=0)
+    # A stage passes each micro-batch's activations on, and their gradients back.
+    pipeline_ms = 1000 * 2 * boundary * micro / cluster.intra_link if k > 1 and cluster.intra_link else 0.0
+    slowest = max(range(k), key=lambda i: compute_ms[i] + tp_ms[i])
+    slot_ms = compute_ms[slowest] + tp_ms[slowest] + pipeline_ms  # one micro-batch on the slowest stage
+    gradient_bytes = max(memory["gradients"] for memory in memory_by_stage)
+    factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
+    if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
+        data_ms = 1000 * factor * gradient_bytes * (k * t) / (cluster.link / 8)
+    else:
+        data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
+    step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
+            "bubble": (k - 1) * slot_ms, "data_parallel": data_ms}
+    step["total"] = sum(step.values())
+    memory_by_stage = [{**memory, "total": sum(memory.values())} for memory in memory_by_stage]
+    prediction = _prediction(layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step,
+                             global_batch)
+    prediction.memory_by_stage = memory_by_stage
+    return prediction
+
+
+def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int) -> Prediction:
+    """Each device a worker of global_batch / workers examples a step (as many examples a step as the
+    all-reduce layouts), reading the weights and sending the gradients over its host's link, which
+    its host's workers share; one parameter server per host holds a share of the variables."""
+    weights, gradients = model.weight_bytes, model.trainable_bytes
+    batch = global_batch // layout.dp
+    memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
+              "activations": batch * sum(layer.output_bytes_per_example for layer in model.layers)}
+    memory["total"] = sum(memory.values())
+    rate = cluster.device_flops
+    compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0
+    # A worker reads and sends every variable each step: the share held by other hosts' servers over
+    # its host's link, which the host's workers share; its own host's share over the links inside it.
+    remote = (cluster.hosts - 1) / cluster.hosts
+    traffic = weights + gradients
+    wire = 1000 * (1 - remote) * traffic / cluster.intra_link if cluster.intra_link else 0.0
+    if remote:
+        wire += 1000 * cluster.per_host * remote * traffic / (cluster.link / 8)
+    step = {"compute": compute, "parameter_server": wire, "total": compute + wire}
+    return _prediction(layout, memory, cluster, step, global_batch)
+
+
+def _prediction(layout, memory, cluster, step, examples) -> Prediction:
+    fits = not cluster.device_memory or memory["total"] <= cluster.device_memory
+    note = "" if fits else (f"does not fit: needs {memory['total'] / 2**30:.3g} GiB of "
+                            f"{cluster.device_memory / 2**30:.3g}")
+    speed = 1000 * examples / step["total"] if step["total"] > 0 else 0.0
+    return Prediction(layout, memory, fits, step, speed, note)
+
+
+def recommended(predictions: list[Prediction]) -> Optional[Prediction]:
+    """The fastest layout that fits."""
+    fitting = [p for p in predictions if p.fits and p.samples_per_sec > 0]
+    return max(fitting, key=lambda p: p.samples_per_sec) if fitting else None
