@@ -43,10 +43,10 @@ _IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "synthetic: side of the s
                                    lower_bound=4)
 _BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "synthetic: images per device per step "
                                          "(default 32).", lower_bound=1)
-_LINKS = flags.DEFINE_string("links", None, "network: the link rates to run at, comma-separated "
+_LINKS = flags.DEFINE_string("links", None, "network, plan: the link rates to run at, comma-separated "
                              "(default 100mbit,1gbit,10gbit).")
-_KINDS = flags.DEFINE_string("kinds", None, "network: the kinds to run, comma-separated "
-                             "(default multi_worker,horovod,parameter_server).")
+_KINDS = flags.DEFINE_string("kinds", None, "network, plan: the kinds to run, comma-separated "
+                             "(default multi_worker,horovod,parameter_server; plan: multi_worker,horovod).")
 _WORKERS = flags.DEFINE_integer("workers", 1, "Worker processes (launch) or pods (k8s); under Horovod, ranks.")
 _PS = flags.DEFINE_integer("ps", 0, "Parameter servers (0: parameter_server.num_ps).", lower_bound=0)
 _CHIEF = flags.DEFINE_bool("chief", False, "Add a chief task to a multi-worker job.")

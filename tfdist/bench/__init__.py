@@ -27,6 +27,7 @@ BENCHMARKS = {
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "tfdist.bench.parameter_server",
     "pipeline": "tfdist.bench.pipeline",
+    "plan": "tfdist.bench.plan",
     "precision": "tfdist.bench.precision",
     "ps_worker_loss": "tfdist.bench.ps_worker_loss",
     "scaling": "tfdist.bench.scaling",
@@ -45,6 +46,7 @@ CONFIG_UNUSED = {
     "input_pipeline": "it sets its own map, model and data.",
     "parameter_server": "it sets both jobs itself.",
     "pipeline": "it sets its own devices, threads and model.",
+    "plan": "it plans the network benchmark's jobs, which it runs.",
     "precision": "it sets every job itself; only the precision changes within a kind.",
     "ps_worker_loss": "it kills workers of the parameter-server job it starts itself.",
     "sharded_optimizer": "it sets its own devices, threads and model.",
@@ -53,7 +55,8 @@ CONFIG_UNUSED = {
 
 _PLOTTED = ("network", "scaling", "synthetic")
 # The options (besides config and repeats) a benchmark takes from its own flags.
-_OPTIONS = {"synthetic": ("model", "image_size", "batch_per_device"), "network": ("model", "links", "kinds")}
+_OPTIONS = {"synthetic": ("model", "image_size", "batch_per_device"), "network": ("model", "links", "kinds"),
+            "plan": ("links", "kinds")}
 
 
 def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_path: Optional[str] = None,
@@ -65,7 +68,7 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
     run through its `measure`; the others take the config in `run`. TensorFlow
     loads after the arguments are checked. `options`
     are those `_OPTIONS` lists for the benchmark (synthetic: `model`,
-    `image_size`, `batch_per_device`; network: `model`, `links`, `kinds`).
+    `image_size`, `batch_per_device`; network: `model`, `links`, `kinds`; plan: `links`, `kinds`).
     """
     if plot_path and name not in _PLOTTED:
         takers = " or ".join(f"`bench {b}`" for b in _PLOTTED)
@@ -80,7 +83,7 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
     import_tensorflow()
     module = importlib.import_module(BENCHMARKS[name])
     if name in CONFIG_UNUSED:
-        result = module.measure(repeats=repeats)
+        result = module.measure(repeats=repeats, **options)
     elif name in _PLOTTED:
         result = module.run(config=config, repeats=repeats, plot_path=plot_path, **options)
     else:

@@ -36,6 +36,10 @@ from tfdist.plan.profile import ModelProfile
 
 __all__ = ["Layout", "Prediction", "layouts", "predict"]
 
+# TCP over IPv4 on Ethernet carries 1448 bytes of data in each 1538-byte frame on the wire (MTU 1500, with
+# TCP timestamps; preamble, header, FCS and gap around it): a host link moves data at this share of its rate.
+HOST_LINK_EFFICIENCY = 1448 / 1538
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -146,7 +150,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     gradient_bytes = max(memory["gradients"] for memory in memory_by_stage)
     factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
-        data_ms = 1000 * factor * gradient_bytes * (k * t) / (cluster.link / 8)
+        data_ms = 1000 * factor * gradient_bytes * (k * t) / (HOST_LINK_EFFICIENCY * cluster.link / 8)
     else:
         data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
     step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
@@ -176,7 +180,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     traffic = weights + gradients
     wire = 1000 * (1 - remote) * traffic / cluster.intra_link if cluster.intra_link else 0.0
     if remote:
-        wire += 1000 * cluster.per_host * remote * traffic / (cluster.link / 8)
+        wire += 1000 * cluster.per_host * remote * traffic / (HOST_LINK_EFFICIENCY * cluster.link / 8)
     step = {"compute": compute, "parameter_server": wire, "total": compute + wire}
     return _prediction(layout, memory, cluster, step, global_batch)
 
