@@ -105,4 +105,4 @@ def test_bad_options_are_one_line(flags, message):
 
 def test_its_options_are_refused_by_other_benchmarks():
     proc = run_tfdist("bench", "overhead", "--links", "1gbit")
-    assert proc.returncode == 2 and "`links` only applies to `bench network`." in proc.stderr
+    assert proc.returncode == 2 and "`links` only applies to `bench network` or `bench plan`." in proc.stderr

@@ -172,7 +172,7 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
     import numpy as np
 
     sys.path.insert(0, SCENARIO_DIR)
-    from multi_worker_split import OPTIMIZERS, data, train
+    from multi_worker_split import OPTIMIZERS, STAGE_2, data, train
 
     from tfdist import Checkpoint
 
@@ -190,7 +190,8 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
     for index in range(2):
         for name, result in json.loads((tmp_path / f"worker-{index}.json").read_text()).items():
             assert result["iterations"] == 20 and result["ranks"] == [index], (name, result)
-            for report, stage in ((result["report"], 1), (result["stage_2_report"], 2)):
+            reports = [(result["report"], 1)] + ([(result["stage_2_report"], 2)] if name in STAGE_2 else [])
+            for report, stage in reports:
                 assert report["slot_bytes_per_device"][0] <= 1.15 / 2 * report["unsplit_slot_bytes"], (name, report)
                 assert report["stage"] == stage and report["devices"] == 2, (name, report)
             assert result["slot_devices"] == [f"/job:worker/replica:0/task:{index}/device:CPU:0"], (name, result)
@@ -204,7 +205,8 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
         alone = train(None, name).get_weights()
         for index in range(2):
             unsplit = np.load(tmp_path / f"worker-{index}-{name}-stage0.npz")
-            for file in (f"worker-{index}-{name}.npz", f"worker-{index}-{name}-stage2.npz"):
+            files = [f"worker-{index}-{name}.npz"] + ([f"worker-{index}-{name}-stage2.npz"] if name in STAGE_2 else [])
+            for file in files:
                 split = np.load(tmp_path / file)
                 assert max_diff(split, [unsplit[k] for k in sorted(unsplit, key=lambda k: int(k[4:]))]) <= 1e-5, file
                 # float16 products over half the batch per worker differ from one device's over all of it

@@ -101,9 +101,9 @@ def test_a_metric_read_mid_epoch_never_has_a_step_in_its_total_that_its_count_la
     """The chief reads the metrics while two workers update them: a total and its count
     must come from the same steps (an accuracy above 1 was seen)."""
     result = _scenario("mid_epoch_metric_reads")
-    assert result["reads"] >= 100
+    assert result["reads"] >= 50  # 64 steps, read at each
     assert result["max_ratio"] <= 1.0, result
-    assert result["epoch_ratios"] == [1.0, 1.0]
+    assert result["epoch_ratios"] == [1.0]
 
 
 def test_a_killed_worker_is_restarted_and_training_completes():

@@ -34,7 +34,6 @@ from tfdist._compat.patches import (
 )
 from tfdist._compat.tensorflow_internals import (
     all_gather,
-    all_reduced_slice,
     auto_shard,
     collective_launchers,
     configure_coordination_service,
@@ -42,15 +41,14 @@ from tfdist._compat.tensorflow_internals import (
     needs_gradient,
     partition_graphs,
     peer_answers,
-    reduce_scatter,
     remake_variables,
+    slice_of_sum,
 )
 from tfdist._compat.versions import TESTED_VERSIONS, check_versions
 
 __all__ = [
     "TESTED_VERSIONS",
     "all_gather",
-    "all_reduced_slice",
     "auto_shard",
     "batches_read",
     "build_for_training",
@@ -73,8 +71,8 @@ __all__ = [
     "parameter_server_writes_in_reverse",
     "partition_graphs",
     "peer_answers",
-    "reduce_scatter",
     "remake_variables",
+    "slice_of_sum",
     "replace_update_step",
     "resume_epoch_iterator",
     "training_epoch_iterator",

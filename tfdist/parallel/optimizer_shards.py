@@ -396,8 +396,7 @@ class DeviceCollectives:
         self.multi_process = self.parts > len(self.devices)
 
     def reduce_scatter(self, d, packed):
-        reduce = _compat.reduce_scatter if self.stage == 2 else _compat.all_reduced_slice
-        return reduce(_compat.collective_launchers(self.strategy)[d], packed, self.ranks[d])
+        return _compat.slice_of_sum(_compat.collective_launchers(self.strategy)[d], packed, self.ranks[d], self.stage)
 
     def all_gather(self, d, piece):
         return _compat.all_gather(_compat.collective_launchers(self.strategy)[d], piece)

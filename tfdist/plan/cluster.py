@@ -15,7 +15,7 @@ from typing import Optional
 
 from tfdist.errors import ConfigError
 
-__all__ = ["PRESETS", "SUSTAINED_SHARE", "Cluster", "parse_bytes", "parse_rate"]
+__all__ = ["PRESETS", "SUSTAINED_SHARE", "Cluster", "from_preset", "parse_bytes", "parse_rate"]
 
 # The share of a datasheet's peak a training step sustains, when nothing better is known (large
 # transformer runs report 30-55% model FLOPs utilization; convolutional ones less).

@@ -34,7 +34,7 @@ from typing import Any, Optional
 from tfdist.plan.cluster import Cluster
 from tfdist.plan.profile import ModelProfile
 
-__all__ = ["Layout", "Prediction", "layouts", "predict"]
+__all__ = ["HOST_LINK_EFFICIENCY", "Layout", "Prediction", "layouts", "predict", "recommended"]
 
 # TCP over IPv4 on Ethernet carries 1448 bytes of data in each 1538-byte frame on the wire (MTU 1500, with
 # TCP timestamps; preamble, header, FCS and gap around it): a host link moves data at this share of its rate.

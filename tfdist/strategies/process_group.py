@@ -141,8 +141,7 @@ class WorkerProcesses(ProcessGroup):
         return _compat.all_gather(self._launcher(device or tensor.device or "/cpu:0"), tensor)
 
     def reduce_scatter(self, tensor, device, stage):
-        reduce = _compat.reduce_scatter if stage == 2 else _compat.all_reduced_slice
-        return reduce(self._launcher(device), tensor, self.index)
+        return _compat.slice_of_sum(self._launcher(device), tensor, self.index, stage)
 
 
 class HorovodProcesses(ProcessGroup):

@@ -119,8 +119,7 @@ class _SlicesAcrossProcesses:
         ours = self.processes.reduce_scatter(packed, self.devices[d], self.stage)
         if len(self.devices) == 1:
             return ours
-        reduce = _compat.reduce_scatter if self.stage == 2 else _compat.all_reduced_slice
-        return reduce(_compat.collective_launchers(self.strategy)[d], ours, d)
+        return _compat.slice_of_sum(_compat.collective_launchers(self.strategy)[d], ours, d, self.stage)
 
     def all_gather(self, d, piece):
         if len(self.devices) > 1:
