@@ -66,12 +66,17 @@ def _train(devices, make_optimizer, stage, epochs=2, callbacks=()):
 CASES = [(name, 2) for name in OPTIMIZERS] + [("adam", 4), ("mixed_float16_loss_scaling", 4)]
 
 
+# Stage 2 changes only how the gradients are reduced, the same for every optimizer: checked with one with
+# slots, with global clipping (a norm over the whole reduced gradient) and with loss scaling.
+STAGE_2 = ("adam", "adam_global_clipnorm", "mixed_float16_loss_scaling")
+
+
 @pytest.mark.parametrize("name, devices", CASES)
 def test_split_state_trains_the_same_weights_as_one_copy_per_device(cpus, name, devices):
     """Stage 1 (the gradients all-reduced) and stage 2 (reduce-scattered) against the same job unsplit."""
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
     whole, whole_optimizer, _ = _train(devices, OPTIMIZERS[name], stage=0)
-    for stage in (1, 2):
+    for stage in (1, 2) if name in STAGE_2 else (1,):
         split, optimizer, shards = _train(devices, OPTIMIZERS[name], stage=stage)
         assert int(optimizer.iterations.numpy()) == STEPS and shards.collectives.stage == stage
         for a, b in zip(whole.get_weights(), split.get_weights()):
