@@ -32,7 +32,7 @@ import dataclasses
 from typing import Any, Optional
 
 from tfdist.plan.cluster import Cluster
-from tfdist.plan.profile import ModelProfile
+from tfdist.plan.profile import TRAINING_FLOPS_PER_FORWARD, ModelProfile
 
 __all__ = ["HOST_LINK_EFFICIENCY", "Layout", "Prediction", "layouts", "predict", "recommended"]
 
@@ -135,7 +135,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
             activations = micro * in_flight * outputs
         memory_by_stage.append({"weights": trainable + other, "gradients": trainable, "optimizer": slots,
                                 "activations": activations})
-        flops = sum(share(layer, layer.forward_flops_per_example) for layer in layers) * 3
+        flops = sum(share(layer, layer.forward_flops_per_example) for layer in layers) * TRAINING_FLOPS_PER_FORWARD
         compute_ms.append(1000 * flops * micro / rate if rate else 0.0)
         # Each tensor-parallel layer's output is summed (or gathered) across the group, and its input
         # gradient in the backward pass: two ring all-reduces of the micro-batch's output.
@@ -157,10 +157,8 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
             "bubble": (k - 1) * slot_ms, "data_parallel": data_ms}
     step["total"] = sum(step.values())
     memory_by_stage = [{**memory, "total": sum(memory.values())} for memory in memory_by_stage]
-    prediction = _prediction(layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step,
-                             global_batch)
-    prediction.memory_by_stage = memory_by_stage
-    return prediction
+    return _prediction(layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step, global_batch,
+                       memory_by_stage)
 
 
 def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int) -> Prediction:
@@ -185,12 +183,12 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     return _prediction(layout, memory, cluster, step, global_batch)
 
 
-def _prediction(layout, memory, cluster, step, examples) -> Prediction:
+def _prediction(layout, memory, cluster, step, examples, memory_by_stage=()) -> Prediction:
     fits = not cluster.device_memory or memory["total"] <= cluster.device_memory
     note = "" if fits else (f"does not fit: needs {memory['total'] / 2**30:.3g} GiB of "
                             f"{cluster.device_memory / 2**30:.3g}")
     speed = 1000 * examples / step["total"] if step["total"] > 0 else 0.0
-    return Prediction(layout, memory, fits, step, speed, note)
+    return Prediction(layout, memory, fits, step, speed, note, list(memory_by_stage))
 
 
 def recommended(predictions: list[Prediction]) -> Optional[Prediction]:
