@@ -65,8 +65,9 @@ _DEVICE_TFLOPS = flags.DEFINE_float("device_tflops", None, "plan: sustained TFLO
                                     "step.", lower_bound=0)
 _INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between two devices of a host, e.g. 600GB/s "
                                   "or 100gbit.")
-_CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib or "
-                               "1x8-v100-32g (its source is printed).")
+_CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib, "
+                               "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
+                               "is printed).")
 _MEASURE = flags.DEFINE_bool("measure", False, "plan: time the model's training step on one device of this "
                              "machine for the device rate.")
 _TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")

@@ -48,6 +48,8 @@ def test_the_step_time_is_its_terms():
     for zero, factor in ((0, 2), (1, 3), (2, 2)):
         data = predict(model, cluster, Layout(4, zero=zero), global_batch=32, micro_batches=1).step_ms
         assert data["data_parallel"] == pytest.approx(1000 * factor * 3 / 4 * 32000 / 1e9)
+    plain = predict(model, cluster, Layout(4), global_batch=32, micro_batches=1)
+    assert plain.scaling_efficiency == pytest.approx(plain.step_ms["compute"] / plain.step_ms["total"])
     tensor = predict(model, cluster, Layout(1, tensor_parallel=4), global_batch=32, micro_batches=1)
     assert tensor.step_ms["tensor_parallel"] == pytest.approx(1000 * 8 * 2 * 2 * 3 / 4 * 400 * 32 / 1e9)
     assert tensor.memory["weights"] == pytest.approx(8 * 4000 / 4)

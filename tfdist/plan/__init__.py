@@ -66,15 +66,16 @@ def table(result: dict[str, Any]) -> str:
              f"global batch {result['global_batch_size']} ({cluster['source']})",
              f"{'':<40} {'memory on the fullest device':^49}",
              f"{'layout':<40} {'total':>9} {'weights':>9} {'grads':>9} {'optimizer':>9} {'activ.':>9} "
-             f"{'step ms':>9} {'samples/s':>10}  note"]
+             f"{'step ms':>9} {'samples/s':>10} {'scaling':>8}  note"]
     for row in result["layouts"]:
         memory, step = row["memory_bytes"], row["step_ms"]
         sizes = [_size(memory[key]) if memory else "-"
                  for key in ("total", "weights", "gradients", "optimizer", "activations")]
         speed = f"{row['samples_per_sec']:.4g}" if row["samples_per_sec"] else "-"
         total = f"{step['total']:.4g}" if step else "-"
+        scaling = f"{row['scaling_efficiency']:.1%}" if row["scaling_efficiency"] else "-"
         lines.append(f"{row['layout']:<40} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>9} {sizes[3]:>9} {sizes[4]:>9} "
-                     f"{total:>9} {speed:>10}  {row['note']}")
+                     f"{total:>9} {speed:>10} {scaling:>8}  {row['note']}")
     best = result["recommended"]
     lines.append(f"recommended: {best['layout']} ({' '.join('--set ' + o for o in result['recommended_overrides'])})"
                  if best else "recommended: none fits")

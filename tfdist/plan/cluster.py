@@ -64,6 +64,14 @@ PRESETS = {
     "1x8-v100-32g": (8, 32 * 2**30, {"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12}, 0.0, 300e9,
                      "NVIDIA V100 datasheet (SXM2 32GB: 15.7 TFLOPS FP32, 125 TFLOPS Tensor Core; NVLink "
                      "300 GB/s)"),
+    # The machines of two published scaling runs (tfdist.plan.published compares the planner with them).
+    "128x4-p100-25g-roce": (4, 16 * 2**30, {"float32": 9.3e12, "float16": 18.7e12, "bfloat16": 9.3e12}, 25e9, 16e9,
+                            "Horovod's benchmark (128 servers of 4 Pascal GPUs, RoCE 25 Gbit/s; Sergeev and Del Balso, "
+                            "arXiv:1802.05799); NVIDIA P100 PCIe datasheet (9.3 TFLOPS FP32, 18.7 FP16); PCIe 3.0 x16 "
+                            "16 GB/s"),
+    "32x8-p100-50g": (8, 16 * 2**30, {"float32": 10.6e12, "float16": 21.2e12, "bfloat16": 10.6e12}, 50e9, 160e9,
+                      "Goyal et al., arXiv:1706.02677 (Big Basin servers: 8 P100 on NVLink, 50 Gbit/s Ethernet); "
+                      "NVIDIA P100 SXM2 datasheet (10.6 TFLOPS FP32, 21.2 FP16; NVLink 160 GB/s)"),
 }
 
 _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)\s*$", re.I)

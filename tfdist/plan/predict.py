@@ -71,11 +71,13 @@ class Prediction:
     samples_per_sec: float
     note: str = ""
     memory_by_stage: list = dataclasses.field(default_factory=list)  # each stage's first device, as `memory`
+    scaling_efficiency: float = 0.0  # samples/sec over the devices' count times one device's alone (0: no rate)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.name, **dataclasses.asdict(self.layout), "memory_bytes": self.memory,
                 "memory_bytes_by_stage": self.memory_by_stage, "fits": self.fits, "step_ms": self.step_ms,
-                "samples_per_sec": self.samples_per_sec, "note": self.note}
+                "samples_per_sec": self.samples_per_sec, "scaling_efficiency": self.scaling_efficiency,
+                "note": self.note}
 
 
 def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int) -> list[Layout]:
@@ -157,8 +159,8 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
             "bubble": (k - 1) * slot_ms, "data_parallel": data_ms}
     step["total"] = sum(step.values())
     memory_by_stage = [{**memory, "total": sum(memory.values())} for memory in memory_by_stage]
-    return _prediction(layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step, global_batch,
-                       memory_by_stage)
+    return _prediction(model, layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step,
+                       global_batch, memory_by_stage)
 
 
 def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int) -> Prediction:
@@ -180,15 +182,17 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     if remote:
         wire += 1000 * cluster.per_host * remote * traffic / (HOST_LINK_EFFICIENCY * cluster.link / 8)
     step = {"compute": compute, "parameter_server": wire, "total": compute + wire}
-    return _prediction(layout, memory, cluster, step, global_batch)
+    return _prediction(model, layout, memory, cluster, step, global_batch)
 
 
-def _prediction(layout, memory, cluster, step, examples, memory_by_stage=()) -> Prediction:
+def _prediction(model, layout, memory, cluster, step, examples, memory_by_stage=()) -> Prediction:
     fits = not cluster.device_memory or memory["total"] <= cluster.device_memory
     note = "" if fits else (f"does not fit: needs {memory['total'] / 2**30:.3g} GiB of "
                             f"{cluster.device_memory / 2**30:.3g}")
     speed = 1000 * examples / step["total"] if step["total"] > 0 else 0.0
-    return Prediction(layout, memory, fits, step, speed, note, list(memory_by_stage))
+    alone = cluster.device_flops / model.training_flops_per_example if model.training_flops_per_example else 0.0
+    efficiency = speed / (cluster.devices * alone) if alone else 0.0
+    return Prediction(layout, memory, fits, step, speed, note, list(memory_by_stage), efficiency)
 
 
 def recommended(predictions: list[Prediction]) -> Optional[Prediction]:
