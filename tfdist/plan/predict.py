@@ -8,10 +8,11 @@ parameter servers. For each:
 - **memory per device** (the fullest device): its stage's weights (a
   tensor-parallel layer's divided by the group), as many gradient bytes, the
   optimizer's slots for them (divided by dp when split), and activations:
-  the stage's layers' outputs per example (what the backward pass reads) for
-  the examples in flight (a replica's batch; in a pipeline, micro-batches of
-  it: all M under GPipe, K - stage under 1F1B; with recompute, each
-  micro-batch's stage input and one micro-batch's outputs);
+  what the backward pass keeps of the stage's forward tensors for the
+  examples in flight (a replica's batch; in a pipeline, micro-batches of it:
+  all M under GPipe, K - stage under 1F1B; with recompute, each
+  micro-batch's stage input), and one of them at its fullest in the backward
+  pass (`_fullest_per_example`);
 - **step time**, with nothing overlapped (tfdist measured no overlap of
   all-reduce with the backward pass on CPUs): compute from the stage's
   training FLOPs at the device's sustained rate; a pipeline runs M + K - 1
@@ -129,12 +130,12 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
         trainable = sum(share(layer, layer.trainable_bytes) for layer in layers)
         other = sum(share(layer, layer.other_bytes) for layer in layers)
         slots = model.slot_bytes * trainable / max(model.trainable_bytes, 1) / (dp if layout.zero else 1)
-        outputs = sum(layer.output_bytes_per_example for layer in layers)
         in_flight = 1 if k == 1 else (m if schedule == "gpipe" else min(m, k - index))
-        if recompute and k > 1:
-            activations = micro * (in_flight * layers[0].output_bytes_per_example + outputs)
-        else:
-            activations = micro * in_flight * outputs
+        # The micro-batches waiting for their backward pass hold what it keeps (with recompute: only the
+        # stage's input); the one in its backward pass holds the most it ever does.
+        waiting = layers[0].output_bytes_per_example if recompute and k > 1 else \
+            sum(share(layer, layer.kept_bytes_per_example) for layer in layers)
+        activations = micro * ((in_flight - 1) * waiting + _fullest_per_example(layers, share))
         memory_by_stage.append({"weights": trainable + other, "gradients": trainable, "optimizer": slots,
                                 "activations": activations})
         flops = sum(share(layer, layer.forward_flops_per_example) for layer in layers) * TRAINING_FLOPS_PER_FORWARD
@@ -163,6 +164,20 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
                        global_batch, memory_by_stage)
 
 
+def _fullest_per_example(layers, share) -> float:
+    """The most activation bytes an example holds at once in a training step over `layers`: while
+    layer i's backward pass runs, what the backward pass keeps of layers up to i is still held, with
+    the gradient arriving at its output and those of the tensors it kept (at least its output's size);
+    at least all it keeps once the forward pass ends. (`share`: a tensor-parallel layer's part on one
+    device.)"""
+    kept, fullest = 0.0, 0.0
+    for layer in layers:
+        own = share(layer, layer.kept_bytes_per_example)
+        kept += own
+        fullest = max(fullest, kept + layer.output_bytes_per_example + max(own, layer.output_bytes_per_example))
+    return max(fullest, kept)
+
+
 def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int) -> Prediction:
     """Each device a worker of global_batch / workers examples a step (as many examples a step as the
     all-reduce layouts), reading the weights and sending the gradients over its host's link, which
@@ -170,7 +185,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     weights, gradients = model.weight_bytes, model.trainable_bytes
     batch = global_batch // layout.dp
     memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
-              "activations": batch * sum(layer.output_bytes_per_example for layer in model.layers)}
+              "activations": batch * _fullest_per_example(model.layers, lambda layer, value: value)}
     memory["total"] = sum(memory.values())
     rate = cluster.device_flops
     compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0

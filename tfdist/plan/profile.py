@@ -6,11 +6,14 @@ optimizer and reads, per top-level layer:
 - the bytes of its trainable and other weights (exact: the variables' shapes
   and dtypes);
 - the bytes of its output per example (one small batch run through the model,
-  its outputs' shapes read; the compute dtype's size), which a training step
-  keeps for the backward pass and a pipeline sends between stages;
+  its outputs' shapes read; the compute dtype's size), which a pipeline sends
+  between stages;
+- the bytes per example the backward pass keeps of its forward tensors (a
+  training step's gradient traced at 1 and 2 examples: the layer's tensors
+  the gradient's ops read);
 - its forward FLOPs per example (the statistics TensorFlow's profiler
-  counts, over the ops of the traced model, batch 1, by the layer's name
-  scope; einsums, which they leave out, counted from their shapes); a
+  counts, over the ops its call adds to the traced model, batch 1; einsums,
+  which they leave out, counted from their shapes); a
   training step costs about three times that (forward, and the backward's
   two products);
 - whether tensor parallelism splits it (tfdist's tensor-parallel layers).
@@ -36,6 +39,7 @@ class LayerCost:
     other_bytes: int  # non-trainable weights (BatchNorm's statistics, ...)
     output_bytes_per_example: int
     forward_flops_per_example: float
+    kept_bytes_per_example: int  # what the backward pass reads of its forward tensors, per example
     tensor_parallel: bool  # tfdist splits its weights and matmuls over a tensor-parallel group
 
 
@@ -86,9 +90,11 @@ def profile(config) -> ModelProfile:
         optimizer = precision.wrap_optimizer(build_optimizer(config.train, steps_per_epoch=1), config.precision)
         optimizer.build(model.trainable_variables)
         slot_bytes = sum(_nbytes(v) for v in optimizer.variables if len(v.shape))
-        flops = _forward_flops_by_layer(model, source.input_shape)
+        flops, kept_one = _traced_step(model, source.input_shape, 1)
+        _, kept_two = _traced_step(model, source.input_shape, 2)
+        kept = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}  # what grows per example
         outputs = _layer_outputs(model, np.zeros((2, *source.input_shape), "float32"))
-        layers = tuple(_layer_cost(layer, output, flops) for layer, output in outputs)
+        layers = tuple(_layer_cost(layer, output, flops, kept) for layer, output in outputs)
         compute_dtype = keras.mixed_precision.dtype_policy().compute_dtype
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
@@ -112,7 +118,7 @@ def _layer_outputs(model, batch) -> list:
     return list(zip(layers, values if isinstance(values, (list, tuple)) else [values]))
 
 
-def _layer_cost(layer, output, flops: dict) -> LayerCost:
+def _layer_cost(layer, output, flops: dict, kept: dict) -> LayerCost:
     import keras
     import tensorflow as tf
 
@@ -128,30 +134,74 @@ def _layer_cost(layer, output, flops: dict) -> LayerCost:
         output_bytes_per_example=sum(math.prod(t.shape) * tf.as_dtype(t.dtype).size
                                      for t in tf.nest.flatten(output)) // examples,
         forward_flops_per_example=flops.get(layer.name, 0.0),
+        kept_bytes_per_example=kept.get(layer.name, 0),
         tensor_parallel=isinstance(layer, parallel),
     )
 
 
-def _forward_flops_by_layer(model, input_shape) -> dict[str, float]:
-    """Forward FLOPs of one example by top-level layer name: each op of the traced model (batch 1)
-    costs what TensorFlow's statistics say (as its profiler counts them), an einsum (which they leave
-    out) 2 x the product of its index sizes; an op belongs to the layer its name scope names."""
+def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict[str, int]]:
+    """(forward FLOPs, bytes kept for the backward pass) by top-level layer name, from one training
+    step's gradient traced at `batch` examples (nothing runs).
+
+    An op belongs to the top-level layer whose `call` created it: each layer's call is wrapped while
+    tracing to take the ops it adds to the graph (name scopes would not do: a second trace renames
+    them, `conv2d` to `conv2d_1`, the next layer's name). An op's FLOPs are what TensorFlow's
+    statistics say (as its profiler counts them), an einsum's (which they leave out) 2 x the product
+    of its index sizes. A layer keeps the tensors of its forward ops that the gradient's ops read
+    (the model's input counts as the first layer's).
+    """
     import tensorflow as tf
     from tensorflow.python.framework import ops
-
     from tensorflow.python.util import deprecation
 
-    graph = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-        tf.TensorSpec((1, *input_shape), "float32")).graph
-    names = {layer.name for layer in model.layers}
-    by_layer: dict[str, float] = {}
+    owners: dict[str, str] = {}  # op name: the top-level layer whose call created it
+
+    def owning(layer):
+        original = layer.call
+
+        def call(*args, **kwargs):
+            graph = tf.compat.v1.get_default_graph()  # the function's graph being traced
+            first = len(graph.get_operations())
+            outputs = original(*args, **kwargs)
+            for op in graph.get_operations()[first:]:
+                owners.setdefault(op.name, layer.name)
+            return outputs
+
+        return call
+
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=True)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(t, "float32")) for t in tf.nest.flatten(outputs)])
+        forward_ops = len(tf.compat.v1.get_default_graph().get_operations())
+        return tape.gradient(loss, model.trainable_variables), forward_ops
+
+    traced = {}
+    for layer in model.layers:
+        layer.call = owning(layer)
+    try:
+        graph = tf.function(lambda x: traced.setdefault("step", step(x))[0]).get_concrete_function(
+            tf.TensorSpec((batch, *input_shape), "float32")).graph
+    finally:
+        for layer in model.layers:
+            del layer.call  # the class's own again
+    operations = graph.get_operations()
+    forward, backward = operations[:traced["step"][1]], operations[traced["step"][1]:]
+    first_layer = next((layer.name for layer in model.layers if layer.name in owners.values()), "")
+    flops: dict[str, float] = {}
     with deprecation.silence():  # the profiler's statistics call a TF1 helper that warns once
-        for op in graph.get_operations():
-            scope = op.name.split("/")[1] if op.name.count("/") >= 2 else ""
-            layer = scope if scope in names else scope.rsplit("_", 1)[0]  # a second call's scope: name_1
-            if layer in names:
-                by_layer[layer] = by_layer.get(layer, 0.0) + _op_flops(graph, op, ops)
-    return by_layer
+        for op in forward:
+            if op.name in owners:
+                flops[owners[op.name]] = flops.get(owners[op.name], 0.0) + _op_flops(graph, op, ops)
+    forward_names = {op.name for op in forward}
+    kept: dict[str, int] = {}
+    read = {t.name: t for op in backward for t in op.inputs if t.op.name in forward_names}
+    for tensor in read.values():
+        if tensor.op.type in ("ReadVariableOp", "Const") or not tensor.shape.is_fully_defined():
+            continue  # the weights (counted as weights), constants
+        layer = owners.get(tensor.op.name, first_layer)
+        kept[layer] = kept.get(layer, 0) + tensor.shape.num_elements() * tensor.dtype.size
+    return flops, kept
 
 
 def _op_flops(graph, op, ops) -> float:
