@@ -46,7 +46,8 @@ _BATCH_PER_DEVICE = flags.DEFINE_integer("batch_per_device", None, "synthetic: i
 _LINKS = flags.DEFINE_string("links", None, "network, plan: the link rates to run at, comma-separated "
                              "(default 100mbit,1gbit,10gbit).")
 _KINDS = flags.DEFINE_string("kinds", None, "network, plan: the kinds to run, comma-separated "
-                             "(default multi_worker,horovod,parameter_server; plan: multi_worker,horovod).")
+                             "(default multi_worker,horovod,parameter_server; plan: multi_worker,horovod on "
+                             "namespace hosts, or pipeline,tensor_parallel in one process).")
 _WORKERS = flags.DEFINE_integer("workers", 1, "Worker processes (launch) or pods (k8s); under Horovod, ranks.")
 _PS = flags.DEFINE_integer("ps", 0, "Parameter servers (0: parameter_server.num_ps).", lower_bound=0)
 _CHIEF = flags.DEFINE_bool("chief", False, "Add a chief task to a multi-worker job.")
@@ -64,7 +65,7 @@ _DEVICE_MEMORY = flags.DEFINE_string("device_memory", None, "plan: memory per de
 _DEVICE_TFLOPS = flags.DEFINE_float("device_tflops", None, "plan: sustained TFLOP/s of one device in a training "
                                     "step.", lower_bound=0)
 _INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between two devices of a host, e.g. 600GB/s "
-                                  "or 100gbit.")
+                                  "or 100gbit (omitted: what moves within a host is not counted).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib, "
                                "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
                                "is printed).")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, measure_in_fresh_process
 from tfdist.bench.plan import compare, measure
 
 
@@ -30,8 +30,26 @@ def test_each_predicted_term_stands_beside_its_measurement():
     assert result["figures"]["jobs"] == 6
 
 
-def test_a_kind_the_planner_does_not_compare_is_refused_before_any_job_runs():
+def test_the_pipeline_in_one_process_is_predicted_from_its_one_device_step():
+    """The shipped pipeline config on 2 logical devices, beside the one-device step `tfdist plan
+    --measure` times: the prediction is its terms, 1F1B's bubble (K - 1)/(M + K - 1) of it."""
+    result = measure_in_fresh_process("tfdist.bench.plan", 'dict(kinds="pipeline", repeats=1)')
+    assert [(row["kind"], row["batch"]) for row in result["rows"]] == [("pipeline", 64), ("pipeline", 256)]
+    for row in result["rows"]:
+        terms = row["terms_ms"]
+        assert row["layout"] == "data 1 x pipeline 2" and terms["total"] == pytest.approx(row["predicted_ms"])
+        assert terms["bubble"] / terms["total"] == pytest.approx(1 / 5)  # K = 2, M = 4
+        assert row["ratio"] == pytest.approx(row["predicted_ms"] / row["measured_ms"])
+        assert row["unmodelled_ms"] == pytest.approx(row["measured_ms"] - row["predicted_ms"])
+
+
+@pytest.mark.parametrize("kinds, links, message", [
+    ("parameter_server", None, "`kinds` must be among multi_worker, horovod, pipeline, tensor_parallel"),
+    ("horovod,pipeline", None, "mixes kinds on namespace hosts and in one process"),
+    ("tensor_parallel", "1gbit", "`links` only applies to the network kinds"),
+])
+def test_a_kind_the_planner_does_not_compare_is_refused_before_any_job_runs(kinds, links, message):
     from tfdist.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="`kinds` must be among multi_worker, horovod for the plan benchmark"):
-        measure(kinds="parameter_server")
+    with pytest.raises(ConfigError, match=message):
+        measure(kinds=kinds, links=links)

@@ -47,7 +47,7 @@ CONFIG_UNUSED = {
     "input_pipeline": "it sets its own map, model and data.",
     "parameter_server": "it sets both jobs itself.",
     "pipeline": "it sets its own devices, threads and model.",
-    "plan": "it plans the network benchmark's jobs, which it runs.",
+    "plan": "it runs the jobs it plans (the network benchmark's, or the shipped pipeline and tensor-parallel configs).",
     "plan_published": "it plans the published runs' models on their clusters.",
     "precision": "it sets every job itself; only the precision changes within a kind.",
     "ps_worker_loss": "it kills workers of the parameter-server job it starts itself.",

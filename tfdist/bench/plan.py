@@ -17,6 +17,16 @@ model.
 Parameter servers are not compared yet: the bench puts both workers on one
 host and the server on the other, a placement the planner's layouts do not
 describe.
+
+`--kinds pipeline,tensor_parallel` runs in one process instead (no root):
+the shipped configs' jobs (configs/pipeline.yaml as one replica of 2 stages,
+configs/tensor_parallel.yaml), each on 2 logical CPU devices of one core
+each (intra-op 1, inter-op 2), at the config's batch and at 256, timed in
+alternated rounds beside the one-device step `tfdist plan --measure` times
+(the same job on one device, a device's share of the batch). Per job: the
+prediction at that measured rate beside the measured step, each predicted
+term, and `unmodelled_ms`, what the measured step holds beyond the
+prediction.
 """
 
 from __future__ import annotations
@@ -28,17 +38,79 @@ from tfdist.errors import ConfigError
 
 __all__ = ["KINDS", "compare", "measure"]
 
-KINDS = ("multi_worker", "horovod")
+NETWORK_KINDS = ("multi_worker", "horovod")
+ONE_PROCESS_KINDS = ("pipeline", "tensor_parallel")
+KINDS = NETWORK_KINDS + ONE_PROCESS_KINDS
 BOUNDS = (0.85, 1.15)
+# kind: the shipped config, and what makes it one layout on 2 logical devices
+ONE_PROCESS_JOBS = {"pipeline": ("configs/pipeline.yaml", ["strategy.logical_devices=2"]),
+                    "tensor_parallel": ("configs/tensor_parallel.yaml", [])}
+ONE_PROCESS_BATCHES = (None, 256)  # the config's, and a larger one
+THREADS = ["runtime.intra_op_threads=1", "runtime.inter_op_threads=2"]  # a core for each logical device
+STEPS_PER_ROUND = 10
 
 
 def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[str] = None) -> dict[str, Any]:
-    from tfdist.bench import network
-
-    chosen = [k.strip() for k in (kinds or ",".join(KINDS)).split(",") if k.strip()]
+    """The network kinds (default) on namespace hosts, or the one-process kinds, as `kinds` chooses
+    (not both at once: one needs root and takes minutes, the other neither)."""
+    chosen = [k.strip() for k in (kinds or ",".join(NETWORK_KINDS)).split(",") if k.strip()]
     if not chosen or any(kind not in KINDS for kind in chosen):
         raise ConfigError("kinds", f"must be among {', '.join(KINDS)} for the plan benchmark.", kinds)
+    if set(chosen) <= set(ONE_PROCESS_KINDS):
+        if links:
+            raise ConfigError("links", "only applies to the network kinds (multi_worker, horovod).", links)
+        return in_one_process(chosen, repeats=repeats)
+    if not set(chosen) <= set(NETWORK_KINDS):
+        raise ConfigError("kinds", "mixes kinds on namespace hosts and in one process: run them apart.", kinds)
+    from tfdist.bench import network
+
     return compare(network.run(repeats=repeats, links=links, kinds=",".join(chosen)))
+
+
+def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
+    """Each kind's shipped job at each batch, timed beside its one-device step, and predicted at the
+    rate that step gives (call before TensorFlow has started: it fixes the threads)."""
+    import os
+
+    from tfdist import training
+    from tfdist.bench.timing import alternate, fit_round, medians
+    from tfdist.config import load_config
+    from tfdist.plan import Cluster, Layout, one_device_config, profile
+    from tfdist.plan.predict import predict
+    from tfdist.strategies.devices import configure_runtime
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rows = []
+    for kind in kinds:
+        path, overrides = ONE_PROCESS_JOBS[kind]
+        for batch in ONE_PROCESS_BATCHES:
+            sized = [f"train.global_batch_size={batch}"] if batch else []
+            config = load_config(os.path.join(root, path), [*overrides, *sized, *THREADS])
+            configure_runtime(config)
+            devices = config.strategy.logical_devices
+            batch = config.train.global_batch_size
+            one_device = one_device_config(config, batch // devices)  # what `tfdist plan --measure` times
+            jobs = {"one_device": training.prepare(one_device), kind: training.prepare(config)}
+            rounds = {name: fit_round(job.model, job.train_data, batch=job.config.train.global_batch_size,
+                                      steps=STEPS_PER_ROUND) for name, job in jobs.items()}
+            step_ms = medians(alternate(rounds, repeats=repeats))
+            model = profile(config)
+            rate = model.training_flops_per_example * one_device.train.global_batch_size / (
+                step_ms["one_device"] / 1000)
+            layout = Layout(1, stages=config.pipeline.num_stages) if kind == "pipeline" else \
+                Layout(1, tensor_parallel=config.strategy.tensor_parallel_size or devices)
+            predicted = predict(model, Cluster(devices=devices, device_flops=rate), layout, global_batch=batch,
+                                micro_batches=config.pipeline.num_micro_batches,
+                                schedule=config.pipeline.schedule.value,
+                                balance_by=config.pipeline.balance_by.value).step_ms
+            rows.append({"kind": kind, "config": path, "batch": batch, "layout": layout.name,
+                         "one_device_ms": step_ms["one_device"], "measured_ms": step_ms[kind],
+                         "predicted_ms": predicted["total"], "ratio": predicted["total"] / step_ms[kind],
+                         "terms_ms": predicted, "unmodelled_ms": step_ms[kind] - predicted["total"]})
+    return {"benchmark": "plan", "bounds": BOUNDS, "threads": THREADS, "rows": rows,
+            "figures": {"within_bounds": sum(BOUNDS[0] <= row["ratio"] <= BOUNDS[1] for row in rows),
+                        "jobs": len(rows), **{f"ratio_{row['kind']}_batch{row['batch']}": row["ratio"]
+                                              for row in rows}}}
 
 
 def compare(measured: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +124,7 @@ def compare(measured: dict[str, Any]) -> dict[str, Any]:
     batch = measured["batch_per_worker"]
     rate = model.training_flops_per_example * batch / (measured["compute_only"]["step_time_ms"] / 1000)
     rows = []
-    for kind in (k for k in KINDS if k in measured["table"]):
+    for kind in (k for k in NETWORK_KINDS if k in measured["table"]):
         for row in measured["table"][kind]:
             cluster = Cluster(devices=2, hosts=2, device_flops=rate, link=link_bits_per_second(row["link"]))
             step = predict(model, cluster, Layout(2), global_batch=2 * batch, micro_batches=1).step_ms
