@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import launch_job, launch_output, launch_output_after, processes_with, read_until, run_tfdist, task_pid
+from helpers import ROOT, launch_job, launch_output, launch_output_after, processes_with, read_until, run_tfdist, task_pid
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -16,13 +16,32 @@ MULTI_WORKER = ["--config", "configs/default.yaml", "--set", "strategy.kind=mult
                 "--set", "train.steps_per_epoch=6"]
 
 
+SPLIT = ["--set", "strategy.shard_optimizer=1"]
+
+
+def assert_the_plan_predicted_what_each_worker_holds(result, config, overrides):
+    """`tfdist plan`'s memory for the job (2 processes, a device each, the optimizer state split) within 5%
+    of what the chief's device holds: its weights and its slice of the optimizer's slots."""
+    from tfdist.config import load_config
+    from tfdist.plan import Cluster, Layout, profile
+    from tfdist.plan.predict import predict
+
+    model = profile(load_config(os.path.join(ROOT, config), overrides))
+    memory = predict(model, Cluster(devices=2, hosts=2, device_flops=1.0, link=1e9), Layout(2, zero=1),
+                     global_batch=64, micro_batches=1).memory
+    held = result["optimizer_state"]["slot_bytes_per_device"]
+    assert memory["weights"] == pytest.approx(result["trainable_bytes"], rel=0.05)
+    assert len(held) == 1 and memory["optimizer"] == pytest.approx(held[0], rel=0.05), (memory, result)
+
+
 def test_a_multi_worker_job_runs_from_one_command_with_its_progress_bar_and_leaves_nothing(tmp_path):
     metrics = tmp_path / "metrics.json"
-    proc = launch_job(metrics, "--workers", "2", *MULTI_WORKER, "--set", "train.epochs=2", terminal=True)
+    proc = launch_job(metrics, "--workers", "2", *MULTI_WORKER, *SPLIT, "--set", "train.epochs=2", terminal=True)
     out, err = launch_output(proc)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(metrics.read_text())
     assert result["strategy"] == "multi_worker_mirrored" and result["num_replicas"] == 2
+    assert_the_plan_predicted_what_each_worker_holds(result, "configs/default.yaml", ["strategy.shard_optimizer=1"])
     # The chief's bar redraws in place (a carriage return not ending a line) and its summary shows once.
     assert re.search(r"\r(?!\n)", out) and out.count("tfdist summary") == 1
     assert processes_with(str(metrics)) == []
@@ -43,10 +62,12 @@ def test_a_parameter_server_job_stops_its_servers_when_the_chief_is_done(tmp_pat
 @pytest.mark.horovod
 def test_a_horovod_job_runs_horovodrun_for_you(tmp_path):
     metrics = tmp_path / "metrics.json"
-    proc = launch_job(metrics, "--workers", "2", "--config", "configs/horovod.yaml", "--set", "train.epochs=2")
+    proc = launch_job(metrics, "--workers", "2", "--config", "configs/horovod.yaml", *SPLIT, "--set", "train.epochs=2")
     out, err = launch_output(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert json.loads(metrics.read_text())["num_replicas"] == 2
+    result = json.loads(metrics.read_text())
+    assert result["num_replicas"] == 2
+    assert_the_plan_predicted_what_each_worker_holds(result, "configs/horovod.yaml", ["strategy.shard_optimizer=1"])
     assert out.count("tfdist summary") == 1 and "<stdout>" not in out  # rank 0 unprefixed, as a plain run
     assert processes_with(str(metrics)) == []
 

@@ -12,7 +12,7 @@ import yaml
 from helpers import ROOT, SCENARIO_DIR, run_tfdist, why_it_failed
 from tfdist.errors import ConfigError
 from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_rate, profile
-from tfdist.plan.predict import predict
+from tfdist.plan.predict import HOST_LINK_EFFICIENCY, predict
 from tfdist.plan.profile import LayerCost, ModelProfile
 
 # TensorFlow runs already here: its thread counts stay as they are.
@@ -55,9 +55,27 @@ def test_the_step_time_is_its_terms():
     tensor = predict(model, cluster, Layout(1, tensor_parallel=4), global_batch=32, micro_batches=1)
     assert tensor.step_ms["tensor_parallel"] == pytest.approx(1000 * 8 * 2 * 2 * 3 / 4 * 400 * 32 / 1e9)
     assert tensor.memory["weights"] == pytest.approx(8 * 4000 / 4)
+    no_link = Cluster(devices=4, device_flops=1e9)  # no --intra_link: what moves within the host is not counted
+    assert predict(model, no_link, Layout(1, tensor_parallel=4), global_batch=32,
+                   micro_batches=1).step_ms["tensor_parallel"] == 0
     small = Cluster(devices=4, device_memory=2**16, device_flops=1e9, intra_link=1e9)
     squeezed = predict(model, small, Layout(4), global_batch=32, micro_batches=1)
     assert not squeezed.fits and squeezed.note.startswith("does not fit: needs 0.000")
+
+
+def test_a_parameter_server_worker_waits_for_its_own_reads_and_sends_or_for_its_hosts_link():
+    """Reads at the start of a step and sends at its end, one after the other; a host's link carries
+    all its workers' share, each direction at once (full duplex)."""
+    model = _uniform_model()  # 32000 trainable bytes
+    link = 1e6 * 8 / HOST_LINK_EFFICIENCY  # 1 MB/s of data
+    alone = Cluster(devices=2, hosts=2, device_flops=1e9, link=link)
+    step = predict(model, alone, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
+    compute = 1000 * 3 * 8e6 * 16 / 1e9
+    assert step["total"] == pytest.approx(compute + 1000 * 0.5 * 64000 / 1e6)  # half the variables on the other host
+    crowded = Cluster(devices=8, device_flops=1e9, link=link)  # 8 workers on one host, the servers apart
+    step = predict(model, crowded, Layout(8, parameter_server=True), global_batch=32, micro_batches=1,
+                   servers_apart=True).step_ms
+    assert step["total"] == pytest.approx(max(1000 * 3 * 8e6 * 4 / 1e9 + 64, 1000 * 8 * 32000 / 1e6))
 
 
 # Each config and overrides, the layout they train, and each stage's first device.

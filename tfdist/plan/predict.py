@@ -23,8 +23,11 @@ parameter servers. For each:
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
   all-gather), over the hosts' links when the replicas span hosts, where
   every device of a host sends its own ring's share at once;
-- **parameter servers**: every device a worker that reads the weights and
-  sends its gradients each step over its host's link, asynchronously.
+- **parameter servers**: every device a worker that reads the weights at
+  the start of its step and sends its gradients at its end, over its host's
+  link for the servers on other hosts, asynchronously: its step is the
+  longer of its own compute, reads and sends, and its host's share of the
+  link (every worker of the host, each direction).
 """
 
 from __future__ import annotations
@@ -103,12 +106,14 @@ def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int) -> list
 
 
 def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_batch: int, micro_batches: int,
-            schedule: str = "1f1b", recompute: bool = False, balance_by: str = "time") -> Prediction:
-    """The memory and step time of `layout` for `model` on `cluster` (see the module docstring)."""
+            schedule: str = "1f1b", recompute: bool = False, balance_by: str = "time",
+            servers_apart: bool = False) -> Prediction:
+    """The memory and step time of `layout` for `model` on `cluster` (see the module docstring);
+    `servers_apart`: a parameter-server layout's servers run on hosts of their own, not the workers'."""
     from tfdist.parallel.partition import balance
 
     if layout.parameter_server:
-        return _parameter_servers(model, cluster, layout, global_batch)
+        return _parameter_servers(model, cluster, layout, global_batch, servers_apart)
     k, t, dp = layout.stages, layout.tensor_parallel, layout.dp
     batch = global_batch // dp  # a replica's examples a step
     m = micro_batches if k > 1 else 1
@@ -178,10 +183,14 @@ def _fullest_per_example(layers, share) -> float:
     return max(fullest, kept)
 
 
-def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int) -> Prediction:
+def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int,
+                       servers_apart: bool) -> Prediction:
     """Each device a worker of global_batch / workers examples a step (as many examples a step as the
-    all-reduce layouts), reading the weights and sending the gradients over its host's link, which
-    its host's workers share; one parameter server per host holds a share of the variables."""
+    all-reduce layouts), reading the weights at the start of its step and sending the gradients at its
+    end; the servers hold a share of the variables each, one on every host (or, `servers_apart`, on
+    hosts of their own). A worker's step is its compute and its own reads and sends one after the
+    other, unless its host's link is busier: it carries every worker of the host's share of the
+    remote servers' bytes, reads one way and sends the other (the link is full duplex)."""
     weights, gradients = model.weight_bytes, model.trainable_bytes
     batch = global_batch // layout.dp
     memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
@@ -189,14 +198,15 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     memory["total"] = sum(memory.values())
     rate = cluster.device_flops
     compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0
-    # A worker reads and sends every variable each step: the share held by other hosts' servers over
-    # its host's link, which the host's workers share; its own host's share over the links inside it.
-    remote = (cluster.hosts - 1) / cluster.hosts
-    traffic = weights + gradients
-    wire = 1000 * (1 - remote) * traffic / cluster.intra_link if cluster.intra_link else 0.0
+    remote = 1.0 if servers_apart else (cluster.hosts - 1) / cluster.hosts
+    own = compute + (1000 * (1 - remote) * (weights + gradients) / cluster.intra_link if cluster.intra_link else 0.0)
+    shared = 0.0
     if remote:
-        wire += 1000 * cluster.per_host * remote * traffic / (HOST_LINK_EFFICIENCY * cluster.link / 8)
-    step = {"compute": compute, "parameter_server": wire, "total": compute + wire}
+        link = HOST_LINK_EFFICIENCY * cluster.link / 8
+        own += 1000 * remote * (weights + gradients) / link
+        shared = 1000 * cluster.per_host * remote * max(weights, gradients) / link
+    total = max(own, shared)
+    step = {"compute": compute, "parameter_server": total - compute, "total": total}
     return _prediction(model, layout, memory, cluster, step, global_batch)
 
 
