@@ -66,11 +66,15 @@ _DEVICE_TFLOPS = flags.DEFINE_float("device_tflops", None, "plan: sustained TFLO
                                     "step.", lower_bound=0)
 _INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between two devices of a host, e.g. 600GB/s "
                                   "or 100gbit (omitted: what moves within a host is not counted).")
+_LINK_LATENCY = flags.DEFINE_string("link_latency", None, "plan: what a training step across hosts costs beyond "
+                                    "its bytes, e.g. 2ms (omitted: not counted).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib, "
                                "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
                                "is printed).")
 _MEASURE = flags.DEFINE_bool("measure", False, "plan: time the model's training step on one device of this "
                              "machine for the device rate.")
+_STALLED_SECONDS = flags.DEFINE_integer("stalled_seconds", 20, "launch: how long a task may stay stopped "
+                                         "(SIGSTOP) before the job ends, naming it.", lower_bound=1)
 _TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")
 _NODES = flags.DEFINE_integer("nodes", None, "Nodes (#SBATCH --nodes).")
 _GPUS_PER_NODE = flags.DEFINE_integer("gpus-per-node", None, "GPUs per node (#SBATCH --gpus-per-node).")
@@ -171,7 +175,8 @@ def _launch_command(args) -> None:
                            hosts=hosts)
 
     try:
-        code = launch.run(plan(), max_restarts=_MAX_RESTARTS.value, replan=plan, hosts=hosts)
+        code = launch.run(plan(), max_restarts=_MAX_RESTARTS.value, replan=plan, hosts=hosts,
+                          stalled_seconds=_STALLED_SECONDS.value)
     finally:
         if hosts:
             hosts.close()  # every process left in them, the namespaces, links and bridge
@@ -235,6 +240,8 @@ def _plan_command(args) -> None:
             device_flops=(_DEVICE_TFLOPS.value or 0.0) * 1e12,
             link=plan.parse_rate(_LINK.value, "--link") if _LINK.value else 0.0,
             intra_link=plan.parse_rate(_INTRA_LINK.value, "--intra_link") / 8 if _INTRA_LINK.value else 0.0)
+    if _LINK_LATENCY.value:
+        cluster = dataclasses.replace(cluster, link_latency=plan.parse_duration(_LINK_LATENCY.value, "--link_latency"))
     if not (cluster.device_flops or _MEASURE.value):
         _fail("`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure.")
     import_tensorflow()
@@ -283,10 +290,11 @@ _COMMANDS = {
     "bench": _Command("run a benchmark and print its one-line summary", (_JSON, *_JOB, _REPEATS, _PLOT, _MODEL,
                       _IMAGE_SIZE, _BATCH_PER_DEVICE, _LINKS, _KINDS), _bench_command, positional="NAME"),
     "plan": _Command("predict every layout's memory and speed on a cluster; write the best as a config",
-                     (*_JOB, _DEVICES, _HOSTS, _DEVICE_MEMORY, _DEVICE_TFLOPS, _LINK, _INTRA_LINK, _CLUSTER, _MEASURE,
-                      _JSON, _OUT), _plan_command),
+                     (*_JOB, _DEVICES, _HOSTS, _DEVICE_MEMORY, _DEVICE_TFLOPS, _LINK, _INTRA_LINK, _LINK_LATENCY,
+                      _CLUSTER, _MEASURE, _JSON, _OUT), _plan_command),
     "launch": _Command("run every task of a multi-process job on this machine",
-                       (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, *_JOB, _METRICS_OUT),
+                       (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, _STALLED_SECONDS, *_JOB,
+                        _METRICS_OUT),
                        _launch_command),
     "slurm": _Command("print an sbatch script for the job: tfdist slurm ... | sbatch",
                       (_TASKS, _NODES, _GPUS_PER_NODE, _PARTITION, _TIME, _OVERCOMMIT, _REQUEUE, *_JOB,

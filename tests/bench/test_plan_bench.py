@@ -31,6 +31,25 @@ def test_each_predicted_term_stands_beside_its_measurement():
     assert result["figures"]["jobs"] == 9
 
 
+def test_the_probes_latency_is_what_its_step_holds_beyond_the_prediction_and_is_added_to_each_job():
+    """The committed plan run compared again: each job's prediction with the probe's per-step latency is
+    the prediction without it plus that latency (a worker's, for parameter servers), and the figures
+    are the committed ones."""
+    with open(os.path.join(ROOT, "results", "plan.json")) as f:
+        committed = json.load(f)
+    result = compare(committed["network"], committed["probe"])
+    for row, before in zip(result["rows"], committed["rows"]):
+        latency = row["with_probe_latency"]["link_latency_ms"]
+        assert latency >= 0 and row["with_probe_latency"]["ratio"] == pytest.approx(
+            before["with_probe_latency"]["ratio"])
+        if row["kind"] != "parameter_server":  # the ring's step takes the latency once
+            assert row["with_probe_latency"]["predicted_ms"] == pytest.approx(row["predicted_ms"] + latency)
+        probe = next(r for r in committed["probe"]["table"][row["kind"]] if r["link"] == row["link"])
+        assert latency <= (2 if row["kind"] == "parameter_server" else 1) * probe["step_time_ms"]
+    assert result["figures"]["within_bounds_with_probe_latency"] == committed["figures"][
+        "within_bounds_with_probe_latency"]
+
+
 def test_the_pipeline_in_one_process_is_predicted_from_its_one_device_step():
     """The shipped pipeline config on 2 logical devices, beside the one-device step `tfdist plan
     --measure` times: the prediction is its terms, 1F1B's bubble (K - 1)/(M + K - 1) of it."""

@@ -104,8 +104,9 @@ def test_the_task_that_failed_stalled_or_was_preempted_is_named_in_one_line(
         tmp_path, flags, variable, value, fault, expected, code, within, checkpoints):
     metrics = tmp_path / "metrics.json"
     checkpoint_dir = ["--set", f"checkpoint.dir={tmp_path / 'checkpoints'}"] * checkpoints
-    proc = launch_job(metrics, "--workers", "2", *flags, "--set", "train.epochs=100", "--set", "train.verbose=2",
-                   *checkpoint_dir)
+    stall = ["--stalled_seconds", "6"] if fault == _SIGSTOP else []
+    proc = launch_job(metrics, "--workers", "2", *stall, *flags, "--set", "train.epochs=100", "--set",
+                      "train.verbose=2", *checkpoint_dir)
     try:
         read_until(proc, "Epoch 3/")
         os.kill(task_pid(str(metrics), variable, value), fault)
@@ -118,6 +119,7 @@ def test_the_task_that_failed_stalled_or_was_preempted_is_named_in_one_line(
     assert lines[-1].startswith("tfdist launch: error: " + expected), err[-3000:]
     if fault == _SIGSTOP:
         assert "SIGSTOP" in lines[-1] and proc.returncode != 0, lines[-1]
+        assert "stopped (SIGSTOP) for 6 s" in lines[-1] or "stalled the job" in lines[-1], lines[-1]
     else:
         assert proc.returncode == code, err[-3000:]
     assert elapsed < within, (elapsed, err[-3000:])

@@ -1,6 +1,7 @@
 """`tfdist plan`: its memory predictions against what a real job's devices hold, its step-time terms, and
 the command a user runs."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import yaml
 
 from helpers import ROOT, SCENARIO_DIR, run_tfdist, why_it_failed
 from tfdist.errors import ConfigError
-from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_rate, profile
+from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_duration, parse_rate, profile
 from tfdist.plan.predict import HOST_LINK_EFFICIENCY, predict
 from tfdist.plan.profile import LayerCost, ModelProfile
 
@@ -24,7 +25,9 @@ def test_sizes_and_rates_read_as_users_write_them():
     assert parse_bytes("16GB", "--device_memory") == 16e9
     assert parse_rate("100gbit", "--link") == 100e9
     assert parse_rate("600GB/s", "--intra_link") == 600e9 * 8
-    for bad, parse in (("80 gigs", parse_bytes), ("fast", parse_rate)):
+    assert parse_duration("2ms", "--link_latency") == pytest.approx(0.002)
+    assert parse_duration("50us", "--link_latency") == pytest.approx(5e-5)
+    for bad, parse in (("80 gigs", parse_bytes), ("fast", parse_rate), ("soon", parse_duration)):
         with pytest.raises(ConfigError, match="must be a"):
             parse(bad, "--flag")
     with pytest.raises(ConfigError, match="--link"):
@@ -34,7 +37,8 @@ def test_sizes_and_rates_read_as_users_write_them():
 
 
 def _uniform_model(layers=8, flops=1e6, nbytes=4000, output=400):
-    return ModelProfile("uniform", tuple(LayerCost(f"layer{i}", nbytes, 0, output, flops, output, True) for i in range(layers)),
+    layer_costs = tuple(LayerCost(f"layer{i}", nbytes, 0, output, flops, output, True) for i in range(layers))
+    return ModelProfile("uniform", layer_costs,
                         slot_bytes=2 * layers * nbytes, optimizer="Adam", compute_dtype="float32")
 
 
@@ -50,6 +54,11 @@ def test_the_step_time_is_its_terms():
     for zero, factor in ((0, 2), (1, 3), (2, 2)):
         data = predict(model, cluster, Layout(4, zero=zero), global_batch=32, micro_batches=1).step_ms
         assert data["data_parallel"] == pytest.approx(1000 * factor * 3 / 4 * 32000 / 1e9)
+    across = Cluster(devices=4, hosts=2, device_flops=1e9, intra_link=1e9, link=8e9)
+    slow = dataclasses.replace(across, link_latency=0.002)  # a step across hosts costs 2 ms beyond its bytes
+    for layout in (Layout(4), Layout(4, parameter_server=True)):
+        steps = [predict(model, c, layout, global_batch=32, micro_batches=1).step_ms for c in (across, slow)]
+        assert steps[1]["total"] - steps[0]["total"] == pytest.approx(2.0)
     plain = predict(model, cluster, Layout(4), global_batch=32, micro_batches=1)
     assert plain.scaling_efficiency == pytest.approx(plain.step_ms["compute"] / plain.step_ms["total"])
     tensor = predict(model, cluster, Layout(1, tensor_parallel=4), global_batch=32, micro_batches=1)

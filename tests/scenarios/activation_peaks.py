@@ -28,7 +28,7 @@ JOBS = {
     "digits_cnn": ("configs/default.yaml", [], (64, 256)),
     "transformer": ("configs/tensor_parallel.yaml", [], (32, 128)),
     "mobilenet_v2": (None, ["model.name=keras.applications.MobileNetV2", "data.dataset=synthetic",
-                            "data.image_size=32", "data.channels=3", "data.synthetic_examples=256"], (16, 64)),
+                            "data.image_size=32", "data.channels=3", "data.synthetic_examples=256"], (8, 32)),
 }
 
 
@@ -37,7 +37,7 @@ def step_peak(config) -> int:
     job = training.prepare(config)
     job.model.fit(job.train_data, epochs=1, steps_per_epoch=2, verbose=0)  # traced, and every buffer made
     peaks = []
-    for _ in range(3):
+    for _ in range(2):
         tf.config.experimental.reset_memory_stats("CPU:0")
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         job.model.fit(job.train_data, epochs=1, steps_per_epoch=1, verbose=0)

@@ -163,7 +163,10 @@ def overlap(compute_ms: float, comm_ms: float, step_ms: float) -> float:
 
 
 def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds: Sequence[str] = KINDS,
-            repeats: int = 3, batch_per_worker: int = 32, steps: int = 40) -> dict[str, Any]:
+            repeats: int = 3, batch_per_worker: int = 32, steps: int = 40, extra: Sequence[str] = (),
+            variants: bool = True) -> dict[str, Any]:
+    """Every kind (and, with `variants`, its fp16, packed and split variants) at every link; `extra`
+    overrides end every job's (the plan benchmark's latency probe sets its model there)."""
     common = [
         "train.verbose=0", "train.epochs=1", f"train.steps_per_epoch={steps}", "callbacks.throughput_warmup_steps=10",
         "runtime.intra_op_threads=1", "runtime.inter_op_threads=2", f"train.global_batch_size={batch_per_worker}",
@@ -174,21 +177,22 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
     elif model:  # a model of the user's: random 32x32 images, 10 classes
         common += [f"model.name={model}", "data.dataset=synthetic", "data.image_size=32", "data.channels=3",
                    "data.num_classes=10", f"data.synthetic_examples={batch_per_worker * 2 * steps}"]
+    common += extra
     # One process on one core: a worker's share of this 2-core machine when 2 of them train.
     jobs: dict[str, tuple[list[str], list[str]]] = {"compute_only": ([], common + ["strategy.kind=one_device"])}
-    variants = {}
+    chosen = {}
     for kind in kinds:
         flags, strategy = _LAUNCH[kind]
         # All-reduce kinds train 2 x batch_per_worker a step; a parameter-server step is one worker's batch.
         batch = [] if kind == "parameter_server" else [f"train.global_batch_size={2 * batch_per_worker}"]
-        variants[kind] = (flags, common + strategy + batch)
-        if kind in _COMPRESSED:
-            variants[f"{kind}_fp16"] = (flags, common + strategy + batch + [_COMPRESSED[kind]])
-        if kind in _PACKED:
-            variants[f"{kind}_packed"] = (flags, common + strategy + batch + [_PACKED[kind]])
-        if kind in _SPLIT and model != SPARSE_MODEL:
-            variants[f"{kind}_split"] = (flags, common + strategy + batch + [_SPLIT[kind]])
-    for variant, (flags, overrides) in variants.items():
+        chosen[kind] = (flags, common + strategy + batch)
+        if variants and kind in _COMPRESSED:
+            chosen[f"{kind}_fp16"] = (flags, common + strategy + batch + [_COMPRESSED[kind]])
+        if variants and kind in _PACKED:
+            chosen[f"{kind}_packed"] = (flags, common + strategy + batch + [_PACKED[kind]])
+        if variants and kind in _SPLIT and model != SPARSE_MODEL:
+            chosen[f"{kind}_split"] = (flags, common + strategy + batch + [_SPLIT[kind]])
+    for variant, (flags, overrides) in chosen.items():
         for link in links:
             jobs[f"{variant}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link], overrides)
     rounds = alternate({name: train_job(overrides, launcher=() if command else on_core(0),
@@ -202,7 +206,7 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
         slices = sparse_workload.gradient_slices(batch_per_worker)
     table = {variant: [_row(variant, link, results[f"{variant}@{link}"], compute,
                             algorithm_bytes(variant, gradient_bytes, slices=slices)) for link in links]
-             for variant in variants}
+             for variant in chosen}
     for rows in table.values():
         fastest = max(rows, key=lambda row: link_bits_per_second(row["link"]))
         for row in rows:

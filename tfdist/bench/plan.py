@@ -16,6 +16,11 @@ miss shows where it is: `compute_ms` against the one-process step, `comm_ms`
 (the ring's bytes, or a worker step's reads, over the link) against the
 measured bytes over the link, and `unmodelled_ms`, what the measured step
 holds beyond the prediction (collective set-up, the step's own overheads).
+A latency probe then launches each kind again at each link with a model of
+85 weights (`PROBE_MODEL`): its measured step over the planner's prediction
+of it is the per-step cost across hosts, and each job is predicted again
+with it as the cluster's `link_latency` (`with_probe_latency`), as a user who
+knows that cost gives `tfdist plan --link_latency`.
 
 `--kinds pipeline,tensor_parallel` runs in one process instead (no root):
 the shipped configs' jobs (configs/pipeline.yaml as one replica of 2 stages,
@@ -47,6 +52,9 @@ ONE_PROCESS_JOBS = {"pipeline": ("configs/pipeline.yaml", ["strategy.logical_dev
 ONE_PROCESS_BATCHES = (None, 256)  # the config's, and a larger one
 THREADS = ["runtime.intra_op_threads=1", "runtime.inter_op_threads=2"]  # a core for each logical device
 STEPS_PER_ROUND = 10
+# The latency probe: digits through one hidden unit (85 weights, next to no compute), launched as each
+# network job is; what its step takes beyond the planner's prediction is the step's cost across hosts.
+PROBE_MODEL = ["model.name=mlp", "model.width=1", "model.depth=1"]
 
 
 def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[str] = None) -> dict[str, Any]:
@@ -63,7 +71,10 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
         raise ConfigError("kinds", "mixes kinds on namespace hosts and in one process: run them apart.", kinds)
     from tfdist.bench import network
 
-    return compare(network.run(repeats=repeats, links=links, kinds=",".join(chosen)))
+    result = network.run(repeats=repeats, links=links, kinds=",".join(chosen))
+    probe = network.measure(links=[row["link"] for row in result["table"][chosen[0]]], kinds=chosen, repeats=repeats,
+                            extra=PROBE_MODEL, variants=False)
+    return compare(result, probe)
 
 
 def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
@@ -112,31 +123,28 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
                                               for row in rows}}}
 
 
-def compare(measured: dict[str, Any]) -> dict[str, Any]:
-    """The planner's prediction beside each all-reduce job of a `tfdist bench network` result."""
-    from tfdist.config import load_config
+def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The planner's prediction beside each job of a `tfdist bench network` result. With `probe` (the
+    same launches of `PROBE_MODEL`), each is predicted again with the per-step cost across hosts the
+    probe shows (`link_latency`: the probe's measured step over the planner's own prediction of it)."""
     from tfdist.launch.hosts import link_bits_per_second
-    from tfdist.plan import Cluster, Layout, profile
-    from tfdist.plan.predict import HOST_LINK_EFFICIENCY, predict
 
-    model = profile(load_config(None, _overrides(measured["jobs"]["compute_only"])))
+    model, rate = _profiled(measured)
     batch = measured["batch_per_worker"]
-    rate = model.training_flops_per_example * batch / (measured["compute_only"]["step_time_ms"] / 1000)
+    latency = {}
+    if probe:
+        probe_model, probe_rate = _profiled(probe)
+        for kind in (k for k in NETWORK_KINDS if k in probe["table"]):
+            for row in probe["table"][kind]:
+                alone, _, _ = _predicted(probe_model, probe_rate, batch, kind, link_bits_per_second(row["link"]), 0.0)
+                # A parameter-server step is a worker step over its 2 workers: a worker's own cost is twice.
+                latency[kind, row["link"]] = max(0.0, (row["step_time_ms"] - alone) / 1000) * (
+                    2 if kind == "parameter_server" else 1)
     rows = []
     for kind in (k for k in NETWORK_KINDS if k in measured["table"]):
         for row in measured["table"][kind]:
             link = link_bits_per_second(row["link"])
-            if kind == "parameter_server":  # both workers on one host, the server on the other
-                cluster = Cluster(devices=2, device_flops=rate, link=link)
-                step = predict(model, cluster, Layout(2, parameter_server=True), global_batch=2 * batch,
-                               micro_batches=1, servers_apart=True).step_ms
-                # The bench times the job a worker step at a time: 2 workers step at once.
-                predicted = step["total"] / 2
-                comm = 1000 * model.weight_bytes / (HOST_LINK_EFFICIENCY * link / 8)  # a worker step's, each way
-            else:
-                cluster = Cluster(devices=2, hosts=2, device_flops=rate, link=link)
-                step = predict(model, cluster, Layout(2), global_batch=2 * batch, micro_batches=1).step_ms
-                predicted, comm = step["total"], step["data_parallel"]
+            predicted, comm, step = _predicted(model, rate, batch, kind, link, 0.0)
             rows.append({
                 "kind": kind, "link": row["link"], "predicted_ms": predicted, "measured_ms": row["step_time_ms"],
                 "ratio": predicted / row["step_time_ms"], "terms_ms": step,
@@ -144,12 +152,55 @@ def compare(measured: dict[str, Any]) -> dict[str, Any]:
                 "comm_ms": {"predicted": comm, "measured": row["comm_ms"]},
                 "unmodelled_ms": row["step_time_ms"] - predicted,
             })
-    within = [BOUNDS[0] <= row["ratio"] <= BOUNDS[1] for row in rows]
-    return {"benchmark": "plan", "bounds": BOUNDS, "gradient_bytes": measured["gradient_bytes"],
-            "model_trainable_bytes": model.trainable_bytes, "device_flops": rate, "rows": rows,
-            "network": {key: measured[key] for key in ("jobs", "table", "compute_only", "repeats")},
-            "figures": {"within_bounds": sum(within), "jobs": len(rows),
-                        **{f"ratio_{row['kind']}_{row['link']}": row["ratio"] for row in rows}}}
+            if (kind, row["link"]) in latency:
+                seconds = latency[kind, row["link"]]
+                with_latency, _, _ = _predicted(model, rate, batch, kind, link, seconds)
+                rows[-1]["with_probe_latency"] = {"link_latency_ms": 1000 * seconds, "predicted_ms": with_latency,
+                                                  "ratio": with_latency / row["step_time_ms"]}
+    figures = {"within_bounds": sum(BOUNDS[0] <= row["ratio"] <= BOUNDS[1] for row in rows), "jobs": len(rows),
+               **{f"ratio_{row['kind']}_{row['link']}": row["ratio"] for row in rows}}
+    if latency:
+        figures["within_bounds_with_probe_latency"] = sum(
+            BOUNDS[0] <= row["with_probe_latency"]["ratio"] <= BOUNDS[1] for row in rows)
+        figures.update({f"ratio_with_probe_latency_{row['kind']}_{row['link']}": row["with_probe_latency"]["ratio"]
+                        for row in rows})
+    result = {"benchmark": "plan", "bounds": BOUNDS, "gradient_bytes": measured["gradient_bytes"],
+              "model_trainable_bytes": model.trainable_bytes, "device_flops": rate, "rows": rows,
+              "network": {key: measured[key] for key in _KEPT}, "figures": figures}
+    if probe:
+        result["probe"] = {key: probe[key] for key in _KEPT}
+    return result
+
+
+# What a result keeps of the network runs it compares: enough to compare them again (`compare`).
+_KEPT = ("jobs", "table", "compute_only", "repeats", "batch_per_worker", "gradient_bytes")
+
+
+def _profiled(measured: dict[str, Any]):
+    """The profile of a network result's model, and the device rate its one-process step gives."""
+    from tfdist.config import load_config
+    from tfdist.plan import profile
+
+    model = profile(load_config(None, _overrides(measured["jobs"]["compute_only"])))
+    step_s = measured["compute_only"]["step_time_ms"] / 1000
+    return model, model.training_flops_per_example * measured["batch_per_worker"] / step_s
+
+
+def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: float):
+    """(the bench's step as the planner predicts it, its communication term, the step's terms) for a
+    network job of `kind`: 2 hosts of a worker each, or both workers on one host and the server apart."""
+    from tfdist.plan import Cluster, Layout
+    from tfdist.plan.predict import HOST_LINK_EFFICIENCY, predict
+
+    if kind == "parameter_server":
+        cluster = Cluster(devices=2, device_flops=rate, link=link, link_latency=latency)
+        step = predict(model, cluster, Layout(2, parameter_server=True), global_batch=2 * batch, micro_batches=1,
+                       servers_apart=True).step_ms
+        # The bench times the job a worker step at a time: 2 workers step at once.
+        return step["total"] / 2, 1000 * model.weight_bytes / (HOST_LINK_EFFICIENCY * link / 8), step
+    cluster = Cluster(devices=2, hosts=2, device_flops=rate, link=link, link_latency=latency)
+    step = predict(model, cluster, Layout(2), global_batch=2 * batch, micro_batches=1).step_ms
+    return step["total"], step["data_parallel"] - 1000 * latency, step
 
 
 def _overrides(command: str) -> list[str]:

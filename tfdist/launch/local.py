@@ -51,7 +51,7 @@ STOP_GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 # (a survivor blocked in a collective does not run Python's SIGTERM handler until it returns).
 # horovodrun keeps STOP_GRACE_SECONDS: it stops its ranks itself.
 FAILED_JOB_GRACE_SECONDS = 2
-STALLED_SECONDS = 20  # a task stopped (SIGSTOP) this long ends the job, naming it
+STALLED_SECONDS = 20  # by default, a task stopped (SIGSTOP) this long ends the job, naming it
 MAX_PREEMPTIONS = 100  # restarts after preemptions, which --max_restarts does not count
 _POLL_SECONDS = 0.2
 # horovodrun prefixes each rank's output with "[RANK]<stdout>:" and reports a failed rank as
@@ -185,7 +185,8 @@ def _horovod_hosts(ranks: int, hosts: Optional[NamespaceHosts]) -> list[str]:
 
 
 def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[], list[Task]]] = None,
-        hosts: Optional[NamespaceHosts] = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+        hosts: Optional[NamespaceHosts] = None, stalled_seconds: float = STALLED_SECONDS, out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr) -> int:
     """Runs every task until the job is done or one fails; returns the exit code.
 
     Args:
@@ -197,10 +198,11 @@ def run(tasks: list[Task], *, max_restarts: int = 0, replan: Optional[Callable[[
         A stop by SIGINT or SIGTERM of the launcher is not restarted.
       replan: the tasks of a restart (fresh ports), when given.
       hosts: the namespace hosts the tasks run on, if any (what runs in them is part of the job).
+      stalled_seconds: a task stopped (SIGSTOP) this long ends the job, naming it.
     """
     failures = preemptions = 0
     while True:
-        job = _Job(tasks, out, err, hosts)
+        job = _Job(tasks, out, err, hosts, stalled_seconds)
         code = job.run()
         preempted = code == EXIT_PREEMPTED and preemptions < MAX_PREEMPTIONS
         if code == 0 or job.signalled is not None or not max_restarts or (
@@ -222,9 +224,11 @@ def exit_code(returncode: int) -> int:
 
 
 class _Job:
-    def __init__(self, tasks: list[Task], out: TextIO, err: TextIO, hosts: Optional[NamespaceHosts]):
+    def __init__(self, tasks: list[Task], out: TextIO, err: TextIO, hosts: Optional[NamespaceHosts],
+                 stalled_seconds: float):
         self.tasks = tasks
         self.hosts = hosts
+        self.stalled_seconds = stalled_seconds
         self.out, self.err = out, err
         self.processes: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -284,8 +288,8 @@ class _Job:
                 stalled = self._stalled()
                 if stalled:
                     self._stop(grace=FAILED_JOB_GRACE_SECONDS)
-                    self.failure = f"{stalled} has been stopped (SIGSTOP) for {STALLED_SECONDS} s, which stalls " \
-                                   "the job; stopped every task"
+                    self.failure = f"{stalled} has been stopped (SIGSTOP) for {self.stalled_seconds:g} s, which " \
+                                   "stalls the job; stopped every task"
                     self.say(f"error: {self.failure}")
                     return 1
                 continue
@@ -339,14 +343,14 @@ class _Job:
         return names
 
     def _stalled(self) -> Optional[str]:
-        """A task stopped for STALLED_SECONDS, if any (checked about once a second)."""
+        """A task stopped for `stalled_seconds`, if any (checked about once a second)."""
         now = time.monotonic()
         if now - self.last_stall_check < 1.0:
             return None
         self.last_stall_check = now
         stopped = self._stopped_tasks()
         self.stopped_since = {name: self.stopped_since.get(name, now) for name in stopped}
-        stalled = [name for name, since in self.stopped_since.items() if now - since >= STALLED_SECONDS]
+        stalled = [name for name, since in self.stopped_since.items() if now - since >= self.stalled_seconds]
         return " and ".join(stalled) or None
 
     def say(self, message: str) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tfdist.plan.cluster import PRESETS, Cluster, from_preset, parse_bytes, parse_rate
+from tfdist.plan.cluster import PRESETS, Cluster, from_preset, parse_bytes, parse_duration, parse_rate
 from tfdist.plan.predict import Layout, Prediction, layouts, predict, recommended
 from tfdist.plan.profile import ModelProfile, measured_flops, one_device_config, profile
 
 __all__ = ["PRESETS", "Cluster", "Layout", "ModelProfile", "Prediction", "from_preset", "layout_overrides", "make_plan",
-           "measured_flops", "one_device_config", "parse_bytes", "parse_rate", "profile", "table"]
+           "measured_flops", "one_device_config", "parse_bytes", "parse_duration", "parse_rate", "profile", "table"]
 
 
 def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from tfdist.errors import ConfigError
 
-__all__ = ["PRESETS", "SUSTAINED_SHARE", "Cluster", "from_preset", "parse_bytes", "parse_rate"]
+__all__ = ["PRESETS", "SUSTAINED_SHARE", "Cluster", "from_preset", "parse_bytes", "parse_duration", "parse_rate"]
 
 # The share of a datasheet's peak a training step sustains, when nothing better is known (large
 # transformer runs report 30-55% model FLOPs utilization; convolutional ones less).
@@ -31,6 +31,8 @@ class Cluster:
       device_flops: sustained FLOP/s of one device in a training step (0: measure, or unknown).
       link: bits/s of each host's link to the others.
       intra_link: bytes/s between two devices of one host.
+      link_latency: seconds a step across hosts costs beyond its bytes (a collective's set-up and
+        round trips, a parameter server's requests; 0: not counted).
       source: where the figures come from.
     """
 
@@ -40,6 +42,7 @@ class Cluster:
     device_flops: float = 0.0
     link: float = 0.0
     intra_link: float = 0.0
+    link_latency: float = 0.0
     source: str = "flags"
 
     def __post_init__(self):
@@ -74,6 +77,7 @@ PRESETS = {
                       "NVIDIA P100 SXM2 datasheet (10.6 TFLOPS FP32, 21.2 FP16; NVLink 160 GB/s)"),
 }
 
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$", re.I)
 _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)\s*$", re.I)
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|B/s)\s*$", re.I)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -96,6 +100,14 @@ def parse_rate(text: str, flag: str) -> float:
         raise ConfigError(flag, "must be a rate such as 100gbit, 25gbit or 600GB/s.", text)
     bits = 1 if match.group(3).lower() == "bit" else 8
     return float(match.group(1)) * _SCALE[match.group(2).lower()] * bits
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """`2ms`, `50us`, `0.1s` as seconds."""
+    match = _DURATION.match(text or "")
+    if not match:
+        raise ConfigError(flag, "must be a duration such as 2ms, 50us or 0.1s.", text)
+    return float(match.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match.group(2).lower()]
 
 
 def from_preset(name: str, hosts: Optional[int], compute_dtype: str) -> Cluster:

@@ -22,7 +22,8 @@ parameter servers. For each:
   gradients on; data parallelism all-reduces the gradients with a ring (2(N
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
   all-gather), over the hosts' links when the replicas span hosts, where
-  every device of a host sends its own ring's share at once;
+  every device of a host sends its own ring's share at once, plus the
+  cluster's `link_latency` (a step's fixed cost across hosts, when given);
 - **parameter servers**: every device a worker that reads the weights at
   the start of its step and sends its gradients at its end, over its host's
   link for the servers on other hosts, asynchronously: its step is the
@@ -159,6 +160,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
         data_ms = 1000 * factor * gradient_bytes * (k * t) / (HOST_LINK_EFFICIENCY * cluster.link / 8)
+        data_ms += 1000 * cluster.link_latency
     else:
         data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
     step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
@@ -203,7 +205,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     shared = 0.0
     if remote:
         link = HOST_LINK_EFFICIENCY * cluster.link / 8
-        own += 1000 * remote * (weights + gradients) / link
+        own += 1000 * (remote * (weights + gradients) / link + cluster.link_latency)
         shared = 1000 * cluster.per_host * remote * max(weights, gradients) / link
     total = max(own, shared)
     step = {"compute": compute, "parameter_server": total - compute, "total": total}

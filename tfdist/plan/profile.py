@@ -70,8 +70,9 @@ class ModelProfile:
                 "layers": [dataclasses.asdict(layer) for layer in self.layers]}
 
 
-def profile(config) -> ModelProfile:
-    """The profile of `config`'s model (call before any strategy is made: it builds on the CPU).
+def profile(config, *, activations: bool = True) -> ModelProfile:
+    """The profile of `config`'s model (call before any strategy is made: it builds on the CPU);
+    without `activations`, what the backward pass keeps is left at 0 (one trace instead of two).
 
     Raises:
       ConfigError: the model or data cannot be built (as `tfdist train` says it).
@@ -91,8 +92,10 @@ def profile(config) -> ModelProfile:
         optimizer.build(model.trainable_variables)
         slot_bytes = sum(_nbytes(v) for v in optimizer.variables if len(v.shape))
         flops, kept_one = _traced_step(model, source.input_shape, 1)
-        _, kept_two = _traced_step(model, source.input_shape, 2)
-        kept = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}  # what grows per example
+        kept = {}
+        if activations:
+            _, kept_two = _traced_step(model, source.input_shape, 2)
+            kept = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}  # what grows per example
         outputs = _layer_outputs(model, np.zeros((2, *source.input_shape), "float32"))
         layers = tuple(_layer_cost(layer, output, flops, kept) for layer, output in outputs)
         compute_dtype = keras.mixed_precision.dtype_policy().compute_dtype

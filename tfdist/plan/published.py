@@ -60,7 +60,7 @@ def compare(run: PublishedRun) -> dict[str, Any]:
     config = load_config(None, [f"model.name=keras.applications.{run.model}", "data.dataset=synthetic",
                                 f"data.image_size={run.image_size}", "data.channels=3", "data.num_classes=1000",
                                 "data.synthetic_examples=8", "train.optimizer=sgd"])
-    model = profile(config)
+    model = profile(config, activations=False)  # only its speed is compared
     cluster = from_preset(run.cluster, None, "float32")
     base = from_preset(run.cluster, run.baseline_hosts, "float32") if run.baseline_hosts else \
         dataclasses.replace(cluster, devices=1, hosts=1)
