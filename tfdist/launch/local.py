@@ -225,7 +225,7 @@ def exit_code(returncode: int) -> int:
 
 class _Job:
     def __init__(self, tasks: list[Task], out: TextIO, err: TextIO, hosts: Optional[NamespaceHosts],
-                 stalled_seconds: float):
+                 stalled_seconds: float = STALLED_SECONDS):
         self.tasks = tasks
         self.hosts = hosts
         self.stalled_seconds = stalled_seconds
