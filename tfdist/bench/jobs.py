@@ -9,10 +9,11 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
-__all__ = ["described", "on_core", "run_train", "script", "train_job"]
+__all__ = ["ROOT", "described", "on_core", "run_train", "script", "train_job"]
 
 JOB_TIMEOUT_SECONDS = 600
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
 def script(name: str) -> str:

@@ -186,11 +186,13 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
         # All-reduce kinds train 2 x batch_per_worker a step; a parameter-server step is one worker's batch.
         batch = [] if kind == "parameter_server" else [f"train.global_batch_size={2 * batch_per_worker}"]
         chosen[kind] = (flags, common + strategy + batch)
-        if variants and kind in _COMPRESSED:
+        if not variants:
+            continue
+        if kind in _COMPRESSED:
             chosen[f"{kind}_fp16"] = (flags, common + strategy + batch + [_COMPRESSED[kind]])
-        if variants and kind in _PACKED:
+        if kind in _PACKED:
             chosen[f"{kind}_packed"] = (flags, common + strategy + batch + [_PACKED[kind]])
-        if variants and kind in _SPLIT and model != SPARSE_MODEL:
+        if kind in _SPLIT and model != SPARSE_MODEL:
             chosen[f"{kind}_split"] = (flags, common + strategy + batch + [_SPLIT[kind]])
     for variant, (flags, overrides) in chosen.items():
         for link in links:

@@ -65,7 +65,7 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
         raise ConfigError("kinds", f"must be among {', '.join(KINDS)} for the plan benchmark.", kinds)
     if set(chosen) <= set(ONE_PROCESS_KINDS):
         if links:
-            raise ConfigError("links", "only applies to the network kinds (multi_worker, horovod).", links)
+            raise ConfigError("links", f"only applies to the network kinds ({', '.join(NETWORK_KINDS)}).", links)
         return in_one_process(chosen, repeats=repeats)
     if not set(chosen) <= set(NETWORK_KINDS):
         raise ConfigError("kinds", "mixes kinds on namespace hosts and in one process: run them apart.", kinds)
@@ -83,19 +83,20 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
     import os
 
     from tfdist import training
+    from tfdist.bench.jobs import ROOT
     from tfdist.bench.timing import alternate, fit_round, medians
     from tfdist.config import load_config
     from tfdist.plan import Cluster, Layout, one_device_config, profile
     from tfdist.plan.predict import predict
     from tfdist.strategies.devices import configure_runtime
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = []
     for kind in kinds:
         path, overrides = ONE_PROCESS_JOBS[kind]
+        model = None  # profiled once a kind: the batch does not change it
         for batch in ONE_PROCESS_BATCHES:
             sized = [f"train.global_batch_size={batch}"] if batch else []
-            config = load_config(os.path.join(root, path), [*overrides, *sized, *THREADS])
+            config = load_config(os.path.join(ROOT, path), [*overrides, *sized, *THREADS])
             configure_runtime(config)
             devices = config.strategy.logical_devices
             batch = config.train.global_batch_size
@@ -104,7 +105,7 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
             rounds = {name: fit_round(job.model, job.train_data, batch=job.config.train.global_batch_size,
                                       steps=STEPS_PER_ROUND) for name, job in jobs.items()}
             step_ms = medians(alternate(rounds, repeats=repeats))
-            model = profile(config)
+            model = model or profile(config)
             rate = model.training_flops_per_example * one_device.train.global_batch_size / (
                 step_ms["one_device"] / 1000)
             layout = Layout(1, stages=config.pipeline.num_stages) if kind == "pipeline" else \

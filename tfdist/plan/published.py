@@ -56,6 +56,7 @@ def compare(run: PublishedRun) -> dict[str, Any]:
     from tfdist.config import load_config
     from tfdist.plan import Layout, from_preset, profile
     from tfdist.plan.predict import predict
+    from tfdist.plan.profile import TRAINING_FLOPS_PER_FORWARD
 
     config = load_config(None, [f"model.name=keras.applications.{run.model}", "data.dataset=synthetic",
                                 f"data.image_size={run.image_size}", "data.channels=3", "data.num_classes=1000",
@@ -84,16 +85,16 @@ def compare(run: PublishedRun) -> dict[str, Any]:
         "published": run.efficiency, "predicted": efficiency, "miss_points": 100 * (efficiency - run.efficiency),
         "within_bound": abs(efficiency - run.efficiency) * 100 <= BOUND_POINTS,
         "step_ms": scaled.step_ms, "baseline_step_ms": baseline.step_ms,
-        # The predicted backward pass (two thirds of a step's compute), for papers that state theirs.
-        "backward_ms": compute * 2 / 3,
+        # The predicted backward pass (a step's compute less its forward), for papers that state theirs.
+        "backward_ms": compute * (TRAINING_FLOPS_PER_FORWARD - 1) / TRAINING_FLOPS_PER_FORWARD,
         "to_meet_published": {"comm_ms": needed_ms - compute,
                               "compute_ms": _compute_needed(run.efficiency, baseline.step_ms, compute, comm)},
     }
 
 
 def _compute_needed(published: float, baseline: dict, compute: float, comm: float) -> float:
-    """The compute a step (scaled with the baseline's) that, with the predicted communication, would
-    give the published efficiency: c / (c + comm) = published x c / (c + base_comm), solved for c."""
+    """The compute a step that, with the predicted communication at scale and at the baseline, would
+    give the published efficiency: (c + base_comm) / (c + comm) = published, solved for c."""
     base_comm = baseline["total"] - baseline["compute"]
     # c + base_comm = published x (c + comm)  =>  c (1 - published) = published x comm - base_comm
     return (published * comm - base_comm) / (1 - published) if published < 1 else float("inf")
