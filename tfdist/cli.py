@@ -68,6 +68,8 @@ _INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between tw
                                   "or 100gbit (omitted: what moves within a host is not counted).")
 _LINK_LATENCY = flags.DEFINE_string("link_latency", None, "plan: what a training step across hosts costs beyond "
                                     "its bytes, e.g. 2ms (omitted: not counted).")
+_HOST_RATE = flags.DEFINE_string("host_rate", None, "plan: the most a host's transport moves each way whatever its "
+                                  "link, e.g. 300MB/s for gRPC over TCP on busy cores (omitted: not a limit).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib, "
                                "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
                                "is printed).")
@@ -242,6 +244,8 @@ def _plan_command(args) -> None:
             intra_link=plan.parse_rate(_INTRA_LINK.value, "--intra_link") / 8 if _INTRA_LINK.value else 0.0)
     if _LINK_LATENCY.value:
         cluster = dataclasses.replace(cluster, link_latency=plan.parse_duration(_LINK_LATENCY.value, "--link_latency"))
+    if _HOST_RATE.value:
+        cluster = dataclasses.replace(cluster, host_rate=plan.parse_rate(_HOST_RATE.value, "--host_rate") / 8)
     if not (cluster.device_flops or _MEASURE.value):
         _fail("`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure.")
     import_tensorflow()

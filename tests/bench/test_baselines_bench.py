@@ -5,17 +5,18 @@ import pytest
 from helpers import measure_in_fresh_process, run_tfdist
 from tfdist.bench.baselines import KINDS, measure
 
+MULTI_PROCESS = [kind for kind in KINDS if kind != "mirrored"]
+
 pytestmark = [pytest.mark.horovod, pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
-def test_measure_runs_both_jobs_of_every_kind():
-    # A fresh process: the overhead part sets TensorFlow's threads, which a test before it in this
-    # pytest worker may have started already (so this failed whenever it was not its worker's first).
+def test_measure_runs_both_jobs_of_every_multi_process_kind():
+    # A fresh process: the jobs' timings, apart from whatever this pytest worker ran before.
     result = measure_in_fresh_process(
-        "tfdist.bench.baselines", "dict(repeats=1, per_replica_batch=16, width=8, warmup=4, steps=8, "
-        "steps_per_function=4)", timeout=850)
+        "tfdist.bench.baselines", f"dict(repeats=1, per_replica_batch=16, width=8, warmup=4, steps=8, "
+        f"steps_per_function=4, kinds={MULTI_PROCESS!r})", timeout=850)
     figures = result["figures"]
-    assert set(result["kinds"]) == set(KINDS)
+    assert set(result["kinds"]) == set(MULTI_PROCESS)
     for kind, measured in result["kinds"].items():
         rate = measured["samples_per_sec"]
         assert set(rate) == {"tfdist", "handwritten"} and all(v > 0 for v in rate.values()), kind
@@ -33,6 +34,21 @@ def test_measure_runs_both_jobs_of_every_kind():
     assert all(len(values) == 1 and values[0] > 0 for values in parts.values())
     assert figures["horovod_step_parts_vs_handwritten"]["fit"] == pytest.approx(
         parts["fit"][0] / parts["handwritten"][0])
+
+
+def test_the_mirrored_kind_is_the_overhead_benchmarks_run(monkeypatch):
+    """`tfdist bench overhead` itself is run by its own test (tests/bench/test_overhead.py)."""
+    from tfdist.bench import baselines, overhead
+
+    calls = []
+    monkeypatch.setattr(overhead, "run", lambda **kwargs: calls.append(kwargs) or {
+        "samples_per_sec": {"tfdist": 99.0, "handwritten": 100.0}, "figures": {"ratio": 1.01}})
+    result = baselines.measure(kinds=["mirrored"], repeats=2)
+    assert calls == [{"repeats": 2}]
+    assert result["kinds"]["mirrored"] == {"samples_per_sec": {"tfdist": 99.0, "handwritten": 100.0},
+                                           "overhead": {"ratio": 1.01}}
+    assert result["figures"]["mirrored_ratio"] == pytest.approx(0.99)
+    assert result["figures"]["meets_target"] is True
 
 
 def test_an_unknown_kind_is_refused():

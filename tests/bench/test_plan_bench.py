@@ -31,13 +31,14 @@ def test_each_predicted_term_stands_beside_its_measurement():
     assert result["figures"]["jobs"] == 9
 
 
-def test_the_probes_latency_is_what_its_step_holds_beyond_the_prediction_and_is_added_to_each_job():
-    """The committed plan run compared again: each job's prediction with the probe's per-step latency is
-    the prediction without it plus that latency (a worker's, for parameter servers), and the figures
+def test_the_probes_latency_and_host_rate_are_what_their_steps_hold_beyond_the_prediction():
+    """The committed plan run compared again: each job's prediction with the latency probe's per-step
+    cost is the prediction without it plus that cost (a worker's, for parameter servers); the host rate
+    found makes the planner predict the bytes probe's step, and never makes a job faster; the figures
     are the committed ones."""
     with open(os.path.join(ROOT, "results", "plan.json")) as f:
         committed = json.load(f)
-    result = compare(committed["network"], committed["probe"])
+    result = compare(committed["network"], committed["probe"], committed["bytes_probe"])
     for row, before in zip(result["rows"], committed["rows"]):
         latency = row["with_probe_latency"]["link_latency_ms"]
         assert latency >= 0 and row["with_probe_latency"]["ratio"] == pytest.approx(
@@ -46,8 +47,18 @@ def test_the_probes_latency_is_what_its_step_holds_beyond_the_prediction_and_is_
             assert row["with_probe_latency"]["predicted_ms"] == pytest.approx(row["predicted_ms"] + latency)
         probe = next(r for r in committed["probe"]["table"][row["kind"]] if r["link"] == row["link"])
         assert latency <= (2 if row["kind"] == "parameter_server" else 1) * probe["step_time_ms"]
-    assert result["figures"]["within_bounds_with_probe_latency"] == committed["figures"][
-        "within_bounds_with_probe_latency"]
+        both = row["with_probes"]
+        assert both["ratio"] == pytest.approx(before["with_probes"]["ratio"]) and both["link_latency_ms"] == latency
+        assert both["predicted_ms"] >= row["with_probe_latency"]["predicted_ms"] * (1 - 1e-9)
+    assert set(result["host_rates"]) == {"multi_worker", "horovod", "parameter_server"}
+    for kind, found in result["host_rates"].items():
+        assert found["link"] == "10gbit"
+        if found["bytes_per_sec"]:  # a transport slower than the link: the probe's step as measured
+            assert found["probe_predicted_ms"] == pytest.approx(found["probe_measured_ms"], rel=1e-6), kind
+        else:
+            assert found["probe_predicted_ms"] >= found["probe_measured_ms"]
+    for name in ("within_bounds_with_probe_latency", "within_bounds_with_probes"):
+        assert result["figures"][name] == committed["figures"][name]
 
 
 def test_the_pipeline_in_one_process_is_predicted_from_its_one_device_step():

@@ -13,7 +13,8 @@ import yaml
 from helpers import ROOT, SCENARIO_DIR, run_tfdist, why_it_failed
 from tfdist.errors import ConfigError
 from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_duration, parse_rate, profile
-from tfdist.plan.predict import HOST_LINK_EFFICIENCY, predict
+from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
+from tfdist.plan.predict import predict
 from tfdist.plan.profile import LayerCost, ModelProfile
 
 # TensorFlow runs already here: its thread counts stay as they are.
@@ -59,6 +60,11 @@ def test_the_step_time_is_its_terms():
     for layout in (Layout(4), Layout(4, parameter_server=True)):
         steps = [predict(model, c, layout, global_batch=32, micro_batches=1).step_ms for c in (across, slow)]
         assert steps[1]["total"] - steps[0]["total"] == pytest.approx(2.0)
+    ring = predict(model, across, Layout(4), global_batch=32, micro_batches=1).step_ms["data_parallel"]
+    for host_rate, slower in ((1e12, 1.0), (HOST_LINK_EFFICIENCY * 1e9 / 4, 4.0)):  # the slower of link and transport
+        limited = dataclasses.replace(across, host_rate=host_rate)
+        assert predict(model, limited, Layout(4), global_batch=32, micro_batches=1).step_ms[
+            "data_parallel"] == pytest.approx(slower * ring)
     plain = predict(model, cluster, Layout(4), global_batch=32, micro_batches=1)
     assert plain.scaling_efficiency == pytest.approx(plain.step_ms["compute"] / plain.step_ms["total"])
     tensor = predict(model, cluster, Layout(1, tensor_parallel=4), global_batch=32, micro_batches=1)
@@ -72,19 +78,33 @@ def test_the_step_time_is_its_terms():
     assert not squeezed.fits and squeezed.note.startswith("does not fit: needs 0.000")
 
 
-def test_a_parameter_server_worker_waits_for_its_own_reads_and_sends_or_for_its_hosts_link():
-    """Reads at the start of a step and sends at its end, one after the other; a host's link carries
-    all its workers' share, each direction at once (full duplex)."""
+def test_a_parameter_server_worker_reads_and_sends_in_turn_sharing_its_hosts_link_with_its_other_workers():
+    """Reads at the start of a step and sends at its end, one after the other; a host's workers share its
+    link, each direction on its own (full duplex), at phases of their own: between the link busy all the
+    time and every worker reading at once."""
     model = _uniform_model()  # 32000 trainable bytes
     link = 1e6 * 8 / HOST_LINK_EFFICIENCY  # 1 MB/s of data
     alone = Cluster(devices=2, hosts=2, device_flops=1e9, link=link)
     step = predict(model, alone, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
     compute = 1000 * 3 * 8e6 * 16 / 1e9
     assert step["total"] == pytest.approx(compute + 1000 * 0.5 * 64000 / 1e6)  # half the variables on the other host
-    crowded = Cluster(devices=8, device_flops=1e9, link=link)  # 8 workers on one host, the servers apart
-    step = predict(model, crowded, Layout(8, parameter_server=True), global_batch=32, micro_batches=1,
+    wire = 1000 * 32000 / 1e6  # a worker's reads (or sends) alone on the link, ms
+    for workers in (2, 8):
+        crowded = Cluster(devices=workers, device_flops=1e12, link=link)  # the servers on a host apart
+        step = predict(model, crowded, Layout(workers, parameter_server=True), global_batch=32 * workers,
+                       micro_batches=1, servers_apart=True).step_ms
+        # Next to no compute: a read shares the link with (workers - 1) / 2 others on average, so a
+        # step is (workers + 1) times a read alone; the link's bound is workers times, every worker at
+        # once 2 x workers times.
+        assert step["total"] == pytest.approx((workers + 1) * wire, rel=0.01)
+    busy = Cluster(devices=2, device_flops=1.2e10, link=link)
+    step = predict(model, busy, Layout(2, parameter_server=True), global_batch=64, micro_batches=1,
                    servers_apart=True).step_ms
-    assert step["total"] == pytest.approx(max(1000 * 3 * 8e6 * 4 / 1e9 + 64, 1000 * 8 * 32000 / 1e6))
+    # Compute as long as the reads and sends: the other worker reads for less of the time, so a read waits less.
+    assert step["compute"] == pytest.approx(2 * wire) and 2.4 * wire < step["parameter_server"] < 2.7 * wire
+    slow_transport = dataclasses.replace(alone, host_rate=0.5e6)  # the hosts move 0.5 MB/s whatever the link
+    step = predict(model, slow_transport, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
+    assert step["total"] == pytest.approx(compute + 1000 * 0.5 * 64000 / 0.5e6)
 
 
 # Each config and overrides, the layout they train, and each stage's first device.

@@ -20,7 +20,15 @@ A latency probe then launches each kind again at each link with a model of
 85 weights (`PROBE_MODEL`): its measured step over the planner's prediction
 of it is the per-step cost across hosts, and each job is predicted again
 with it as the cluster's `link_latency` (`with_probe_latency`), as a user who
-knows that cost gives `tfdist plan --link_latency`.
+knows that cost gives `tfdist plan --link_latency`. A bytes probe then
+launches each kind at the fastest link with a model of 2.5 MB of gradients
+and little compute (`HOST_RATE_PROBE`): what its step takes beyond the
+prediction with the latency probe's cost is its bytes going through the
+hosts' transport (gRPC, or Horovod's over TCP) slower than the link, on the
+cores the workers also compute on; the rate that makes the planner predict
+its step is the cluster's `host_rate`, and each job is predicted a third
+time with both (`with_probes`), as `tfdist plan --link_latency
+--host_rate` would.
 
 `--kinds pipeline,tensor_parallel` runs in one process instead (no root):
 the shipped configs' jobs (configs/pipeline.yaml as one replica of 2 stages,
@@ -55,6 +63,9 @@ STEPS_PER_ROUND = 10
 # The latency probe: digits through one hidden unit (85 weights, next to no compute), launched as each
 # network job is; what its step takes beyond the planner's prediction is the step's cost across hosts.
 PROBE_MODEL = ["model.name=mlp", "model.width=1", "model.depth=1"]
+# The bytes probe: digits through 8192 hidden units (2.5 MB of gradients, 4 ms of compute on a core), at the
+# fastest link only, where the link is not what limits the bytes.
+HOST_RATE_PROBE = ["model.name=mlp", "model.width=8192", "model.depth=1"]
 
 
 def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[str] = None) -> dict[str, Any]:
@@ -71,10 +82,14 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
         raise ConfigError("kinds", "mixes kinds on namespace hosts and in one process: run them apart.", kinds)
     from tfdist.bench import network
 
+    from tfdist.launch.hosts import link_bits_per_second
+
     result = network.run(repeats=repeats, links=links, kinds=",".join(chosen))
-    probe = network.measure(links=[row["link"] for row in result["table"][chosen[0]]], kinds=chosen, repeats=repeats,
-                            extra=PROBE_MODEL, variants=False)
-    return compare(result, probe)
+    ran = [row["link"] for row in result["table"][chosen[0]]]
+    probe = network.measure(links=ran, kinds=chosen, repeats=repeats, extra=PROBE_MODEL, variants=False)
+    bytes_probe = network.measure(links=[max(ran, key=link_bits_per_second)], kinds=chosen, repeats=repeats,
+                                  extra=HOST_RATE_PROBE, variants=False)
+    return compare(result, probe, bytes_probe)
 
 
 def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
@@ -124,15 +139,18 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
                                               for row in rows}}}
 
 
-def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
+            bytes_probe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The planner's prediction beside each job of a `tfdist bench network` result. With `probe` (the
     same launches of `PROBE_MODEL`), each is predicted again with the per-step cost across hosts the
-    probe shows (`link_latency`: the probe's measured step over the planner's own prediction of it)."""
+    probe shows (`link_latency`: the probe's measured step over the planner's own prediction of it);
+    with `bytes_probe` too (`HOST_RATE_PROBE` at one link), a third time with the `host_rate` at which
+    the planner predicts the bytes probe's step."""
     from tfdist.launch.hosts import link_bits_per_second
 
     model, rate = _profiled(measured)
     batch = measured["batch_per_worker"]
-    latency = {}
+    latency, host_rates = {}, {}
     if probe:
         probe_model, probe_rate = _profiled(probe)
         for kind in (k for k in NETWORK_KINDS if k in probe["table"]):
@@ -141,6 +159,18 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None) ->
                 # A parameter-server step is a worker step over its 2 workers: a worker's own cost is twice.
                 latency[kind, row["link"]] = max(0.0, (row["step_time_ms"] - alone) / 1000) * (
                     2 if kind == "parameter_server" else 1)
+    if probe and bytes_probe:
+        wide_model, wide_rate = _profiled(bytes_probe)
+        for kind in (k for k in NETWORK_KINDS if k in bytes_probe["table"]):
+            for row in bytes_probe["table"][kind]:
+                link, seconds = link_bits_per_second(row["link"]), latency[kind, row["link"]]
+
+                def probe_ms(rate_, kind=kind, link=link, seconds=seconds):
+                    return _predicted(wide_model, wide_rate, batch, kind, link, seconds, rate_)[0]
+
+                found = _host_rate(probe_ms, row["step_time_ms"])
+                host_rates[kind] = {"bytes_per_sec": found, "link": row["link"],
+                                    "probe_measured_ms": row["step_time_ms"], "probe_predicted_ms": probe_ms(found)}
     rows = []
     for kind in (k for k in NETWORK_KINDS if k in measured["table"]):
         for row in measured["table"][kind]:
@@ -158,6 +188,12 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None) ->
                 with_latency, _, _ = _predicted(model, rate, batch, kind, link, seconds)
                 rows[-1]["with_probe_latency"] = {"link_latency_ms": 1000 * seconds, "predicted_ms": with_latency,
                                                   "ratio": with_latency / row["step_time_ms"]}
+            if kind in host_rates:
+                host_rate = host_rates[kind]["bytes_per_sec"]
+                with_both, _, _ = _predicted(model, rate, batch, kind, link, latency[kind, row["link"]], host_rate)
+                rows[-1]["with_probes"] = {"link_latency_ms": 1000 * latency[kind, row["link"]],
+                                           "host_rate_bytes_per_sec": host_rate, "predicted_ms": with_both,
+                                           "ratio": with_both / row["step_time_ms"]}
     figures = {"within_bounds": sum(BOUNDS[0] <= row["ratio"] <= BOUNDS[1] for row in rows), "jobs": len(rows),
                **{f"ratio_{row['kind']}_{row['link']}": row["ratio"] for row in rows}}
     if latency:
@@ -165,12 +201,32 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None) ->
             BOUNDS[0] <= row["with_probe_latency"]["ratio"] <= BOUNDS[1] for row in rows)
         figures.update({f"ratio_with_probe_latency_{row['kind']}_{row['link']}": row["with_probe_latency"]["ratio"]
                         for row in rows})
+    if host_rates:
+        figures["within_bounds_with_probes"] = sum(BOUNDS[0] <= row["with_probes"]["ratio"] <= BOUNDS[1]
+                                                   for row in rows)
+        figures.update({f"ratio_with_probes_{row['kind']}_{row['link']}": row["with_probes"]["ratio"] for row in rows})
+        figures.update({f"host_rate_MBps_{kind}": found["bytes_per_sec"] / 1e6 for kind, found in host_rates.items()})
     result = {"benchmark": "plan", "bounds": BOUNDS, "gradient_bytes": measured["gradient_bytes"],
               "model_trainable_bytes": model.trainable_bytes, "device_flops": rate, "rows": rows,
               "network": {key: measured[key] for key in _KEPT}, "figures": figures}
     if probe:
         result["probe"] = {key: probe[key] for key in _KEPT}
+    if host_rates:
+        result["host_rates"] = host_rates
+        result["bytes_probe"] = {key: bytes_probe[key] for key in _KEPT}
     return result
+
+
+def _host_rate(predicted_ms, measured_ms: float) -> float:
+    """The bytes/s at which `predicted_ms(host_rate)` is `measured_ms` (0: the link alone predicts at
+    least that), found by halving the interval of rates in log space."""
+    if predicted_ms(0.0) >= measured_ms:
+        return 0.0
+    low, high = 1e3, 1e13  # bytes/s
+    for _ in range(80):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if predicted_ms(middle) > measured_ms else (low, middle)
+    return (low * high) ** 0.5
 
 
 # What a result keeps of the network runs it compares: enough to compare them again (`compare`).
@@ -187,19 +243,20 @@ def _profiled(measured: dict[str, Any]):
     return model, model.training_flops_per_example * measured["batch_per_worker"] / step_s
 
 
-def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: float):
+def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: float, host_rate: float = 0.0):
     """(the bench's step as the planner predicts it, its communication term, the step's terms) for a
     network job of `kind`: 2 hosts of a worker each, or both workers on one host and the server apart."""
     from tfdist.plan import Cluster, Layout
-    from tfdist.plan.predict import HOST_LINK_EFFICIENCY, predict
+    from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
+    from tfdist.plan.predict import predict
 
     if kind == "parameter_server":
-        cluster = Cluster(devices=2, device_flops=rate, link=link, link_latency=latency)
+        cluster = Cluster(devices=2, device_flops=rate, link=link, link_latency=latency, host_rate=host_rate)
         step = predict(model, cluster, Layout(2, parameter_server=True), global_batch=2 * batch, micro_batches=1,
                        servers_apart=True).step_ms
         # The bench times the job a worker step at a time: 2 workers step at once.
         return step["total"] / 2, 1000 * model.weight_bytes / (HOST_LINK_EFFICIENCY * link / 8), step
-    cluster = Cluster(devices=2, hosts=2, device_flops=rate, link=link, link_latency=latency)
+    cluster = Cluster(devices=2, hosts=2, device_flops=rate, link=link, link_latency=latency, host_rate=host_rate)
     step = predict(model, cluster, Layout(2), global_batch=2 * batch, micro_batches=1).step_ms
     return step["total"], step["data_parallel"] - 1000 * latency, step
 

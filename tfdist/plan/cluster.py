@@ -15,7 +15,12 @@ from typing import Optional
 
 from tfdist.errors import ConfigError
 
-__all__ = ["PRESETS", "SUSTAINED_SHARE", "Cluster", "from_preset", "parse_bytes", "parse_duration", "parse_rate"]
+__all__ = ["HOST_LINK_EFFICIENCY", "PRESETS", "SUSTAINED_SHARE", "Cluster", "from_preset", "parse_bytes",
+           "parse_duration", "parse_rate"]
+
+# TCP over IPv4 on Ethernet carries 1448 bytes of data in each 1538-byte frame on the wire (MTU 1500, with
+# TCP timestamps; preamble, header, FCS and gap around it): a host link moves data at this share of its rate.
+HOST_LINK_EFFICIENCY = 1448 / 1538
 
 # The share of a datasheet's peak a training step sustains, when nothing better is known (large
 # transformer runs report 30-55% model FLOPs utilization; convolutional ones less).
@@ -33,6 +38,9 @@ class Cluster:
       intra_link: bytes/s between two devices of one host.
       link_latency: seconds a step across hosts costs beyond its bytes (a collective's set-up and
         round trips, a parameter server's requests; 0: not counted).
+      host_rate: bytes/s a host's transport moves each way at most, whatever its link: the copies and
+        serialization of gRPC or of MPI/Gloo over TCP, on the host's cores (0: not a limit, as with
+        RDMA).
       source: where the figures come from.
     """
 
@@ -43,6 +51,7 @@ class Cluster:
     link: float = 0.0
     intra_link: float = 0.0
     link_latency: float = 0.0
+    host_rate: float = 0.0
     source: str = "flags"
 
     def __post_init__(self):
@@ -55,6 +64,12 @@ class Cluster:
     @property
     def per_host(self) -> int:
         return self.devices // self.hosts
+
+    @property
+    def across_hosts(self) -> float:
+        """Bytes/s of data each way between hosts: the link's, less its framing, or the transport's if slower."""
+        link = HOST_LINK_EFFICIENCY * self.link / 8
+        return min(link, self.host_rate) if self.host_rate else link
 
 
 # name: (devices per host, memory, peak FLOP/s by compute dtype, host link bits/s, intra-host bytes/s, source)

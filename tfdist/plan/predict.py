@@ -22,13 +22,18 @@ parameter servers. For each:
   gradients on; data parallelism all-reduces the gradients with a ring (2(N
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
   all-gather), over the hosts' links when the replicas span hosts, where
-  every device of a host sends its own ring's share at once, plus the
-  cluster's `link_latency` (a step's fixed cost across hosts, when given);
+  every device of a host sends its own ring's share at once (at the link's
+  rate, or the cluster's `host_rate` where the transport is slower), plus
+  the cluster's `link_latency` (a step's fixed cost across hosts, when
+  given);
 - **parameter servers**: every device a worker that reads the weights at
   the start of its step and sends its gradients at its end, over its host's
-  link for the servers on other hosts, asynchronously: its step is the
-  longer of its own compute, reads and sends, and its host's share of the
-  link (every worker of the host, each direction).
+  link for the servers on other hosts, asynchronously: its step is its own
+  compute, reads and sends one after the other, where its reads share the
+  link with the host's other workers reading at the same moment (and its
+  sends with those sending: the link is full duplex). The workers' steps
+  are not in step with each other, so another worker is reading for the
+  share of its step its reads take (`_shared_link`).
 """
 
 from __future__ import annotations
@@ -39,11 +44,7 @@ from typing import Any, Optional
 from tfdist.plan.cluster import Cluster
 from tfdist.plan.profile import TRAINING_FLOPS_PER_FORWARD, ModelProfile
 
-__all__ = ["HOST_LINK_EFFICIENCY", "Layout", "Prediction", "layouts", "predict", "recommended"]
-
-# TCP over IPv4 on Ethernet carries 1448 bytes of data in each 1538-byte frame on the wire (MTU 1500, with
-# TCP timestamps; preamble, header, FCS and gap around it): a host link moves data at this share of its rate.
-HOST_LINK_EFFICIENCY = 1448 / 1538
+__all__ = ["Layout", "Prediction", "layouts", "predict", "recommended"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     gradient_bytes = max(memory["gradients"] for memory in memory_by_stage)
     factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
-        data_ms = 1000 * factor * gradient_bytes * (k * t) / (HOST_LINK_EFFICIENCY * cluster.link / 8)
+        data_ms = 1000 * factor * gradient_bytes * (k * t) / cluster.across_hosts
         data_ms += 1000 * cluster.link_latency
     else:
         data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
@@ -191,8 +192,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     all-reduce layouts), reading the weights at the start of its step and sending the gradients at its
     end; the servers hold a share of the variables each, one on every host (or, `servers_apart`, on
     hosts of their own). A worker's step is its compute and its own reads and sends one after the
-    other, unless its host's link is busier: it carries every worker of the host's share of the
-    remote servers' bytes, reads one way and sends the other (the link is full duplex)."""
+    other, the remote ones sharing its host's link with the host's other workers (`_shared_link`)."""
     weights, gradients = model.weight_bytes, model.trainable_bytes
     batch = global_batch // layout.dp
     memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
@@ -202,14 +202,32 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0
     remote = 1.0 if servers_apart else (cluster.hosts - 1) / cluster.hosts
     own = compute + (1000 * (1 - remote) * (weights + gradients) / cluster.intra_link if cluster.intra_link else 0.0)
-    shared = 0.0
+    reads = sends = 0.0
     if remote:
-        link = HOST_LINK_EFFICIENCY * cluster.link / 8
-        own += 1000 * (remote * (weights + gradients) / link + cluster.link_latency)
-        shared = 1000 * cluster.per_host * remote * max(weights, gradients) / link
-    total = max(own, shared)
+        link = cluster.across_hosts
+        own += 1000 * cluster.link_latency
+        reads, sends = _shared_link(1000 * remote * weights / link, 1000 * remote * gradients / link, own,
+                                    cluster.per_host)
+    total = own + reads + sends
     step = {"compute": compute, "parameter_server": total - compute, "total": total}
     return _prediction(model, layout, memory, cluster, step, global_batch)
+
+
+def _shared_link(read_ms: float, send_ms: float, rest_ms: float, workers: int) -> tuple[float, float]:
+    """How long a worker's reads and sends take (alone on the link: `read_ms`, `send_ms`) when `workers`
+    of a host step over its link at once, each at its own phase: a worker is reading for the share of
+    its step (`rest_ms` plus both) its reads take, so a read shares the link with (workers - 1) times
+    that share of another reader, and takes read_ms times one plus it; sends likewise, the other way.
+    The fixed point of that (the mean-field view of workers sharing a link) lies between perfect
+    interleaving (the link busy all the time, each way) and every worker reading at the same moment."""
+    reads, sends = read_ms, send_ms
+    for _ in range(1000):
+        step = rest_ms + reads + sends
+        new = (read_ms * (1 + (workers - 1) * reads / step), send_ms * (1 + (workers - 1) * sends / step))
+        if abs(new[0] - reads) + abs(new[1] - sends) < 1e-9 * step:
+            return new
+        reads, sends = new
+    return reads, sends
 
 
 def _prediction(model, layout, memory, cluster, step, examples, memory_by_stage=()) -> Prediction:
