@@ -68,8 +68,9 @@ _INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between tw
                                   "or 100gbit (omitted: what moves within a host is not counted).")
 _LINK_LATENCY = flags.DEFINE_string("link_latency", None, "plan: what a training step across hosts costs beyond "
                                     "its bytes, e.g. 2ms (omitted: not counted).")
-_HOST_RATE = flags.DEFINE_string("host_rate", None, "plan: the most a host's transport moves each way whatever its "
-                                  "link, e.g. 300MB/s for gRPC over TCP on busy cores (omitted: not a limit).")
+_HOST_RATE = flags.DEFINE_string("host_rate", None, "plan: the bytes a second a host's transport serializes and "
+                                  "copies on top of the wire time, e.g. 300MB/s for gRPC on busy cores (omitted: not "
+                                  "counted).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib, "
                                "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
                                "is printed).")

@@ -55,16 +55,18 @@ def test_the_step_time_is_its_terms():
     for zero, factor in ((0, 2), (1, 3), (2, 2)):
         data = predict(model, cluster, Layout(4, zero=zero), global_batch=32, micro_batches=1).step_ms
         assert data["data_parallel"] == pytest.approx(1000 * factor * 3 / 4 * 32000 / 1e9)
-    across = Cluster(devices=4, hosts=2, device_flops=1e9, intra_link=1e9, link=8e9)
-    slow = dataclasses.replace(across, link_latency=0.002)  # a step across hosts costs 2 ms beyond its bytes
-    for layout in (Layout(4), Layout(4, parameter_server=True)):
-        steps = [predict(model, c, layout, global_batch=32, micro_batches=1).step_ms for c in (across, slow)]
-        assert steps[1]["total"] - steps[0]["total"] == pytest.approx(2.0)
+    across = Cluster(devices=4, hosts=2, device_flops=1e9, intra_link=1e9, link=8e9 / HOST_LINK_EFFICIENCY)
     ring = predict(model, across, Layout(4), global_batch=32, micro_batches=1).step_ms["data_parallel"]
-    for host_rate, slower in ((1e12, 1.0), (HOST_LINK_EFFICIENCY * 1e9 / 4, 4.0)):  # the slower of link and transport
-        limited = dataclasses.replace(across, host_rate=host_rate)
-        assert predict(model, limited, Layout(4), global_batch=32, micro_batches=1).step_ms[
-            "data_parallel"] == pytest.approx(slower * ring)
+    assert ring == pytest.approx(1000 * 2 * 3 / 4 * 32000 / 1e9)  # the ring's bytes over the link's 1 GB/s of data
+    # A step's fixed cost across hosts runs while the bytes are on the wire: it shows where it is longer.
+    for latency, expected in ((0.00001, ring), (0.002, 2.0)):
+        slow = dataclasses.replace(across, link_latency=latency)
+        assert predict(model, slow, Layout(4), global_batch=32, micro_batches=1).step_ms[
+            "data_parallel"] == pytest.approx(expected)
+    # The transport's own work on the bytes adds to the wire: at the link's own rate, it doubles the ring.
+    copying = dataclasses.replace(across, host_rate=1e9)
+    assert predict(model, copying, Layout(4), global_batch=32, micro_batches=1).step_ms[
+        "data_parallel"] == pytest.approx(2 * ring)
     plain = predict(model, cluster, Layout(4), global_batch=32, micro_batches=1)
     assert plain.scaling_efficiency == pytest.approx(plain.step_ms["compute"] / plain.step_ms["total"])
     tensor = predict(model, cluster, Layout(1, tensor_parallel=4), global_batch=32, micro_batches=1)
@@ -102,9 +104,13 @@ def test_a_parameter_server_worker_reads_and_sends_in_turn_sharing_its_hosts_lin
                    servers_apart=True).step_ms
     # Compute as long as the reads and sends: the other worker reads for less of the time, so a read waits less.
     assert step["compute"] == pytest.approx(2 * wire) and 2.4 * wire < step["parameter_server"] < 2.7 * wire
-    slow_transport = dataclasses.replace(alone, host_rate=0.5e6)  # the hosts move 0.5 MB/s whatever the link
+    # The transport's work on the bytes adds to the wire; a latency shorter than the reads and sends hides.
+    slow_transport = dataclasses.replace(alone, host_rate=0.5e6, link_latency=0.010)
     step = predict(model, slow_transport, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
-    assert step["total"] == pytest.approx(compute + 1000 * 0.5 * 64000 / 0.5e6)
+    assert step["total"] == pytest.approx(compute + 1000 * 0.5 * 64000 / 0.5e6 + 1000 * 0.5 * 64000 / 1e6)
+    waiting = dataclasses.replace(alone, link_latency=0.050)  # longer than the 32 ms of reads and sends
+    step = predict(model, waiting, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
+    assert step["total"] == pytest.approx(compute + 50)
 
 
 # Each config and overrides, the layout they train, and each stage's first device.

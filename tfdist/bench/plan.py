@@ -23,12 +23,11 @@ with it as the cluster's `link_latency` (`with_probe_latency`), as a user who
 knows that cost gives `tfdist plan --link_latency`. A bytes probe then
 launches each kind at the fastest link with a model of 2.5 MB of gradients
 and little compute (`HOST_RATE_PROBE`): what its step takes beyond the
-prediction with the latency probe's cost is its bytes going through the
-hosts' transport (gRPC, or Horovod's over TCP) slower than the link, on the
-cores the workers also compute on; the rate that makes the planner predict
-its step is the cluster's `host_rate`, and each job is predicted a third
-time with both (`with_probes`), as `tfdist plan --link_latency
---host_rate` would.
+prediction with the latency probe's cost is the hosts' transport (gRPC, or
+Horovod's Gloo over TCP) serializing and copying its bytes on the cores the
+workers also compute on; the rate that makes the planner predict its step
+is the cluster's `host_rate`, and each job is predicted a third time with
+both (`with_probes`), as `tfdist plan --link_latency --host_rate` would.
 
 `--kinds pipeline,tensor_parallel` runs in one process instead (no root):
 the shipped configs' jobs (configs/pipeline.yaml as one replica of 2 stages,
@@ -81,7 +80,6 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
     if not set(chosen) <= set(NETWORK_KINDS):
         raise ConfigError("kinds", "mixes kinds on namespace hosts and in one process: run them apart.", kinds)
     from tfdist.bench import network
-
     from tfdist.launch.hosts import link_bits_per_second
 
     result = network.run(repeats=repeats, links=links, kinds=",".join(chosen))
@@ -247,7 +245,6 @@ def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: 
     """(the bench's step as the planner predicts it, its communication term, the step's terms) for a
     network job of `kind`: 2 hosts of a worker each, or both workers on one host and the server apart."""
     from tfdist.plan import Cluster, Layout
-    from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
     from tfdist.plan.predict import predict
 
     if kind == "parameter_server":
@@ -255,10 +252,10 @@ def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: 
         step = predict(model, cluster, Layout(2, parameter_server=True), global_batch=2 * batch, micro_batches=1,
                        servers_apart=True).step_ms
         # The bench times the job a worker step at a time: 2 workers step at once.
-        return step["total"] / 2, 1000 * model.weight_bytes / (HOST_LINK_EFFICIENCY * link / 8), step
+        return step["total"] / 2, 1000 * model.weight_bytes / cluster.across_hosts, step
     cluster = Cluster(devices=2, hosts=2, device_flops=rate, link=link, link_latency=latency, host_rate=host_rate)
     step = predict(model, cluster, Layout(2), global_batch=2 * batch, micro_batches=1).step_ms
-    return step["total"], step["data_parallel"] - 1000 * latency, step
+    return step["total"], 1000 * model.trainable_bytes / cluster.across_hosts, step  # 2 hosts' ring: its bytes once
 
 
 def _overrides(command: str) -> list[str]:

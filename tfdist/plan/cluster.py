@@ -38,9 +38,10 @@ class Cluster:
       intra_link: bytes/s between two devices of one host.
       link_latency: seconds a step across hosts costs beyond its bytes (a collective's set-up and
         round trips, a parameter server's requests; 0: not counted).
-      host_rate: bytes/s a host's transport moves each way at most, whatever its link: the copies and
-        serialization of gRPC or of MPI/Gloo over TCP, on the host's cores (0: not a limit, as with
-        RDMA).
+      host_rate: bytes/s a host's transport serializes and copies, on top of the time on the wire:
+        gRPC, or Gloo or MPI over TCP, handle every byte on the host's cores, and gRPC builds a
+        tensor's whole message before it sends it and parses it after it arrives (0: not counted, as
+        with RDMA).
       source: where the figures come from.
     """
 
@@ -67,9 +68,12 @@ class Cluster:
 
     @property
     def across_hosts(self) -> float:
-        """Bytes/s of data each way between hosts: the link's, less its framing, or the transport's if slower."""
-        link = HOST_LINK_EFFICIENCY * self.link / 8
-        return min(link, self.host_rate) if self.host_rate else link
+        """Bytes/s of data each way over a host's link, less its framing."""
+        return HOST_LINK_EFFICIENCY * self.link / 8
+
+    def crossing_ms(self, nbytes: float) -> float:
+        """Milliseconds the hosts' transport spends on `nbytes` besides the wire (`host_rate`)."""
+        return 1000 * nbytes / self.host_rate if self.host_rate else 0.0
 
 
 # name: (devices per host, memory, peak FLOP/s by compute dtype, host link bits/s, intra-host bytes/s, source)

@@ -22,10 +22,11 @@ parameter servers. For each:
   gradients on; data parallelism all-reduces the gradients with a ring (2(N
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
   all-gather), over the hosts' links when the replicas span hosts, where
-  every device of a host sends its own ring's share at once (at the link's
-  rate, or the cluster's `host_rate` where the transport is slower), plus
-  the cluster's `link_latency` (a step's fixed cost across hosts, when
-  given);
+  every device of a host sends its own ring's share at once; across hosts
+  the cluster's `link_latency` (a step's fixed cost, when given) runs while
+  the bytes are on the wire, and shows where it is longer, and its
+  `host_rate` (the transport's own work on each byte: serializing, copying)
+  adds to the wire time;
 - **parameter servers**: every device a worker that reads the weights at
   the start of its step and sends its gradients at its end, over its host's
   link for the servers on other hosts, asynchronously: its step is its own
@@ -33,7 +34,8 @@ parameter servers. For each:
   link with the host's other workers reading at the same moment (and its
   sends with those sending: the link is full duplex). The workers' steps
   are not in step with each other, so another worker is reading for the
-  share of its step its reads take (`_shared_link`).
+  share of its step its reads take (`_shared_link`). The link latency and
+  the host rate count as for the ring.
 """
 
 from __future__ import annotations
@@ -160,8 +162,10 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     gradient_bytes = max(memory["gradients"] for memory in memory_by_stage)
     factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
-        data_ms = 1000 * factor * gradient_bytes * (k * t) / cluster.across_hosts
-        data_ms += 1000 * cluster.link_latency
+        moved = factor * gradient_bytes * (k * t)
+        # The step's fixed cost across hosts runs while its bytes are on the wire; the transport's own
+        # work on them does not.
+        data_ms = max(1000 * moved / cluster.across_hosts, 1000 * cluster.link_latency) + cluster.crossing_ms(moved)
     else:
         data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
     step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
@@ -192,7 +196,9 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     all-reduce layouts), reading the weights at the start of its step and sending the gradients at its
     end; the servers hold a share of the variables each, one on every host (or, `servers_apart`, on
     hosts of their own). A worker's step is its compute and its own reads and sends one after the
-    other, the remote ones sharing its host's link with the host's other workers (`_shared_link`)."""
+    other, the remote ones sharing its host's link with the host's other workers (`_shared_link`),
+    and the transport's work on them (`host_rate`); the link latency shows where it is longer than
+    the reads and sends."""
     weights, gradients = model.weight_bytes, model.trainable_bytes
     batch = global_batch // layout.dp
     memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
@@ -202,13 +208,13 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0
     remote = 1.0 if servers_apart else (cluster.hosts - 1) / cluster.hosts
     own = compute + (1000 * (1 - remote) * (weights + gradients) / cluster.intra_link if cluster.intra_link else 0.0)
-    reads = sends = 0.0
+    total = own
     if remote:
         link = cluster.across_hosts
-        own += 1000 * cluster.link_latency
-        reads, sends = _shared_link(1000 * remote * weights / link, 1000 * remote * gradients / link, own,
-                                    cluster.per_host)
-    total = own + reads + sends
+        transport = cluster.crossing_ms(remote * (weights + gradients))
+        reads, sends = _shared_link(1000 * remote * weights / link, 1000 * remote * gradients / link,
+                                    own + transport, cluster.per_host)
+        total = own + transport + max(reads + sends, 1000 * cluster.link_latency)
     step = {"compute": compute, "parameter_server": total - compute, "total": total}
     return _prediction(model, layout, memory, cluster, step, global_batch)
 
