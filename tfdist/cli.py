@@ -296,7 +296,7 @@ _COMMANDS = {
                       _IMAGE_SIZE, _BATCH_PER_DEVICE, _LINKS, _KINDS), _bench_command, positional="NAME"),
     "plan": _Command("predict every layout's memory and speed on a cluster; write the best as a config",
                      (*_JOB, _DEVICES, _HOSTS, _DEVICE_MEMORY, _DEVICE_TFLOPS, _LINK, _INTRA_LINK, _LINK_LATENCY,
-                      _CLUSTER, _MEASURE, _JSON, _OUT), _plan_command),
+                      _HOST_RATE, _CLUSTER, _MEASURE, _JSON, _OUT), _plan_command),
     "launch": _Command("run every task of a multi-process job on this machine",
                        (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, _STALLED_SECONDS, *_JOB,
                         _METRICS_OUT),

@@ -189,11 +189,25 @@ def test_the_plan_command_prints_the_layouts_and_writes_a_config_train_takes(tmp
     assert check.strategy.logical_devices == 4 and written["strategy"]["kind"] == check.strategy.kind.value
 
 
+def test_the_links_latency_and_host_rate_flags_reach_the_cross_host_term(tmp_path):
+    table = tmp_path / "plan.json"
+    proc = run_tfdist("plan", "--devices", "4", "--hosts", "2", "--device_tflops", "1", "--link", "1gbit",
+                      "--link_latency", "20ms", "--host_rate", "300MB/s", "--json", str(table), timeout=300)
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
+    result = json.loads(table.read_text())
+    assert result["cluster"]["link_latency"] == pytest.approx(0.020) and result["cluster"]["host_rate"] == 3e8
+    data = next(row for row in result["layouts"] if row["layout"] == "data 4")
+    ring = 2 * 3 / 4 * result["model"]["trainable_bytes"]  # bytes a host's link carries each way
+    wire = 1000 * ring / (HOST_LINK_EFFICIENCY * 1e9 / 8)
+    assert wire < 20 and data["step_ms"]["data_parallel"] == pytest.approx(20 + 1000 * ring / 3e8)
+
+
 @pytest.mark.parametrize("args, message", [
     ((), "`plan` needs the devices: --devices N"),
     (("--devices", "2"), "`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure"),
     (("--cluster", "9x9-tpu"), "`--cluster` must be one of 1x8-a100-80g, 2x8-a100-80g-ib, 1x8-v100-32g"),
     (("--devices", "2", "--device_tflops", "1", "--device_memory", "lots"), "`--device_memory` must be a size"),
+    (("--devices", "2", "--device_tflops", "1", "--host_rate", "fast"), "`--host_rate` must be a rate"),
 ])
 def test_a_plan_without_what_it_needs_is_one_line(args, message):
     proc = run_tfdist("plan", *args)
