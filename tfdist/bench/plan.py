@@ -192,17 +192,16 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
                 rows[-1]["with_probes"] = {"link_latency_ms": 1000 * latency[kind, row["link"]],
                                            "host_rate_bytes_per_sec": host_rate, "predicted_ms": with_both,
                                            "ratio": with_both / row["step_time_ms"]}
-    figures = {"within_bounds": sum(BOUNDS[0] <= row["ratio"] <= BOUNDS[1] for row in rows), "jobs": len(rows),
-               **{f"ratio_{row['kind']}_{row['link']}": row["ratio"] for row in rows}}
-    if latency:
-        figures["within_bounds_with_probe_latency"] = sum(
-            BOUNDS[0] <= row["with_probe_latency"]["ratio"] <= BOUNDS[1] for row in rows)
-        figures.update({f"ratio_with_probe_latency_{row['kind']}_{row['link']}": row["with_probe_latency"]["ratio"]
-                        for row in rows})
+    # Each prediction's ratios by job: as a user runs it, then with each probe's figures.
+    ratios = {"": {f"{row['kind']}_{row['link']}": row["ratio"] for row in rows}}
+    for key in ("with_probe_latency", "with_probes"):
+        if rows and all(key in row for row in rows):
+            ratios[f"_{key}"] = {f"{row['kind']}_{row['link']}": row[key]["ratio"] for row in rows}
+    figures = {"jobs": len(rows)}
+    for suffix, by_job in ratios.items():
+        figures[f"within_bounds{suffix}"] = sum(BOUNDS[0] <= ratio <= BOUNDS[1] for ratio in by_job.values())
+        figures.update({f"ratio{suffix}_{job}": ratio for job, ratio in by_job.items()})
     if host_rates:
-        figures["within_bounds_with_probes"] = sum(BOUNDS[0] <= row["with_probes"]["ratio"] <= BOUNDS[1]
-                                                   for row in rows)
-        figures.update({f"ratio_with_probes_{row['kind']}_{row['link']}": row["with_probes"]["ratio"] for row in rows})
         figures.update({f"host_rate_MBps_{kind}": found["bytes_per_sec"] / 1e6 for kind, found in host_rates.items()})
     result = {"benchmark": "plan", "bounds": BOUNDS, "gradient_bytes": measured["gradient_bytes"],
               "model_trainable_bytes": model.trainable_bytes, "device_flops": rate, "rows": rows,

@@ -71,9 +71,14 @@ class Cluster:
         """Bytes/s of data each way over a host's link, less its framing."""
         return HOST_LINK_EFFICIENCY * self.link / 8
 
-    def crossing_ms(self, nbytes: float) -> float:
+    def transport_ms(self, nbytes: float) -> float:
         """Milliseconds the hosts' transport spends on `nbytes` besides the wire (`host_rate`)."""
         return 1000 * nbytes / self.host_rate if self.host_rate else 0.0
+
+    def crossing_ms(self, wire_ms: float, nbytes: float) -> float:
+        """A step's time across hosts for `nbytes` that spend `wire_ms` on the wire: the step's fixed
+        cost (`link_latency`) runs while they are on it, the transport's work on them adds."""
+        return max(wire_ms, 1000 * self.link_latency) + self.transport_ms(nbytes)
 
 
 # name: (devices per host, memory, peak FLOP/s by compute dtype, host link bits/s, intra-host bytes/s, source)

@@ -163,9 +163,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
         moved = factor * gradient_bytes * (k * t)
-        # The step's fixed cost across hosts runs while its bytes are on the wire; the transport's own
-        # work on them does not.
-        data_ms = max(1000 * moved / cluster.across_hosts, 1000 * cluster.link_latency) + cluster.crossing_ms(moved)
+        data_ms = cluster.crossing_ms(1000 * moved / cluster.across_hosts, moved)
     else:
         data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
     step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
@@ -210,11 +208,10 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     own = compute + (1000 * (1 - remote) * (weights + gradients) / cluster.intra_link if cluster.intra_link else 0.0)
     total = own
     if remote:
-        link = cluster.across_hosts
-        transport = cluster.crossing_ms(remote * (weights + gradients))
+        link, moved = cluster.across_hosts, remote * (weights + gradients)
         reads, sends = _shared_link(1000 * remote * weights / link, 1000 * remote * gradients / link,
-                                    own + transport, cluster.per_host)
-        total = own + transport + max(reads + sends, 1000 * cluster.link_latency)
+                                    own + cluster.transport_ms(moved), cluster.per_host)
+        total = own + cluster.crossing_ms(reads + sends, moved)
     step = {"compute": compute, "parameter_server": total - compute, "total": total}
     return _prediction(model, layout, memory, cluster, step, global_batch)
 
