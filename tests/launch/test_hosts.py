@@ -113,6 +113,40 @@ def test_a_link_carries_its_rate(tmp_path):
     assert leftovers() == []
 
 
+def test_a_steps_transfer_after_idle_takes_its_time_at_the_rate():
+    """A gradient's worth of bytes (600 KB) sent after the link was idle, as a job sends each step, takes
+    what the rate allows: tbf's bucket must not let it through faster (with 4 ms of burst it took 1.5 ms
+    at 1 Gbit/s, not 5)."""
+    from tfdist.launch.hosts import NamespaceHosts
+    from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
+
+    exchange = ("import socket, statistics, sys, time\n"
+                "size = 600_000\n"
+                "if sys.argv[1] == 'serve':\n"
+                "    server = socket.create_server((sys.argv[2], 5002)); print('ready', flush=True)\n"
+                "    connection, _ = server.accept()\n"
+                "    while (received := len(connection.recv(size, socket.MSG_WAITALL))) == size:\n"
+                "        connection.sendall(b'k')\n"
+                "else:\n"
+                "    connection = socket.create_connection((sys.argv[2], 5002)); times = []\n"
+                "    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+                "    for _ in range(15):\n"
+                "        time.sleep(0.02); start = time.perf_counter()\n"
+                "        connection.sendall(b'x' * size); connection.recv(1)\n"
+                "        times.append(time.perf_counter() - start)\n"
+                "    print(statistics.median(times))\n")
+    with NamespaceHosts(2, "1gbit") as hosts:
+        server = subprocess.Popen(hosts.command(1, [sys.executable, "-c", exchange, "serve", hosts.addresses[1]]),
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        seconds = float(subprocess.run(hosts.command(0, [sys.executable, "-c", exchange, "send", hosts.addresses[1]]),
+                                       capture_output=True, text=True, timeout=30, check=True).stdout)
+        server.communicate(timeout=30)
+    at_rate = 600_000 / (HOST_LINK_EFFICIENCY * 1e9 / 8)  # 5.1 ms
+    assert 0.85 * at_rate <= seconds <= 1.5 * at_rate, (seconds, at_rate)
+    assert leftovers() == []
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--link", "1gbit", *KINDS["multi_worker"]], "--link shapes the links of --hosts: give --hosts N too."),
     (["--hosts", "2", "--link", "fast", *KINDS["multi_worker"]], "`--link` must be a rate in tc's notation"),

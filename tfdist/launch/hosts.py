@@ -43,6 +43,7 @@ from tfdist.errors import ConfigError, HostsError
 __all__ = ["NamespaceHosts", "link_bits_per_second"]
 
 _OWNERS = "/run/tfdist/hosts"
+BURST_SECONDS = 0.0005  # what of its rate a link passes at once after idle (tbf's bucket)
 _NETNS_ETC = "/etc/netns"  # files here replace /etc's inside a namespace, under `ip netns exec`
 _SSH_KEYS = os.path.join(os.path.expanduser("~"), ".cache", "tfdist", "ssh")
 # tc's rate units (decimal; the `bps` ones count bytes).
@@ -112,8 +113,10 @@ class NamespaceHosts:
                 self._shape([], outside)  # what it receives
 
     def _shape(self, prefix: list[str], interface: str) -> None:
-        # A burst of 4 ms at the rate (at least a few packets) lets tbf reach the rate at 10 Gbit/s.
-        burst = max(int(self.bits_per_second / 8 / 250), 15_000)
+        # tbf's bucket lets a transfer after idle pass this much at once, faster than the rate. Half a
+        # millisecond of it (at least 10 packets) keeps a step's transfer as slow as a real link's and
+        # still reaches the rate in bulk; 4 ms let 600 KB at 1 Gbit/s through at 3.3 Gbit/s.
+        burst = max(int(self.bits_per_second / 8 * BURST_SECONDS), 15_000)
         _run([*prefix, "tc", "qdisc", "add", "dev", interface, "root", "tbf", "rate", self.link,
               "burst", str(burst), "latency", "50ms"])
 
