@@ -58,11 +58,10 @@ def test_the_step_time_is_its_terms():
     across = Cluster(devices=4, hosts=2, device_flops=1e9, intra_link=1e9, link=8e9 / HOST_LINK_EFFICIENCY)
     ring = predict(model, across, Layout(4), global_batch=32, micro_batches=1).step_ms["data_parallel"]
     assert ring == pytest.approx(1000 * 2 * 3 / 4 * 32000 / 1e9)  # the ring's bytes over the link's 1 GB/s of data
-    # A step's fixed cost across hosts runs while the bytes are on the wire: it shows where it is longer.
-    for latency, expected in ((0.00001, ring), (0.002, 2.0)):
-        slow = dataclasses.replace(across, link_latency=latency)
-        assert predict(model, slow, Layout(4), global_batch=32, micro_batches=1).step_ms[
-            "data_parallel"] == pytest.approx(expected)
+    # A step's fixed cost across hosts adds to the wire time.
+    slow = dataclasses.replace(across, link_latency=0.002)
+    assert predict(model, slow, Layout(4), global_batch=32, micro_batches=1).step_ms[
+        "data_parallel"] == pytest.approx(ring + 2.0)
     # The transport's own work on the bytes adds to the wire: at the link's own rate, it doubles the ring.
     copying = dataclasses.replace(across, host_rate=1e9)
     assert predict(model, copying, Layout(4), global_batch=32, micro_batches=1).step_ms[
@@ -104,13 +103,10 @@ def test_a_parameter_server_worker_reads_and_sends_in_turn_sharing_its_hosts_lin
                    servers_apart=True).step_ms
     # Compute as long as the reads and sends: the other worker reads for less of the time, so a read waits less.
     assert step["compute"] == pytest.approx(2 * wire) and 2.4 * wire < step["parameter_server"] < 2.7 * wire
-    # The transport's work on the bytes adds to the wire; a latency shorter than the reads and sends hides.
+    # The link's latency and the transport's work on the bytes add to the wire.
     slow_transport = dataclasses.replace(alone, host_rate=0.5e6, link_latency=0.010)
     step = predict(model, slow_transport, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
-    assert step["total"] == pytest.approx(compute + 1000 * 0.5 * 64000 / 0.5e6 + 1000 * 0.5 * 64000 / 1e6)
-    waiting = dataclasses.replace(alone, link_latency=0.050)  # longer than the 32 ms of reads and sends
-    step = predict(model, waiting, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
-    assert step["total"] == pytest.approx(compute + 50)
+    assert step["total"] == pytest.approx(compute + 10 + 1000 * 0.5 * 64000 / 0.5e6 + 1000 * 0.5 * 64000 / 1e6)
 
 
 # Each config and overrides, the layout they train, and each stage's first device.
@@ -199,7 +195,7 @@ def test_the_links_latency_and_host_rate_flags_reach_the_cross_host_term(tmp_pat
     data = next(row for row in result["layouts"] if row["layout"] == "data 4")
     ring = 2 * 3 / 4 * result["model"]["trainable_bytes"]  # bytes a host's link carries each way
     wire = 1000 * ring / (HOST_LINK_EFFICIENCY * 1e9 / 8)
-    assert wire < 20 and data["step_ms"]["data_parallel"] == pytest.approx(20 + 1000 * ring / 3e8)
+    assert data["step_ms"]["data_parallel"] == pytest.approx(20 + wire + 1000 * ring / 3e8)
 
 
 @pytest.mark.parametrize("args, message", [

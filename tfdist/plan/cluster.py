@@ -76,9 +76,10 @@ class Cluster:
         return 1000 * nbytes / self.host_rate if self.host_rate else 0.0
 
     def crossing_ms(self, wire_ms: float, nbytes: float) -> float:
-        """A step's time across hosts for `nbytes` that spend `wire_ms` on the wire: the step's fixed
-        cost (`link_latency`) runs while they are on it, the transport's work on them adds."""
-        return max(wire_ms, 1000 * self.link_latency) + self.transport_ms(nbytes)
+        """A step's time across hosts for `nbytes` that spend `wire_ms` on the wire: its fixed cost
+        (`link_latency`), the wire and the transport's work on the bytes, one after another (a
+        message's latency plus its bytes over the rate, as the alpha-beta model of a network has it)."""
+        return 1000 * self.link_latency + wire_ms + self.transport_ms(nbytes)
 
 
 # name: (devices per host, memory, peak FLOP/s by compute dtype, host link bits/s, intra-host bytes/s, source)

@@ -23,10 +23,9 @@ parameter servers. For each:
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
   all-gather), over the hosts' links when the replicas span hosts, where
   every device of a host sends its own ring's share at once; across hosts
-  the cluster's `link_latency` (a step's fixed cost, when given) runs while
-  the bytes are on the wire, and shows where it is longer, and its
+  the cluster's `link_latency` (a step's fixed cost, when given) and its
   `host_rate` (the transport's own work on each byte: serializing, copying)
-  adds to the wire time;
+  add to the wire time;
 - **parameter servers**: every device a worker that reads the weights at
   the start of its step and sends its gradients at its end, over its host's
   link for the servers on other hosts, asynchronously: its step is its own
@@ -195,8 +194,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     end; the servers hold a share of the variables each, one on every host (or, `servers_apart`, on
     hosts of their own). A worker's step is its compute and its own reads and sends one after the
     other, the remote ones sharing its host's link with the host's other workers (`_shared_link`),
-    and the transport's work on them (`host_rate`); the link latency shows where it is longer than
-    the reads and sends."""
+    and the link's latency and the transport's work on them (`host_rate`)."""
     weights, gradients = model.weight_bytes, model.trainable_bytes
     batch = global_batch // layout.dp
     memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
@@ -210,7 +208,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     if remote:
         link, moved = cluster.across_hosts, remote * (weights + gradients)
         reads, sends = _shared_link(1000 * remote * weights / link, 1000 * remote * gradients / link,
-                                    own + cluster.transport_ms(moved), cluster.per_host)
+                                    own + cluster.crossing_ms(0.0, moved), cluster.per_host)
         total = own + cluster.crossing_ms(reads + sends, moved)
     step = {"compute": compute, "parameter_server": total - compute, "total": total}
     return _prediction(model, layout, memory, cluster, step, global_batch)
