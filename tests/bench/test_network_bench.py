@@ -53,6 +53,14 @@ def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
+def _tcp_bytes(payload: float, payload_back: float) -> float:
+    """The most a link's counters should see one way for `payload` bytes of a step sent and `payload_back`
+    received: each segment's 1448 bytes of data carry 66 of Ethernet, IP and TCP headers, every second
+    segment received is acknowledged by a 66-byte frame, and a step's requests and their headers add a
+    few KB (about 6 KB for a parameter-server worker)."""
+    return payload * 1514 / 1448 + payload_back * 66 / 2896 + 6_000
+
+
 def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
     # The sparse-embedding model: its dense layers all-reduced (float16 too), and its table's rows
     # all-gathered or read and sent; the whole table (12.8 MB) crossing would be 100 x the count.
@@ -77,7 +85,8 @@ def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
                 fixed = full["link_bytes_per_step"][direction] - full["algorithm_bytes"][direction]
                 assert measured[direction] - expected <= fixed + 0.1 * expected, (kind, direction, measured)
             else:
-                assert measured[direction] / expected <= 1.10, (kind, direction, measured)
+                other = row["algorithm_bytes"]["received" if direction == "sent" else "sent"]
+                assert measured[direction] <= _tcp_bytes(expected, other), (kind, direction, measured)
         assert row["comm_ms"] == pytest.approx(1000 * max(measured.values()) * 8 / 1e9)
     assert result["figures"]["bytes_within_tolerance"] == all(
         result["figures"][f"bytes_vs_algorithm_{kind}"] <= 1.1 for kind in result["table"])
