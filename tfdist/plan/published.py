@@ -17,7 +17,7 @@ not model). Horovod's benchmark at two scales, 128 GPUs and 512, tells the
 terms apart: a GPU's compute is the same at both, and so nearly are the
 bytes a flat ring sends over each host's link (2(N - 1)/N of the
 gradients), so what changes between them is a cost that grows with the
-ring's length (its 2(N - 1) steps), which the planner does not count.
+number of GPUs, which the planner does not count.
 """
 
 from __future__ import annotations
