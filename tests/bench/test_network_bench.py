@@ -48,11 +48,6 @@ def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
     assert figures["split_speed_ratio_horovod"] == pytest.approx(0.8)  # at the slowest link
 
 
-@needs_root
-@pytest.mark.xdist_group("namespace_hosts")  # with tests/launch/test_hosts.py, which checks that no host is left
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
 def _tcp_bytes(payload: float, payload_back: float) -> float:
     """The most a link's counters should see one way for `payload` bytes of a step sent and `payload_back`
     received: each segment's 1448 bytes of data carry 66 of Ethernet, IP and TCP headers, every second
@@ -61,6 +56,11 @@ def _tcp_bytes(payload: float, payload_back: float) -> float:
     return payload * 1514 / 1448 + payload_back * 66 / 2896 + 6_000
 
 
+@needs_root
+@pytest.mark.xdist_group("namespace_hosts")  # with tests/launch/test_hosts.py, which checks that no host is left
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
 def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
     # The sparse-embedding model: its dense layers all-reduced (float16 too), and its table's rows
     # all-gathered or read and sent; the whole table (12.8 MB) crossing would be 100 x the count.

@@ -89,9 +89,24 @@ def test_the_hosts_of_a_launcher_killed_outright_are_removed_by_the_next_job():
     assert leftovers() == []
 
 
-def test_a_link_carries_its_rate(tmp_path):
+def _between_two_hosts(link: str, script: str) -> tuple[str, str, int]:
+    """Runs `script serve ADDRESS` on host 1 of two linked at `link` (it prints 'ready' once it listens),
+    then `script send ADDRESS` on host 0; returns what the sender printed, what the server printed once
+    the sender was done, and the bytes host 0 sent over its link."""
     from tfdist.launch.hosts import NamespaceHosts
 
+    with NamespaceHosts(2, link) as hosts:
+        server = subprocess.Popen(hosts.command(1, [sys.executable, "-c", script, "serve", hosts.addresses[1]]),
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        sender = subprocess.run(hosts.command(0, [sys.executable, "-c", script, "send", hosts.addresses[1]]),
+                                capture_output=True, text=True, timeout=30, check=True)
+        served = server.communicate(timeout=30)[0]
+        sent, _ = hosts.link_bytes(0)
+    return sender.stdout, served, sent
+
+
+def test_a_link_carries_its_rate(tmp_path):
     stream = ("import socket, sys, time\n"
               "if sys.argv[1] == 'serve':\n"
               "    server = socket.create_server((sys.argv[2], 5001)); print('ready', flush=True)\n"
@@ -101,13 +116,8 @@ def test_a_link_carries_its_rate(tmp_path):
               "else:\n"
               "    connection = socket.create_connection((sys.argv[2], 5001)); end = time.perf_counter() + 2\n"
               "    while time.perf_counter() < end: connection.sendall(b'x' * (1 << 16))\n")
-    with NamespaceHosts(2, "100mbit") as hosts:
-        server = subprocess.Popen(hosts.command(1, [sys.executable, "-c", stream, "serve", hosts.addresses[1]]),
-                                  stdout=subprocess.PIPE, text=True)
-        assert server.stdout.readline().strip() == "ready"
-        subprocess.run(hosts.command(0, [sys.executable, "-c", stream, "send", hosts.addresses[1]]), timeout=30)
-        bits_per_second = float(server.communicate(timeout=30)[0])
-        sent, _ = hosts.link_bytes(0)
+    _, served, sent = _between_two_hosts("100mbit", stream)
+    bits_per_second = float(served)
     assert 0.85e8 <= bits_per_second <= 1.02e8, bits_per_second
     assert sent >= bits_per_second / 8 * 1.5  # the host's counters saw the stream
     assert leftovers() == []
@@ -117,7 +127,6 @@ def test_a_steps_transfer_after_idle_takes_its_time_at_the_rate():
     """A gradient's worth of bytes (600 KB) sent after the link was idle, as a job sends each step, takes
     what the rate allows: tbf's bucket must not let it through faster (with 4 ms of burst it took 1.5 ms
     at 1 Gbit/s, not 5)."""
-    from tfdist.launch.hosts import NamespaceHosts
     from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
 
     exchange = ("import socket, statistics, sys, time\n"
@@ -135,13 +144,7 @@ def test_a_steps_transfer_after_idle_takes_its_time_at_the_rate():
                 "        connection.sendall(b'x' * size); connection.recv(1)\n"
                 "        times.append(time.perf_counter() - start)\n"
                 "    print(statistics.median(times))\n")
-    with NamespaceHosts(2, "1gbit") as hosts:
-        server = subprocess.Popen(hosts.command(1, [sys.executable, "-c", exchange, "serve", hosts.addresses[1]]),
-                                  stdout=subprocess.PIPE, text=True)
-        assert server.stdout.readline().strip() == "ready"
-        seconds = float(subprocess.run(hosts.command(0, [sys.executable, "-c", exchange, "send", hosts.addresses[1]]),
-                                       capture_output=True, text=True, timeout=30, check=True).stdout)
-        server.communicate(timeout=30)
+    seconds = float(_between_two_hosts("1gbit", exchange)[0])
     at_rate = 600_000 / (HOST_LINK_EFFICIENCY * 1e9 / 8)  # 5.1 ms
     assert 0.85 * at_rate <= seconds <= 1.5 * at_rate, (seconds, at_rate)
     assert leftovers() == []
