@@ -5,9 +5,7 @@ import collections
 import json
 import os
 import pty
-import random
 import re
-import socket
 import subprocess
 import sys
 
@@ -67,20 +65,9 @@ def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
     )
 
 
-def free_port_block(count, low=20000, high=32000):
-    """`count` consecutive free ports below Linux's ephemeral range (32768+), as `cluster.port_base`
-    numbers them: a port from the ephemeral range can be taken meanwhile by any connection (srun's
-    own I/O ports took one in CI)."""
-    for _ in range(100):
-        first = random.randrange(low, high - count)
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))  # as TensorFlow's gRPC server binds
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports in {low}-{high}")
+def free_port_block(count):
+    """The first of `count` consecutive free ports, as `cluster.port_base` numbers a job's tasks."""
+    return free_ports(count, consecutive=True)[0]
 
 
 def tfdist_imports(script):
@@ -96,13 +83,21 @@ def tfdist_command(*args):
     return [sys.executable, "-m", "tfdist.cli", *args]
 
 
+def patient(seconds):
+    """A subprocess's timeout: `seconds`, or under Bazel its test's own timeout if longer. `make test`
+    runs Bazel beside pytest at the lowest CPU priority, where a process can take ten times its own
+    time (in CI the activation scenario, 28 s alone, passed 300 s), and Bazel's --test_timeout ends
+    a test that hangs."""
+    return max(seconds, int(os.environ.get("TEST_TIMEOUT", "0")))
+
+
 def run_tfdist(*args, timeout=120, env=None):
     """Runs `tfdist ARGS` from the repository root; returns the CompletedProcess."""
     return subprocess.run(
         tfdist_command(*args),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patient(timeout),
         cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )

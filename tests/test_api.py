@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, patient
 
 ATTRIBUTES = [
     "tfdist.layers.ColumnParallelDense",
@@ -21,20 +21,20 @@ ATTRIBUTES = [
 
 def test_subpackages_and_strategies_are_reachable_after_import_tfdist():
     script = "import tfdist\n" + "".join(f"print({name}.__name__)\n" for name in ATTRIBUTES)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = _fresh(script)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == [name.rsplit(".", 1)[1] for name in ATTRIBUTES]
 
 
 def test_an_unknown_attribute_is_still_an_attribute_error():
-    proc = subprocess.run(
-        [sys.executable, "-c", "import tfdist; tfdist.no_such_thing"], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
+    proc = _fresh("import tfdist; tfdist.no_such_thing")
     assert proc.returncode == 1 and "module 'tfdist' has no attribute 'no_such_thing'" in proc.stderr
 
 
 def _fresh(script):
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    """`python -c SCRIPT` in a process of its own."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=patient(120),
+                          cwd=ROOT)
 
 
 def _skip_with_gpus():

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from helpers import ROOT, run_tfdist
+from helpers import ROOT, patient, run_tfdist
 from tfdist.config import Config, from_dict
 
 # The console script a user runs (absl took its wrapper for the main module and showed no help).
@@ -81,7 +81,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_a_wrong_command_line_is_refused_before_tensorflow_loads(args, message):
     """A wrong key, value or benchmark is one line at once, not after the seconds TensorFlow takes to import."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "tfdist.cli", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=patient(60), cwd=ROOT)
     assert proc.returncode == 2
     assert f"tfdist: error: {message}" in proc.stderr
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
@@ -100,7 +100,7 @@ def test_yaml_tag_in_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["help"]])
 def test_help_lists_the_commands(args):
-    proc = subprocess.run([TFDIST, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run([TFDIST, *args], capture_output=True, text=True, timeout=patient(60), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     for name in COMMAND_FLAGS:
         assert f"\n  {name} " in proc.stdout
@@ -109,7 +109,7 @@ def test_help_lists_the_commands(args):
 @pytest.mark.parametrize("command", list(COMMAND_FLAGS))
 @pytest.mark.parametrize("help_flag", ["--help", "-h"])
 def test_each_commands_help_lists_its_own_flags_and_no_others(command, help_flag):
-    proc = subprocess.run([TFDIST, command, help_flag], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run([TFDIST, command, help_flag], capture_output=True, text=True, timeout=patient(60), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     listed = [line.split(":")[0].strip() for line in proc.stdout.splitlines() if line.startswith("  --")]
     assert listed == COMMAND_FLAGS[command]

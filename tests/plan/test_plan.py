@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, SCENARIO_DIR, run_tfdist, why_it_failed
+from helpers import ROOT, SCENARIO_DIR, patient, run_tfdist, why_it_failed
 from tfdist.errors import ConfigError
 from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_duration, parse_rate, profile
 from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
@@ -152,7 +152,7 @@ def test_predicted_activation_bytes_are_within_25_percent_of_what_tensorflows_al
     """The CPU allocator's peak in one step, at two batch sizes (what grows with the batch: see
     tests/scenarios/activation_peaks.py), for a CNN, a transformer and MobileNetV2."""
     proc = subprocess.run([sys.executable, os.path.join(SCENARIO_DIR, "activation_peaks.py")], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+                          text=True, timeout=patient(300), cwd=ROOT)
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, job in result.items():

@@ -4,12 +4,14 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, SCENARIO_DIR, run_tfdist, tfdist_command, why_it_failed
+from helpers import ROOT, SCENARIO_DIR, free_ports, run_tfdist, tfdist_command, why_it_failed
+from tfdist.cluster.loopback import LOWEST_PORT, port_is_free
 from tfdist.launch.process_tree import descendants
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -125,6 +127,38 @@ def test_a_killed_parameter_server_is_a_prompt_clear_error():
     assert result["error"].startswith("lost a parameter server, ps 0 at 127.0.0.1:")
     assert "checkpoint.dir" in result["error"]
     assert result["seconds_after_kill"] < 30
+
+
+def test_a_port_another_process_took_before_its_task_listens_is_replaced_not_shared(monkeypatch, capfd):
+    """In CI another job's task once took a parameter server's port while that server started: the
+    port still accepted connections, so the chief trained against a stranger's task and both jobs
+    failed. Here a listener of this process holds the port the first choice gives the parameter server."""
+    from tfdist.cluster import servers
+    from tfdist.cluster.loopback import listens
+
+    stranger = socket.create_server(("0.0.0.0", 0))
+    taken = stranger.getsockname()[1]
+    choices = iter([[*free_ports(2), taken]])  # chief, worker, ps
+    monkeypatch.setattr(servers, "free_loopback_ports", lambda count: next(choices, None) or free_ports(count))
+    try:
+        with servers.LocalCluster(num_workers=1, num_ps=1) as cluster:
+            assert f"127.0.0.1:{taken}" not in str(cluster.cluster_spec)
+            for (job, index), process in cluster.processes.items():
+                port = int(cluster.cluster_spec[job][index].rsplit(":", 1)[1])
+                assert listens(process.pid, port), (job, index)
+    finally:
+        stranger.close()
+    assert f"tfdist: another process took port {taken} of local ps 0; starting the local cluster again on " \
+           "other ports" in capfd.readouterr().err
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_free():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(LOWEST_PORT <= p < ephemeral and port_is_free(p) for p in ports)
+    block = free_ports(4, consecutive=True)
+    assert block == list(range(block[0], block[0] + 4)) and block[-1] < ephemeral
 
 
 @pytest.mark.slow

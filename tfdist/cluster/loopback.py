@@ -5,21 +5,58 @@ TensorFlow-free, so the launcher can use it without loading TensorFlow.
 
 from __future__ import annotations
 
+import random
 import socket
 
-__all__ = ["accepts_connections", "free_loopback_ports"]
+import psutil
+
+__all__ = ["accepts_connections", "free_loopback_ports", "listens", "port_is_free"]
+
+LOWEST_PORT = 10000
+_ATTEMPTS = 200
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """Ports on 127.0.0.1 that were free a moment ago (all held at once, so distinct)."""
-    sockets = [socket.socket() for _ in range(count)]
+def free_loopback_ports(count: int, *, consecutive: bool = False) -> list[int]:
+    """`count` distinct ports that were free a moment ago, on every address (as TensorFlow's gRPC
+    server binds). They come from below the kernel's ephemeral range: a port from that range can be
+    taken meanwhile by any process's outgoing connection (in CI, srun's I/O and, once, another job's
+    task took one), one from below it only by a process that asks for it by number.
+
+    Args:
+      consecutive: a block `first, first + 1, ...` (as `cluster.port_base` numbers a job's tasks).
+
+    Raises:
+      RuntimeError: no such ports after many tries.
+    """
+    highest = _ephemeral_range_start() - 1
+    for _ in range(_ATTEMPTS):
+        if consecutive:
+            first = random.randrange(LOWEST_PORT, highest - count + 2)
+            ports = list(range(first, first + count))
+        else:
+            ports = random.sample(range(LOWEST_PORT, highest + 1), count)
+        if all(port_is_free(port) for port in ports):
+            return ports
+    raise RuntimeError(f"no {count} free ports in {LOWEST_PORT}-{highest} after {_ATTEMPTS} tries")
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could bind `port` on every address now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself listens on TCP `port` (not some other process that took it)."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        sockets = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:  # exited meanwhile
+        return False
+    return any(s.status == psutil.CONN_LISTEN and s.laddr.port == port for s in sockets)
 
 
 def accepts_connections(address: str, timeout: float = 2.0) -> bool:
@@ -30,3 +67,13 @@ def accepts_connections(address: str, timeout: float = 2.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def _ephemeral_range_start() -> int:
+    """The lowest port Linux gives outgoing connections (32768 unless configured), or above our range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768
+    return max(start, LOWEST_PORT + 1000)

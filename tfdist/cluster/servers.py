@@ -24,12 +24,13 @@ import time
 from typing import Optional
 
 from tfdist.errors import ClusterError
-from tfdist.cluster.loopback import accepts_connections, free_loopback_ports
+from tfdist.cluster.loopback import accepts_connections, free_loopback_ports, listens, port_is_free
 from tfdist.tf_startup import QUIET_LOG_LEVEL
 
 __all__ = ["LocalCluster", "serve"]
 
 START_TIMEOUT_SECONDS = 60
+START_ATTEMPTS = 3  # on fresh ports each, when another process took one meanwhile
 STOP_TIMEOUT_SECONDS = 10
 CHIEF_POLL_SECONDS = 2.0
 
@@ -73,13 +74,8 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int, num_ps: int, *, threads: int = 0, restart_workers: bool = True):
-        ports = free_loopback_ports(1 + num_workers + num_ps)
-        addresses = [f"127.0.0.1:{p}" for p in ports]
-        self.cluster_spec = {
-            "chief": addresses[:1],
-            "worker": addresses[1 : 1 + num_workers],
-            "ps": addresses[1 + num_workers :],
-        }
+        self.num_workers, self.num_ps = num_workers, num_ps
+        self.cluster_spec = self._fresh_cluster_spec()
         self.threads = threads
         self.restart_workers = restart_workers
         self.processes: dict[tuple[str, int], subprocess.Popen] = {}
@@ -94,11 +90,28 @@ class LocalCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _fresh_cluster_spec(self) -> dict[str, list[str]]:
+        addresses = [f"127.0.0.1:{p}" for p in free_loopback_ports(1 + self.num_workers + self.num_ps)]
+        return {
+            "chief": addresses[:1],
+            "worker": addresses[1 : 1 + self.num_workers],
+            "ps": addresses[1 + self.num_workers :],
+        }
+
     def start(self) -> None:
-        for job in ("ps", "worker"):
-            for index in range(len(self.cluster_spec[job])):
-                self._spawn(job, index)
-        self.wait_until_listening()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            for job in ("ps", "worker"):
+                for index in range(len(self.cluster_spec[job])):
+                    self._spawn(job, index)
+            try:
+                self.wait_until_listening()
+                break
+            except _PortTaken as taken:
+                if attempt == START_ATTEMPTS:
+                    raise
+                print(f"tfdist: {taken}; starting the local cluster again on other ports", file=sys.stderr, flush=True)
+                self.cluster_spec = self._fresh_cluster_spec()
+        self._stopping.clear()  # set by the failed attempt's stop
         self._supervisor = threading.Thread(target=self._supervise, name="tfdist-ps-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -142,15 +155,22 @@ class LocalCluster:
         )
 
     def wait_until_listening(self) -> None:
-        """Every task's port accepts connections, or a ClusterError naming the ones that do not."""
+        """Every task listens on its own port, or a ClusterError naming the ones that do not.
+
+        The listener must be the task itself: a port taken meanwhile by another process (another
+        job's task, in CI) accepts connections too, and the chief would then talk to a stranger."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         pending = {(job, i): address for job in ("ps", "worker") for i, address in enumerate(self.cluster_spec[job])}
         while pending and time.monotonic() < deadline:
             for task, address in list(pending.items()):
-                if self.processes[task].poll() is not None:
+                port = int(address.rsplit(":", 1)[1])
+                process = self.processes[task]
+                if process.poll() is not None:
                     self.stop()
-                    raise ClusterError(f"local {task[0]} {task[1]} exited at start-up (code {self.processes[task].returncode}).")
-                if accepts_connections(address):
+                    if not port_is_free(port):
+                        raise _PortTaken(f"another process took port {port} of local {task[0]} {task[1]}")
+                    raise ClusterError(f"local {task[0]} {task[1]} exited at start-up (code {process.returncode}).")
+                if listens(process.pid, port):
                     del pending[task]
             time.sleep(0.2)
         if pending:
@@ -167,6 +187,10 @@ class LocalCluster:
                     print(f"tfdist: local worker {index} exited (code {process.returncode}); restarting it; "
                           "its steps run on the others meanwhile", file=sys.stderr, flush=True)
                     self._spawn(job, index)
+
+
+class _PortTaken(ClusterError):
+    """A task could not listen: another process had taken its port since it was chosen."""
 
 
 def _die_with_parent() -> None:
