@@ -20,8 +20,9 @@ def test_default_config_reaches_095_and_writes_the_metrics(tmp_path):
     assert result["final"]["val_accuracy"] >= 0.95
     summary = proc.stdout[proc.stdout.index("tfdist summary"):]
     for line in ("strategy        mirrored (4 replica(s))", "global batch    64 (16 per replica)",
-                 "samples/sec", "val_accuracy"):
+                 "samples/sec", f"host cores      {result['host_cpu_busy']:.0%} busy over those steps", "val_accuracy"):
         assert line in summary
+    assert 0 < result["host_cpu_busy"] <= 1.0
     assert "Epoch 1/" in proc.stdout  # the Keras progress bar was shown
 
 

@@ -88,6 +88,9 @@ def format_summary(result: Mapping[str, Any]) -> str:
             else "not measured (no steps after callbacks.throughput_warmup_steps)"
         ),
     ]
+    if "host_cpu_busy" in result:
+        lines.append(f"  host cores      {result['host_cpu_busy']:.0%} busy over those steps (every process on "
+                     "this machine)")
     if "link_bytes_per_step" in result:
         link = result["link_bytes_per_step"]
         lines.append(f"  link traffic    {megabytes(link['sent'])} sent, {megabytes(link['received'])} received "

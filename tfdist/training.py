@@ -171,8 +171,9 @@ def run(
     Returns:
       `strategy`, `devices`, `num_replicas`, `global_batch_size`, `precision`,
       `samples_per_sec`, `step_time_ms`, `epochs`, `steps_per_epoch`,
-      `trainable_bytes` and `final` (the last epoch's Keras logs); on a
-      namespace host, `link_bytes_per_step`.
+      `trainable_bytes`, `final` (the last epoch's Keras logs) and
+      `host_cpu_busy` (the share of the machine's cores busy over the
+      measured steps); on a namespace host, `link_bytes_per_step`.
 
     Raises:
       ClusterError: a multi-worker job lost a task, or a Horovod job a rank.
@@ -224,6 +225,8 @@ def run(
         # What one replica's gradients weigh, as the all-reduce or a parameter server moves them.
         "trainable_bytes": sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in job.model.trainable_variables),
     }
+    if throughput.host_cpu_busy is not None:
+        result["host_cpu_busy"] = throughput.host_cpu_busy
     if throughput.link_bytes_per_step is not None:
         result["link_bytes_per_step"] = throughput.link_bytes_per_step
     if stalls is not None and stalls.report:

@@ -1,13 +1,14 @@
 """Throughput: warm-up excluded, per-epoch logs, steps_per_execution, queued steps timed when finished."""
 
+import time
 import types
 
 import keras
 import numpy as np
+import psutil
 import pytest
 
 from tfdist.callbacks import Throughput, throughput as throughput_module
-from tfdist.callbacks.throughput import Window
 from tfdist.strategies.base import StrategyContract
 
 
@@ -44,7 +45,9 @@ def test_warmup_steps_are_excluded_and_later_epochs_are_timed_from_their_start(c
     logs = {}
     # Steps 1-2 are warm-up; the window opens when step 2 has finished.
     _epoch(callback, clock, [5.0, 5.0, 0.1, 0.1, 0.2], logs)
-    assert callback.windows == [Window(10.0, pytest.approx(10.4), 3)]
+    [window] = callback.windows
+    assert (window.start, window.end, window.steps) == (10.0, pytest.approx(10.4), 3)
+    assert callback.host_cpu_busy is None  # under half a second: Linux's ticks would blur it
     assert logs["samples_per_sec"] == pytest.approx(300 / 0.4)
     assert logs["step_time_ms"] == pytest.approx(400 / 3)
     # The next epoch's window opens when it begins: its first step is wall time too.
@@ -112,6 +115,27 @@ def test_nothing_measured_reports_zero(clock):
 def test_bad_arguments(args):
     with pytest.raises(ValueError, match="must be >= "):
         Throughput(**args)
+
+
+def test_host_cpu_busy_counts_a_core_kept_busy_during_the_steps():
+    """A callback that spins a core for 40 ms every step keeps at least that core's share busy (the
+    machine's other processes can only add to it)."""
+
+    class Spin(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            end = time.process_time() + 0.04
+            while time.process_time() < end:
+                pass
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    callback = Throughput(global_batch_size=8, warmup_steps=1)
+    x, y = np.ones((160, 4), "float32"), np.ones((160, 1), "float32")
+    model.fit(x, y, batch_size=8, epochs=1, callbacks=[Spin(), callback], verbose=0)
+    spun = 0.04 * callback.measured_steps / callback.measured_seconds  # cores' worth of the spinning alone
+    blur = 0.02 / callback.measured_seconds  # two readings of 10 ms ticks
+    assert spun / psutil.cpu_count() - blur <= callback.host_cpu_busy <= 1.0
+    assert all(w.busy_core_seconds > 0 for w in callback.windows)
 
 
 def test_in_a_real_fit_the_figures_reach_the_history():

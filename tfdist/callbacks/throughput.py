@@ -1,4 +1,5 @@
-"""Samples per second, step time and a host link's bytes per step: completed work over wall time, inside `model.fit`.
+"""Samples per second, step time, how busy the host's cores were and a host link's bytes per step: completed work
+over wall time, inside `model.fit`.
 
 Keras reports neither. Each epoch's figure is the steps that finished in a
 window of wall time divided by that window. The window opens when the epoch
@@ -15,10 +16,14 @@ ParameterServerStrategy: the coordinator's join), and the window's ends wait
 for it: once when warm-up ends and once at each epoch's last step, where the
 epoch's logs would wait anyway.
 
-Given a network interface (`link=`, as on the namespace hosts of `tfdist
-launch --hosts`), the window also reads the interface's byte counters at its
-ends, so the bytes the host's link carried per step are measured over the same
-steps, validation and start-up left out.
+The window's ends also read the machine's CPU time counters (psutil, from
+/proc/stat), so `host_cpu_busy` is the share of all its cores that were busy
+over the same steps (given half a second of them or more): every process on
+the machine counts, which on the namespace hosts of `tfdist launch --hosts`
+is every task of the job. Given a
+network interface (`link=`, as on those hosts), the window also reads the
+interface's byte counters at its ends, so the bytes the host's link carried per
+step are measured over the same steps, validation and start-up left out.
 
 Example:
 
@@ -34,22 +39,29 @@ import time
 from typing import Callable, Optional
 
 import keras
+import psutil
 
 from tfdist.strategies.base import contract
 
 __all__ = ["Throughput", "Window"]
 
+# Linux counts CPU time in ticks (/proc/stat in 10 ms units): two readings blur a share by up to
+# 0.02 s / the window's seconds, so under half a second of measured steps none is given.
+MIN_BUSY_SECONDS = 0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class Window:
     """One epoch's measured window: `steps` finished between `start` and `end` (perf_counter seconds),
-    while the link sent `sent` bytes and received `received` (0 without a link)."""
+    while the machine's cores were busy `busy_core_seconds` in all and the link sent `sent` bytes and
+    received `received` (0 without a link)."""
 
     start: float
     end: float
     steps: int
     sent: int = 0
     received: int = 0
+    busy_core_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -93,7 +105,7 @@ class Throughput(keras.callbacks.Callback):
         # Nothing is queued between epochs: the last one's logs waited for all its steps.
         self._start = time.perf_counter() if self._steps_seen >= self.warmup_steps else None
         self._end = self._start
-        self._bytes_at_start = self._bytes_at_end = self._link_bytes()
+        self._counters_at_start = self._counters_at_end = self._counters()
 
     def on_train_batch_end(self, batch, logs=None):
         steps = batch - self._last_batch  # > 1 with steps_per_execution
@@ -107,9 +119,9 @@ class Throughput(keras.callbacks.Callback):
         now = time.perf_counter()
         # The counters only matter at the window's ends; an epoch of unknown length may end at any step.
         if warmup_ends or last_of_epoch or not epoch_steps:
-            self._bytes_at_end = self._link_bytes()
+            self._counters_at_end = self._counters()
         if warmup_ends:
-            self._start, self._bytes_at_start = now, self._bytes_at_end
+            self._start, self._counters_at_start = now, self._counters_at_end
         elif self._start is not None:
             self._steps += steps
         self._end = now
@@ -117,8 +129,8 @@ class Throughput(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self._steps:
             return
-        (sent0, received0), (sent1, received1) = self._bytes_at_start, self._bytes_at_end
-        window = Window(self._start, self._end, self._steps, sent1 - sent0, received1 - received0)
+        (sent0, received0, busy0), (sent1, received1, busy1) = self._counters_at_start, self._counters_at_end
+        window = Window(self._start, self._end, self._steps, sent1 - sent0, received1 - received0, busy1 - busy0)
         self.windows.append(window)
         if logs is not None:
             logs["samples_per_sec"] = self.global_batch_size * window.steps / window.seconds
@@ -153,13 +165,26 @@ class Throughput(keras.callbacks.Callback):
         return {"sent": sum(w.sent for w in self.windows) / steps,
                 "received": sum(w.received for w in self.windows) / steps}
 
-    def _link_bytes(self) -> tuple[int, int]:
-        """(bytes sent, bytes received) by the link so far, from Linux's counters; (0, 0) without one."""
+    @property
+    def host_cpu_busy(self) -> Optional[float]:
+        """The share of the machine's cores busy over the measured steps (1.0: all of them all the
+        time); None under MIN_BUSY_SECONDS of them, where the counters' ticks would blur it."""
+        if self.measured_seconds < MIN_BUSY_SECONDS:
+            return None
+        busy = sum(w.busy_core_seconds for w in self.windows)
+        return min(1.0, busy / (self.measured_seconds * psutil.cpu_count()))  # above 1.0: the ticks' blur
+
+    def _counters(self) -> tuple[int, int, float]:
+        """(bytes sent, bytes received) by the link so far, from Linux's counters ((0, 0) without one),
+        and the seconds the machine's cores have been busy, summed over them."""
+        times = psutil.cpu_times()
+        # Linux counts a guest's time in user and nice already.
+        busy = sum(times) - sum(getattr(times, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
         if not self.link:
-            return 0, 0
+            return 0, 0, busy
         statistics = f"/sys/class/net/{self.link}/statistics"
         with open(f"{statistics}/tx_bytes") as sent, open(f"{statistics}/rx_bytes") as received:
-            return int(sent.read()), int(received.read())
+            return int(sent.read()), int(received.read()), busy
 
 
 def _nothing() -> None:
