@@ -247,8 +247,8 @@ def _plan_command(args) -> None:
         cluster = dataclasses.replace(cluster, link_latency=plan.parse_duration(_LINK_LATENCY.value, "--link_latency"))
     if _HOST_RATE.value:
         cluster = dataclasses.replace(cluster, host_rate=plan.parse_rate(_HOST_RATE.value, "--host_rate") / 8)
-    if not (cluster.device_flops or _MEASURE.value):
-        _fail("`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure.")
+    if _OUT.value and not (cluster.device_flops or _MEASURE.value):
+        _fail(f"`plan --out` writes the fastest layout, so it needs the devices' speed: {plan.SPEED_FLAGS}.")
     import_tensorflow()
     if _MEASURE.value:  # one device of this machine, set up as the job sets up its runtime, before anything runs
         from tfdist.strategies.devices import configure_runtime

@@ -13,7 +13,7 @@ import yaml
 from helpers import ROOT, SCENARIO_DIR, patient, run_tfdist, why_it_failed
 from tfdist.errors import ConfigError
 from tfdist.plan import Cluster, Layout, layout_overrides, make_plan, parse_bytes, parse_duration, parse_rate, profile
-from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
+from tfdist.plan.cluster import HOST_LINK_EFFICIENCY, format_bytes
 from tfdist.plan.predict import predict
 from tfdist.plan.profile import LayerCost, ModelProfile
 
@@ -76,7 +76,8 @@ def test_the_step_time_is_its_terms():
                    micro_batches=1).step_ms["tensor_parallel"] == 0
     small = Cluster(devices=4, device_memory=2**16, device_flops=1e9, intra_link=1e9)
     squeezed = predict(model, small, Layout(4), global_batch=32, micro_batches=1)
-    assert not squeezed.fits and squeezed.note.startswith("does not fit: needs 0.000")
+    assert not squeezed.fits
+    assert squeezed.note == f"does not fit: needs {format_bytes(squeezed.memory['total'])} of 64 KiB"
 
 
 def test_a_parameter_server_worker_reads_and_sends_in_turn_sharing_its_hosts_link_with_its_other_workers():
@@ -198,9 +199,30 @@ def test_the_links_latency_and_host_rate_flags_reach_the_cross_host_term(tmp_pat
     assert data["step_ms"]["data_parallel"] == pytest.approx(20 + wire + 1000 * ring / 3e8)
 
 
+def test_without_the_devices_speed_the_plan_says_which_layouts_fit_and_times_none(tmp_path):
+    """The issue's own first command gives no speed: memory alone answers whether a layout fits."""
+    table = tmp_path / "plan.json"
+    proc = run_tfdist("plan", "--config", "configs/default.yaml", "--devices", "8", "--hosts", "2", "--device_memory",
+                      "600KiB", "--link", "100gbit",
+                      "--intra_link", "600GB/s", "--json", str(table), timeout=300)
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
+    rows = json.loads(table.read_text())["layouts"]
+    assert all(row["step_ms"] == {} and row["samples_per_sec"] == 0 for row in rows)
+    fitting = [row["fits"] for row in rows]
+    assert fitting == sorted(fitting, reverse=True) and 0 < sum(fitting) < len(rows)  # those that fit first
+    whole = next(row for row in rows if row["layout"] == "data 8")  # Adam's slots on every device: too big
+    assert not whole["fits"]
+    assert whole["note"] == f"does not fit: needs {format_bytes(whole['memory_bytes']['total'])} of 600 KiB"
+    assert proc.stdout.rstrip().endswith(
+        "recommended: none without the devices' speed (--device_tflops, a --cluster preset or --measure); "
+        f"{sum(fitting)} of {len(rows)} layouts fit")
+
+
 @pytest.mark.parametrize("args, message", [
     ((), "`plan` needs the devices: --devices N"),
-    (("--devices", "2"), "`plan` needs the device's speed: --device_tflops, a --cluster preset, or --measure"),
+    (("--devices", "2", "--out", "plan.yaml"),
+     "`plan --out` writes the fastest layout, so it needs the devices' speed: --device_tflops, a --cluster preset or "
+     "--measure"),
     (("--cluster", "9x9-tpu"), "`--cluster` must be one of 1x8-a100-80g, 2x8-a100-80g-ib, 1x8-v100-32g"),
     (("--devices", "2", "--device_tflops", "1", "--device_memory", "lots"), "`--device_memory` must be a size"),
     (("--devices", "2", "--device_tflops", "1", "--host_rate", "fast"), "`--host_rate` must be a rate"),

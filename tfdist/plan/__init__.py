@@ -3,6 +3,7 @@
     tfdist plan --config my.yaml --devices 8 --device_memory 80GiB --device_tflops 100 --intra_link 600GB/s
     tfdist plan --config my.yaml --cluster 2x8-a100-80g-ib --out plan.yaml --json plan.json
     tfdist plan --config configs/pipeline.yaml --devices 2 --measure     # this machine's own speed
+    tfdist plan --config my.yaml --devices 8 --device_memory 80GiB       # memory alone: which layouts fit
 
 The config's model is built once on the CPU (`profile`), every layout the
 devices allow is predicted (`predict`), and the table is printed fastest
@@ -12,18 +13,24 @@ train`, `launch`, `slurm` and `k8s` take as it is.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
-from tfdist.plan.cluster import PRESETS, Cluster, from_preset, parse_bytes, parse_duration, parse_rate
+from tfdist.plan.cluster import PRESETS, Cluster, format_bytes, from_preset, parse_bytes, parse_duration, parse_rate
 from tfdist.plan.predict import Layout, Prediction, layouts, predict, recommended
 from tfdist.plan.profile import ModelProfile, measured_flops, one_device_config, profile
 
-__all__ = ["PRESETS", "Cluster", "Layout", "ModelProfile", "Prediction", "from_preset", "layout_overrides", "make_plan",
-           "measured_flops", "one_device_config", "parse_bytes", "parse_duration", "parse_rate", "profile", "table"]
+__all__ = ["PRESETS", "SPEED_FLAGS", "Cluster", "Layout", "ModelProfile", "Prediction", "from_preset",
+           "layout_overrides", "make_plan", "measured_flops", "one_device_config", "parse_bytes", "parse_duration",
+           "parse_rate", "profile", "table"]
+
+SPEED_FLAGS = "--device_tflops, a --cluster preset or --measure"
 
 
 def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None) -> dict[str, Any]:
-    """Every layout's prediction for `config`'s job on `cluster`, fastest first, and the recommended one."""
+    """Every layout's prediction for `config`'s job on `cluster`, fastest first, and the recommended one.
+    Without the devices' speed (`cluster.device_flops` 0) only memory is predicted: the layouts that fit
+    come first, in `layouts`' order, no step time is given and none is recommended."""
     model = model or profile(config)
     batch = config.train.global_batch_size
     pipeline = config.pipeline
@@ -31,6 +38,9 @@ def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None) ->
                            schedule=pipeline.schedule.value, recompute=pipeline.recompute,
                            balance_by=pipeline.balance_by.value)
                    for layout in layouts(model, cluster, global_batch=batch)]
+    if not cluster.device_flops:  # a step time of communication alone would rank the layouts wrongly
+        predictions = [dataclasses.replace(p, step_ms={}, samples_per_sec=0.0, scaling_efficiency=0.0)
+                       for p in predictions]
     predictions.sort(key=lambda p: (not p.fits, -p.samples_per_sec))
     best = recommended(predictions)
     return {"model": model.to_dict(), "cluster": vars(cluster), "global_batch_size": batch,
@@ -69,21 +79,20 @@ def table(result: dict[str, Any]) -> str:
              f"{'step ms':>9} {'samples/s':>10} {'scaling':>8}  note"]
     for row in result["layouts"]:
         memory, step = row["memory_bytes"], row["step_ms"]
-        sizes = [_size(memory[key]) if memory else "-"
+        sizes = [format_bytes(memory[key]) if memory else "-"
                  for key in ("total", "weights", "gradients", "optimizer", "activations")]
         speed = f"{row['samples_per_sec']:.4g}" if row["samples_per_sec"] else "-"
         total = f"{step['total']:.4g}" if step else "-"
         scaling = f"{row['scaling_efficiency']:.1%}" if row["scaling_efficiency"] else "-"
         lines.append(f"{row['layout']:<40} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>9} {sizes[3]:>9} {sizes[4]:>9} "
                      f"{total:>9} {speed:>10} {scaling:>8}  {row['note']}")
-    best = result["recommended"]
-    lines.append(f"recommended: {best['layout']} ({' '.join('--set ' + o for o in result['recommended_overrides'])})"
-                 if best else "recommended: none fits")
+    best, rows = result["recommended"], result["layouts"]
+    if best:
+        lines.append(f"recommended: {best['layout']} "
+                     f"({' '.join('--set ' + o for o in result['recommended_overrides'])})")
+    elif not cluster["device_flops"]:
+        lines.append(f"recommended: none without the devices' speed ({SPEED_FLAGS}); "
+                     f"{sum(row['fits'] for row in rows)} of {len(rows)} layouts fit")
+    else:
+        lines.append("recommended: none fits")
     return "\n".join(lines)
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"

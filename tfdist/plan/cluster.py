@@ -15,8 +15,8 @@ from typing import Optional
 
 from tfdist.errors import ConfigError
 
-__all__ = ["HOST_LINK_EFFICIENCY", "PRESETS", "SUSTAINED_SHARE", "Cluster", "from_preset", "parse_bytes",
-           "parse_duration", "parse_rate"]
+__all__ = ["HOST_LINK_EFFICIENCY", "PRESETS", "SUSTAINED_SHARE", "Cluster", "format_bytes", "from_preset",
+           "parse_bytes", "parse_duration", "parse_rate"]
 
 # TCP over IPv4 on Ethernet carries 1448 bytes of data in each 1538-byte frame on the wire (MTU 1500, with
 # TCP timestamps; preamble, header, FCS and gap around it): a host link moves data at this share of its rate.
@@ -106,6 +106,14 @@ _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$", re.I)
 _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)\s*$", re.I)
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|B/s)\s*$", re.I)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in binary units to 3 figures: `97.3 GiB`, `452 KiB`, `12 B`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def parse_bytes(text: str, flag: str) -> float:

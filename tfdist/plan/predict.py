@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from tfdist.plan.cluster import Cluster
+from tfdist.plan.cluster import Cluster, format_bytes
 from tfdist.plan.profile import TRAINING_FLOPS_PER_FORWARD, ModelProfile
 
 __all__ = ["Layout", "Prediction", "layouts", "predict", "recommended"]
@@ -233,8 +233,8 @@ def _shared_link(read_ms: float, send_ms: float, rest_ms: float, workers: int) -
 
 def _prediction(model, layout, memory, cluster, step, examples, memory_by_stage=()) -> Prediction:
     fits = not cluster.device_memory or memory["total"] <= cluster.device_memory
-    note = "" if fits else (f"does not fit: needs {memory['total'] / 2**30:.3g} GiB of "
-                            f"{cluster.device_memory / 2**30:.3g}")
+    note = "" if fits else (f"does not fit: needs {format_bytes(memory['total'])} of "
+                            f"{format_bytes(cluster.device_memory)}")
     speed = 1000 * examples / step["total"] if step["total"] > 0 else 0.0
     alone = cluster.device_flops / model.training_flops_per_example if model.training_flops_per_example else 0.0
     efficiency = speed / (cluster.devices * alone) if alone else 0.0
