@@ -152,6 +152,17 @@ def test_a_port_another_process_took_before_its_task_listens_is_replaced_not_sha
            "other ports" in capfd.readouterr().err
 
 
+def test_jobs_choosing_ports_at_once_never_get_the_same_one():
+    """20 processes choosing 40 ports each at once: 800 of the ~22,000 below the ephemeral range would
+    share one about 14 times by chance; reserved on this machine, none does."""
+    script = "from tfdist.cluster.loopback import free_loopback_ports as f; print(*f(20), *f(20))"
+    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                 for _ in range(20)]
+    ports = [int(port) for process in processes for port in process.communicate(timeout=120)[0].split()]
+    assert all(process.returncode == 0 for process in processes)
+    assert len(ports) == 800 and len(set(ports)) == 800
+
+
 def test_free_ports_come_from_below_the_ephemeral_range_and_are_free():
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral = int(f.read().split()[0])

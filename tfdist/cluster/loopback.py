@@ -5,8 +5,12 @@ TensorFlow-free, so the launcher can use it without loading TensorFlow.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import socket
+import tempfile
+import time
 
 import psutil
 
@@ -14,13 +18,18 @@ __all__ = ["accepts_connections", "free_loopback_ports", "listens", "port_is_fre
 
 LOWEST_PORT = 10000
 _ATTEMPTS = 200
+# Ports handed out lately on this machine, a line "PORT TIME" each, and how long one stays reserved:
+# longer than any task takes to start and bind it.
+RESERVATIONS = os.path.join(tempfile.gettempdir(), "tfdist-ports")
+RESERVE_SECONDS = 120
 
 
 def free_loopback_ports(count: int, *, consecutive: bool = False) -> list[int]:
     """`count` distinct ports that were free a moment ago, on every address (as TensorFlow's gRPC
     server binds). They come from below the kernel's ephemeral range: a port from that range can be
     taken meanwhile by any process's outgoing connection (in CI, srun's I/O and, once, another job's
-    task took one), one from below it only by a process that asks for it by number.
+    task took one), one from below it only by a process that asks for it by number. A port handed out
+    here is not handed out again on this machine for RESERVE_SECONDS (`_reserve`).
 
     Args:
       consecutive: a block `first, first + 1, ...` (as `cluster.port_base` numbers a job's tasks).
@@ -35,9 +44,31 @@ def free_loopback_ports(count: int, *, consecutive: bool = False) -> list[int]:
             ports = list(range(first, first + count))
         else:
             ports = random.sample(range(LOWEST_PORT, highest + 1), count)
-        if all(port_is_free(port) for port in ports):
+        if all(port_is_free(port) for port in ports) and _reserve(ports):
             return ports
     raise RuntimeError(f"no {count} free ports in {LOWEST_PORT}-{highest} after {_ATTEMPTS} tries")
+
+
+def _reserve(ports: list[int]) -> bool:
+    """Records `ports` as handed out, unless one was handed out in the last RESERVE_SECONDS: two jobs
+    starting at once on this machine (pytest's workers, in CI) would otherwise get the same free port,
+    and the task that binds second fails. Without the shared file (another user's), nothing is kept."""
+    now = time.time()
+    try:
+        with open(RESERVATIONS, "a+", encoding="ascii") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            f.seek(0)
+            recent = {int(port): float(at) for port, at in (line.split() for line in f if line.strip())
+                      if now - float(at) < RESERVE_SECONDS}
+            if recent.keys() & set(ports):
+                return False
+            recent.update((port, now) for port in ports)
+            f.seek(0)
+            f.truncate()
+            f.write("".join(f"{port} {at}\n" for port, at in recent.items()))
+    except OSError:
+        pass
+    return True
 
 
 def port_is_free(port: int) -> bool:

@@ -10,8 +10,8 @@ With `--hosts`, the tasks run on network-namespace hosts of this machine
 other tasks spread over the rest; horovodrun reaches its hosts with ssh.
 
 Each task is `tfdist train` with the same config and its own `TF_CONFIG`
-(ports on 127.0.0.1 chosen free, below the ephemeral range); Horovod jobs are one `horovodrun -np N
---gloo`. The reporting task's output (the chief, else worker 0, else rank 0)
+(ports on 127.0.0.1 chosen free: `tfdist.cluster.loopback`); Horovod jobs
+are one `horovodrun -np N --gloo`. The reporting task's output (the chief, else worker 0, else rank 0)
 passes through as it is, so Keras's progress bar keeps working; every other
 line is prefixed with its task (`[worker 1] ...`). The first task that fails
 stops the others: the launcher prints one line naming it and exits with its
