@@ -11,9 +11,9 @@ other tasks spread over the rest; horovodrun reaches its hosts with ssh.
 
 Each task is `tfdist train` with the same config and its own `TF_CONFIG`
 (ports on 127.0.0.1 chosen free: `tfdist.cluster.loopback`); Horovod jobs
-are one `horovodrun -np N --gloo`. The reporting task's output (the chief, else worker 0, else rank 0)
-passes through as it is, so Keras's progress bar keeps working; every other
-line is prefixed with its task (`[worker 1] ...`). The first task that fails
+are one `horovodrun -np N --gloo`. The reporting task's output (the chief,
+else worker 0, else rank 0) passes through as it is, so Keras's progress bar
+keeps working; every other line is prefixed with its task (`[worker 1] ...`). The first task that fails
 stops the others: the launcher prints one line naming it and exits with its
 code (128 + N for a signal N), or, with `--max_restarts N`, says why and runs
 the whole job again, up to N times (with `checkpoint.dir` it resumes from its
