@@ -63,7 +63,7 @@ _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices in all (with --c
 _DEVICE_MEMORY = flags.DEFINE_string("device_memory", None, "plan: memory per device, e.g. 80GiB (unchecked when "
                                      "omitted).")
 _DEVICE_TFLOPS = flags.DEFINE_float("device_tflops", None, "plan: sustained TFLOP/s of one device in a training "
-                                    "step.", lower_bound=0)
+                                    "step (with neither it, --cluster nor --measure: memory alone).", lower_bound=0)
 _INTRA_LINK = flags.DEFINE_string("intra_link", None, "plan: the rate between two devices of a host, e.g. 600GB/s "
                                   "or 100gbit (omitted: what moves within a host is not counted).")
 _LINK_LATENCY = flags.DEFINE_string("link_latency", None, "plan: what a training step across hosts costs beyond "
