@@ -71,6 +71,9 @@ _LINK_LATENCY = flags.DEFINE_string("link_latency", None, "plan: what a training
 _HOST_RATE = flags.DEFINE_string("host_rate", None, "plan: the bytes a second a host's transport serializes and "
                                   "copies on top of the wire time, e.g. 300MB/s for gRPC on busy cores (omitted: not "
                                   "counted).")
+_VARIABLE_LATENCY = flags.DEFINE_string("variable_latency", None, "plan: what each trainable variable adds to a "
+                                        "parameter-server worker's step beyond its bytes (its read and its update are "
+                                        "RPCs of their own), e.g. 0.2ms (omitted: not counted).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a100-80g, 2x8-a100-80g-ib, "
                                "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
                                "is printed).")
@@ -247,6 +250,9 @@ def _plan_command(args) -> None:
         cluster = dataclasses.replace(cluster, link_latency=plan.parse_duration(_LINK_LATENCY.value, "--link_latency"))
     if _HOST_RATE.value:
         cluster = dataclasses.replace(cluster, host_rate=plan.parse_rate(_HOST_RATE.value, "--host_rate") / 8)
+    if _VARIABLE_LATENCY.value:
+        cluster = dataclasses.replace(
+            cluster, variable_latency=plan.parse_duration(_VARIABLE_LATENCY.value, "--variable_latency"))
     if _OUT.value and not (cluster.device_flops or _MEASURE.value):
         _fail(f"`plan --out` writes the fastest layout, so it needs the devices' speed: {plan.SPEED_FLAGS}.")
     import_tensorflow()
@@ -296,7 +302,7 @@ _COMMANDS = {
                       _IMAGE_SIZE, _BATCH_PER_DEVICE, _LINKS, _KINDS), _bench_command, positional="NAME"),
     "plan": _Command("predict every layout's memory and speed on a cluster; write the best as a config",
                      (*_JOB, _DEVICES, _HOSTS, _DEVICE_MEMORY, _DEVICE_TFLOPS, _LINK, _INTRA_LINK, _LINK_LATENCY,
-                      _HOST_RATE, _CLUSTER, _MEASURE, _JSON, _OUT), _plan_command),
+                      _HOST_RATE, _VARIABLE_LATENCY, _CLUSTER, _MEASURE, _JSON, _OUT), _plan_command),
     "launch": _Command("run every task of a multi-process job on this machine",
                        (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, _STALLED_SECONDS, *_JOB,
                         _METRICS_OUT),

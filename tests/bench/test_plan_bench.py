@@ -7,7 +7,8 @@ import os
 import pytest
 
 from helpers import ROOT, measure_in_fresh_process
-from tfdist.bench.plan import compare, measure
+from tfdist.bench.plan import _predicted, _profiled, compare, measure
+from tfdist.launch.hosts import link_bits_per_second
 
 
 def test_each_predicted_term_stands_beside_its_measurement():
@@ -31,14 +32,15 @@ def test_each_predicted_term_stands_beside_its_measurement():
     assert result["figures"]["jobs"] == 9
 
 
-def test_the_probes_latency_and_host_rate_are_what_their_steps_hold_beyond_the_prediction():
+def test_the_probes_latency_variable_cost_and_host_rate_are_what_their_steps_hold_beyond_the_prediction():
     """The committed plan run compared again: each job's prediction with the latency probe's per-step
-    cost is the prediction without it plus that cost; the host rate
-    found makes the planner predict the bytes probe's step, and never makes a job faster; the figures
-    are the committed ones."""
+    cost is the prediction without it plus that cost; the parameter servers' cost splits into a fixed
+    part and each variable's, which predict the variables probe's step; the host rate found makes the
+    planner predict the bytes probe's step, and never makes a job faster; the figures are the
+    committed ones."""
     with open(os.path.join(ROOT, "results", "plan.json")) as f:
         committed = json.load(f)
-    result = compare(committed["network"], committed["probe"], committed["bytes_probe"])
+    result = compare(committed["network"], committed["probe"], committed["bytes_probe"], committed["variable_probe"])
     for row, before in zip(result["rows"], committed["rows"]):
         latency = row["with_probe_latency"]["link_latency_ms"]
         assert latency >= 0 and row["with_probe_latency"]["ratio"] == pytest.approx(
@@ -48,8 +50,23 @@ def test_the_probes_latency_and_host_rate_are_what_their_steps_hold_beyond_the_p
         probe = next(r for r in committed["probe"]["table"][row["kind"]] if r["link"] == row["link"])
         assert latency <= (2 if row["kind"] == "parameter_server" else 1) * probe["step_time_ms"]
         both = row["with_probes"]
-        assert both["ratio"] == pytest.approx(before["with_probes"]["ratio"]) and both["link_latency_ms"] == latency
+        assert both["ratio"] == pytest.approx(before["with_probes"]["ratio"])
+        if row["kind"] == "parameter_server":  # the latency probe's cost: a fixed part and its 4 variables'
+            assert both["link_latency_ms"] + 4 * both["variable_latency_ms"] == pytest.approx(latency)
+        else:
+            assert both["link_latency_ms"] == latency and "variable_latency_ms" not in both
         assert both["predicted_ms"] >= row["with_probe_latency"]["predicted_ms"] * (1 - 1e-9)
+    # The fixed part and the cost of each of its 18 variables predict the variables probe's own step.
+    many, many_rate = _profiled(committed["variable_probe"])
+    assert many.trainable_variables == 18
+    for measured in committed["variable_probe"]["table"]["parameter_server"]:
+        both = next(row["with_probes"] for row in result["rows"]
+                    if row["kind"] == "parameter_server" and row["link"] == measured["link"])
+        assert both["variable_latency_ms"] == result["variable_latency_ms"][measured["link"]] > 0
+        predicted, _, _ = _predicted(many, many_rate, committed["network"]["batch_per_worker"], "parameter_server",
+                                     link_bits_per_second(measured["link"]), both["link_latency_ms"] / 1000, 0.0,
+                                     both["variable_latency_ms"] / 1000)
+        assert predicted == pytest.approx(measured["step_time_ms"], rel=1e-3)  # its few bytes barely share the link
     assert set(result["host_rates"]) == {"multi_worker", "horovod", "parameter_server"}
     for kind, found in result["host_rates"].items():
         assert found["link"] == "10gbit"

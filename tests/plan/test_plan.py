@@ -38,7 +38,8 @@ def test_sizes_and_rates_read_as_users_write_them():
 
 
 def _uniform_model(layers=8, flops=1e6, nbytes=4000, output=400):
-    layer_costs = tuple(LayerCost(f"layer{i}", nbytes, 0, output, flops, output, True) for i in range(layers))
+    layer_costs = tuple(LayerCost(f"layer{i}", nbytes, 0, output, flops, output, True, trainable_variables=2)
+                        for i in range(layers))
     return ModelProfile("uniform", layer_costs,
                         slot_bytes=2 * layers * nbytes, optimizer="Adam", compute_dtype="float32")
 
@@ -108,6 +109,13 @@ def test_a_parameter_server_worker_reads_and_sends_in_turn_sharing_its_hosts_lin
     slow_transport = dataclasses.replace(alone, host_rate=0.5e6, link_latency=0.010)
     step = predict(model, slow_transport, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
     assert step["total"] == pytest.approx(compute + 10 + 1000 * 0.5 * 64000 / 0.5e6 + 1000 * 0.5 * 64000 / 1e6)
+    # Each of the 16 variables costs its read's and its update's RPCs, for the half that is remote.
+    rpcs = dataclasses.replace(alone, variable_latency=0.001)
+    step = predict(model, rpcs, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
+    assert model.trainable_variables == 16
+    assert step["total"] == pytest.approx(compute + 0.5 * 16 + 1000 * 0.5 * 64000 / 1e6)
+    ring = predict(model, rpcs, Layout(2), global_batch=32, micro_batches=1).step_ms
+    assert ring == predict(model, alone, Layout(2), global_batch=32, micro_batches=1).step_ms  # one packed collective
 
 
 # Each config and overrides, the layout they train, and each stage's first device.
@@ -186,13 +194,16 @@ def test_the_plan_command_prints_the_layouts_and_writes_a_config_train_takes(tmp
     assert check.strategy.logical_devices == 4 and written["strategy"]["kind"] == check.strategy.kind.value
 
 
-def test_the_links_latency_and_host_rate_flags_reach_the_cross_host_term(tmp_path):
+def test_the_links_latency_host_rate_and_variable_latency_flags_reach_the_cross_host_terms(tmp_path):
     table = tmp_path / "plan.json"
     proc = run_tfdist("plan", "--devices", "4", "--hosts", "2", "--device_tflops", "1", "--link", "1gbit",
-                      "--link_latency", "20ms", "--host_rate", "300MB/s", "--json", str(table), timeout=300)
+                      "--link_latency", "20ms", "--host_rate", "300MB/s", "--variable_latency", "0.2ms", "--json",
+                      str(table), timeout=300)
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(table.read_text())
     assert result["cluster"]["link_latency"] == pytest.approx(0.020) and result["cluster"]["host_rate"] == 3e8
+    assert result["cluster"]["variable_latency"] == pytest.approx(2e-4)
+    assert result["model"]["trainable_variables"] == 8  # the digits CNN: 2 convolutions and 2 dense layers
     data = next(row for row in result["layouts"] if row["layout"] == "data 4")
     ring = 2 * 3 / 4 * result["model"]["trainable_bytes"]  # bytes a host's link carries each way
     wire = 1000 * ring / (HOST_LINK_EFFICIENCY * 1e9 / 8)

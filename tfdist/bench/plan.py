@@ -28,6 +28,13 @@ Horovod's Gloo over TCP) serializing and copying its bytes on the cores the
 workers also compute on; the rate that makes the planner predict its step
 is the cluster's `host_rate`, and each job is predicted a third time with
 both (`with_probes`), as `tfdist plan --link_latency --host_rate` would.
+For the parameter servers a variables probe (`VARIABLE_PROBE`: the latency
+probe with 18 variables instead of 4) launches at each link too: what its
+step holds beyond the latency probe's, over the 14 variables more, is what
+each variable costs a worker step (its read and its update are RPCs of
+their own), `variable_latency`; the latency probe's cost less its own 4
+variables' is then the fixed part, and `with_probes` counts both
+(`--variable_latency`).
 
 `--kinds pipeline,tensor_parallel` runs in one process instead (no root):
 the shipped configs' jobs (configs/pipeline.yaml as one replica of 2 stages,
@@ -65,6 +72,9 @@ PROBE_MODEL = ["model.name=mlp", "model.width=1", "model.depth=1"]
 # The bytes probe: digits through 8192 hidden units (2.5 MB of gradients, 4 ms of compute on a core), at the
 # fastest link only, where the link is not what limits the bytes.
 HOST_RATE_PROBE = ["model.name=mlp", "model.width=8192", "model.depth=1"]
+# The variables probe: the latency probe with 8 hidden layers (18 variables, not 4), parameter servers only,
+# where each variable is read and updated by an RPC of its own: the steps' difference over the variables'.
+VARIABLE_PROBE = [*PROBE_MODEL, "model.depth=8"]
 
 
 def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[str] = None) -> dict[str, Any]:
@@ -87,7 +97,9 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
     probe = network.measure(links=ran, kinds=chosen, repeats=repeats, extra=PROBE_MODEL, variants=False)
     bytes_probe = network.measure(links=[max(ran, key=link_bits_per_second)], kinds=chosen, repeats=repeats,
                                   extra=HOST_RATE_PROBE, variants=False)
-    return compare(result, probe, bytes_probe)
+    variable_probe = network.measure(links=ran, kinds=["parameter_server"], repeats=repeats, extra=VARIABLE_PROBE,
+                                     variants=False) if "parameter_server" in chosen else None
+    return compare(result, probe, bytes_probe, variable_probe)
 
 
 def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
@@ -138,33 +150,40 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
 
 
 def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
-            bytes_probe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+            bytes_probe: Optional[dict[str, Any]] = None,
+            variable_probe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The planner's prediction beside each job of a `tfdist bench network` result. With `probe` (the
     same launches of `PROBE_MODEL`), each is predicted again with the per-step cost across hosts the
     probe shows (`link_latency`: the probe's measured step over the planner's own prediction of it);
     with `bytes_probe` too (`HOST_RATE_PROBE` at one link), a third time with the `host_rate` at which
-    the planner predicts the bytes probe's step."""
+    the planner predicts the bytes probe's step; with `variable_probe` (`VARIABLE_PROBE`), the
+    parameter servers' per-step cost is split into a fixed part and `variable_latency` for each variable,
+    from the two probes' costs at each link."""
     from tfdist.launch.hosts import link_bits_per_second
 
     model, rate = _profiled(measured)
     batch = measured["batch_per_worker"]
     latency, host_rates = {}, {}
+    per_variable: dict[str, float] = {}  # link: seconds a variable adds to a parameter-server worker step
     if probe:
         probe_model, probe_rate = _profiled(probe)
-        for kind in (k for k in NETWORK_KINDS if k in probe["table"]):
-            for row in probe["table"][kind]:
-                alone, _, _ = _predicted(probe_model, probe_rate, batch, kind, link_bits_per_second(row["link"]), 0.0)
-                # A parameter-server step is a worker step over its 2 workers: a worker's own cost is twice.
-                latency[kind, row["link"]] = max(0.0, (row["step_time_ms"] - alone) / 1000) * (
-                    2 if kind == "parameter_server" else 1)
+        latency = _probe_costs(probe, probe_model, probe_rate, batch)
+    fixed = dict(latency)  # the per-step cost less what the probe's variables cost, where that is known
+    if probe and variable_probe:
+        many_model, many_rate = _profiled(variable_probe)
+        added = many_model.trainable_variables - probe_model.trainable_variables
+        for (kind, link), seconds in _probe_costs(variable_probe, many_model, many_rate, batch).items():
+            per_variable[link] = max(0.0, (seconds - latency[kind, link]) / added)
+            fixed[kind, link] = max(0.0, latency[kind, link] - probe_model.trainable_variables * per_variable[link])
     if probe and bytes_probe:
         wide_model, wide_rate = _profiled(bytes_probe)
         for kind in (k for k in NETWORK_KINDS if k in bytes_probe["table"]):
             for row in bytes_probe["table"][kind]:
-                link, seconds = link_bits_per_second(row["link"]), latency[kind, row["link"]]
+                link, seconds = link_bits_per_second(row["link"]), fixed[kind, row["link"]]
+                variables = per_variable.get(row["link"], 0.0) if kind == "parameter_server" else 0.0
 
-                def probe_ms(rate_, kind=kind, link=link, seconds=seconds):
-                    return _predicted(wide_model, wide_rate, batch, kind, link, seconds, rate_)[0]
+                def probe_ms(rate_, kind=kind, link=link, seconds=seconds, variables=variables):
+                    return _predicted(wide_model, wide_rate, batch, kind, link, seconds, rate_, variables)[0]
 
                 found = _host_rate(probe_ms, row["step_time_ms"])
                 host_rates[kind] = {"bytes_per_sec": found, "link": row["link"],
@@ -188,10 +207,14 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
                                                   "ratio": with_latency / row["step_time_ms"]}
             if kind in host_rates:
                 host_rate = host_rates[kind]["bytes_per_sec"]
-                with_both, _, _ = _predicted(model, rate, batch, kind, link, latency[kind, row["link"]], host_rate)
-                rows[-1]["with_probes"] = {"link_latency_ms": 1000 * latency[kind, row["link"]],
+                variables = per_variable.get(row["link"], 0.0) if kind == "parameter_server" else 0.0
+                with_both, _, _ = _predicted(model, rate, batch, kind, link, fixed[kind, row["link"]], host_rate,
+                                             variables)
+                rows[-1]["with_probes"] = {"link_latency_ms": 1000 * fixed[kind, row["link"]],
                                            "host_rate_bytes_per_sec": host_rate, "predicted_ms": with_both,
                                            "ratio": with_both / row["step_time_ms"]}
+                if variables:
+                    rows[-1]["with_probes"]["variable_latency_ms"] = 1000 * variables
     # Each prediction's ratios by job: as a user runs it, then with each probe's figures.
     ratios = {"": {f"{row['kind']}_{row['link']}": row["ratio"] for row in rows}}
     for key in ("with_probe_latency", "with_probes"):
@@ -211,6 +234,9 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
     if host_rates:
         result["host_rates"] = host_rates
         result["bytes_probe"] = {key: bytes_probe[key] for key in _KEPT}
+    if per_variable:
+        result["variable_latency_ms"] = {link: 1000 * seconds for link, seconds in per_variable.items()}
+        result["variable_probe"] = {key: variable_probe[key] for key in _KEPT}
     return result
 
 
@@ -240,14 +266,30 @@ def _profiled(measured: dict[str, Any]):
     return model, model.training_flops_per_example * measured["batch_per_worker"] / step_s
 
 
-def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: float, host_rate: float = 0.0):
+def _probe_costs(probe: dict[str, Any], model, rate: float, batch: int) -> dict[tuple[str, str], float]:
+    """(kind, link): the seconds a probe's step holds beyond the planner's prediction of it without any
+    cost across hosts, a worker step's (a parameter-server job's step is a worker step over 2 workers)."""
+    from tfdist.launch.hosts import link_bits_per_second
+
+    costs = {}
+    for kind in (k for k in NETWORK_KINDS if k in probe["table"]):
+        for row in probe["table"][kind]:
+            alone, _, _ = _predicted(model, rate, batch, kind, link_bits_per_second(row["link"]), 0.0)
+            costs[kind, row["link"]] = max(0.0, (row["step_time_ms"] - alone) / 1000) * (
+                2 if kind == "parameter_server" else 1)
+    return costs
+
+
+def _predicted(model, rate: float, batch: int, kind: str, link: float, latency: float, host_rate: float = 0.0,
+               variable_latency: float = 0.0):
     """(the bench's step as the planner predicts it, its communication term, the step's terms) for a
     network job of `kind`: 2 hosts of a worker each, or both workers on one host and the server apart."""
     from tfdist.plan import Cluster, Layout
     from tfdist.plan.predict import predict
 
     if kind == "parameter_server":
-        cluster = Cluster(devices=2, device_flops=rate, link=link, link_latency=latency, host_rate=host_rate)
+        cluster = Cluster(devices=2, device_flops=rate, link=link, link_latency=latency, host_rate=host_rate,
+                          variable_latency=variable_latency)
         step = predict(model, cluster, Layout(2, parameter_server=True), global_batch=2 * batch, micro_batches=1,
                        servers_apart=True).step_ms
         # The bench times the job a worker step at a time: 2 workers step at once.

@@ -42,6 +42,9 @@ class Cluster:
         gRPC, or Gloo or MPI over TCP, handle every byte on the host's cores, and gRPC builds a
         tensor's whole message before it sends it and parses it after it arrives (0: not counted, as
         with RDMA).
+      variable_latency: seconds each trainable variable adds to a parameter-server worker's step
+        beyond its bytes: the worker reads it and sends its gradient with an RPC of their own each
+        (0: not counted; the all-reduce kinds pack every gradient into one collective).
       source: where the figures come from.
     """
 
@@ -53,6 +56,7 @@ class Cluster:
     intra_link: float = 0.0
     link_latency: float = 0.0
     host_rate: float = 0.0
+    variable_latency: float = 0.0
     source: str = "flags"
 
     def __post_init__(self):

@@ -34,7 +34,8 @@ parameter servers. For each:
   sends with those sending: the link is full duplex). The workers' steps
   are not in step with each other, so another worker is reading for the
   share of its step its reads take (`_shared_link`). The link latency and
-  the host rate count as for the ring.
+  the host rate count as for the ring, and `variable_latency` once for
+  every trainable variable (each read and each update is an RPC of its own).
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     end; the servers hold a share of the variables each, one on every host (or, `servers_apart`, on
     hosts of their own). A worker's step is its compute and its own reads and sends one after the
     other, the remote ones sharing its host's link with the host's other workers (`_shared_link`),
-    and the link's latency and the transport's work on them (`host_rate`)."""
+    the link's latency, the transport's work on them (`host_rate`) and an RPC's cost for each
+    variable it reads and updates (`variable_latency`)."""
     weights, gradients = model.weight_bytes, model.trainable_bytes
     batch = global_batch // layout.dp
     memory = {"weights": weights, "gradients": gradients, "optimizer": 0.0,
@@ -207,6 +209,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     total = own
     if remote:
         link, moved = cluster.across_hosts, remote * (weights + gradients)
+        own += 1000 * remote * cluster.variable_latency * model.trainable_variables  # a read and a send each
         reads, sends = _shared_link(1000 * remote * weights / link, 1000 * remote * gradients / link,
                                     own + cluster.crossing_ms(0.0, moved), cluster.per_host)
         total = own + cluster.crossing_ms(reads + sends, moved)

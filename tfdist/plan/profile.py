@@ -4,7 +4,7 @@
 optimizer and reads, per top-level layer:
 
 - the bytes of its trainable and other weights (exact: the variables' shapes
-  and dtypes);
+  and dtypes), and how many trainable variables it has;
 - the bytes of its output per example (one small batch run through the model,
   its outputs' shapes read; the compute dtype's size), which a pipeline sends
   between stages;
@@ -41,6 +41,7 @@ class LayerCost:
     forward_flops_per_example: float
     kept_bytes_per_example: int  # what the backward pass reads of its forward tensors, per example
     tensor_parallel: bool  # tfdist splits its weights and matmuls over a tensor-parallel group
+    trainable_variables: int = 0  # each read and updated by an RPC of its own under parameter servers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,10 @@ class ModelProfile:
         return sum(layer.trainable_bytes for layer in self.layers)
 
     @property
+    def trainable_variables(self) -> int:
+        return sum(layer.trainable_variables for layer in self.layers)
+
+    @property
     def weight_bytes(self) -> int:
         return sum(layer.trainable_bytes + layer.other_bytes for layer in self.layers)
 
@@ -66,6 +71,7 @@ class ModelProfile:
     def to_dict(self) -> dict:
         return {"name": self.name, "optimizer": self.optimizer, "compute_dtype": self.compute_dtype,
                 "weight_bytes": self.weight_bytes, "trainable_bytes": self.trainable_bytes,
+                "trainable_variables": self.trainable_variables,
                 "slot_bytes": self.slot_bytes, "training_flops_per_example": self.training_flops_per_example,
                 "layers": [dataclasses.asdict(layer) for layer in self.layers]}
 
@@ -139,6 +145,7 @@ def _layer_cost(layer, output, flops: dict, kept: dict) -> LayerCost:
         forward_flops_per_example=flops.get(layer.name, 0.0),
         kept_bytes_per_example=kept.get(layer.name, 0),
         tensor_parallel=isinstance(layer, parallel),
+        trainable_variables=len(layer.trainable_weights),
     )
 
 
