@@ -164,7 +164,7 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
     model, rate = _profiled(measured)
     batch = measured["batch_per_worker"]
     latency, host_rates = {}, {}
-    per_variable: dict[str, float] = {}  # link: seconds a variable adds to a parameter-server worker step
+    per_variable: dict[tuple[str, str], float] = {}  # (kind, link): seconds a variable adds to a worker step
     if probe:
         probe_model, probe_rate = _profiled(probe)
         latency = _probe_costs(probe, probe_model, probe_rate, batch)
@@ -173,14 +173,15 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
         many_model, many_rate = _profiled(variable_probe)
         added = many_model.trainable_variables - probe_model.trainable_variables
         for (kind, link), seconds in _probe_costs(variable_probe, many_model, many_rate, batch).items():
-            per_variable[link] = max(0.0, (seconds - latency[kind, link]) / added)
-            fixed[kind, link] = max(0.0, latency[kind, link] - probe_model.trainable_variables * per_variable[link])
+            per_variable[kind, link] = max(0.0, (seconds - latency[kind, link]) / added)
+            fixed[kind, link] = max(0.0, latency[kind, link]
+                                    - probe_model.trainable_variables * per_variable[kind, link])
     if probe and bytes_probe:
         wide_model, wide_rate = _profiled(bytes_probe)
         for kind in (k for k in NETWORK_KINDS if k in bytes_probe["table"]):
             for row in bytes_probe["table"][kind]:
                 link, seconds = link_bits_per_second(row["link"]), fixed[kind, row["link"]]
-                variables = per_variable.get(row["link"], 0.0) if kind == "parameter_server" else 0.0
+                variables = per_variable.get((kind, row["link"]), 0.0)
 
                 def probe_ms(rate_, kind=kind, link=link, seconds=seconds, variables=variables):
                     return _predicted(wide_model, wide_rate, batch, kind, link, seconds, rate_, variables)[0]
@@ -207,7 +208,7 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
                                                   "ratio": with_latency / row["step_time_ms"]}
             if kind in host_rates:
                 host_rate = host_rates[kind]["bytes_per_sec"]
-                variables = per_variable.get(row["link"], 0.0) if kind == "parameter_server" else 0.0
+                variables = per_variable.get((kind, row["link"]), 0.0)
                 with_both, _, _ = _predicted(model, rate, batch, kind, link, fixed[kind, row["link"]], host_rate,
                                              variables)
                 rows[-1]["with_probes"] = {"link_latency_ms": 1000 * fixed[kind, row["link"]],
@@ -235,7 +236,7 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
         result["host_rates"] = host_rates
         result["bytes_probe"] = {key: bytes_probe[key] for key in _KEPT}
     if per_variable:
-        result["variable_latency_ms"] = {link: 1000 * seconds for link, seconds in per_variable.items()}
+        result["variable_latency_ms"] = {link: 1000 * seconds for (_, link), seconds in per_variable.items()}
         result["variable_probe"] = {key: variable_probe[key] for key in _KEPT}
     return result
 

@@ -20,10 +20,10 @@ The window's ends also read the machine's CPU time counters (psutil, from
 /proc/stat), so `host_cpu_busy` is the share of all its cores that were busy
 over the same steps (given half a second of them or more): every process on
 the machine counts, which on the namespace hosts of `tfdist launch --hosts`
-is every task of the job. Given a
-network interface (`link=`, as on those hosts), the window also reads the
-interface's byte counters at its ends, so the bytes the host's link carried per
-step are measured over the same steps, validation and start-up left out.
+is every task of the job. Given a network interface (`link=`, as on those
+hosts), the window also reads the interface's byte counters at its ends, so
+the bytes the host's link carried per step are measured over the same steps,
+validation and start-up left out.
 
 Example:
 
