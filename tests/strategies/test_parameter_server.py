@@ -163,6 +163,18 @@ def test_jobs_choosing_ports_at_once_never_get_the_same_one():
     assert len(ports) == 800 and len(set(ports)) == 800
 
 
+def test_a_half_written_reservation_is_dropped_not_fatal(tmp_path, monkeypatch):
+    from tfdist.cluster import loopback
+
+    reservations = tmp_path / "ports"
+    reservations.write_text(f"{LOWEST_PORT} 1e12\n123")  # the second line cut short by a kill
+    monkeypatch.setattr(loopback, "RESERVATIONS", str(reservations))
+    ports = free_ports(3)
+    kept = reservations.read_text().split("\n")
+    assert f"{LOWEST_PORT} 1000000000000.0" in kept and "123" not in kept
+    assert LOWEST_PORT not in ports and all(any(line.startswith(f"{port} ") for line in kept) for port in ports)
+
+
 def test_free_ports_come_from_below_the_ephemeral_range_and_are_free():
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral = int(f.read().split()[0])

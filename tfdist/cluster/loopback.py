@@ -58,8 +58,7 @@ def _reserve(ports: list[int]) -> bool:
         with open(RESERVATIONS, "a+", encoding="ascii") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
             f.seek(0)
-            recent = {int(port): float(at) for port, at in (line.split() for line in f if line.strip())
-                      if now - float(at) < RESERVE_SECONDS}
+            recent = {port: at for port, at in map(_reservation, f) if now - at < RESERVE_SECONDS}
             if recent.keys() & set(ports):
                 return False
             recent.update((port, now) for port in ports)
@@ -69,6 +68,16 @@ def _reserve(ports: list[int]) -> bool:
     except OSError:
         pass
     return True
+
+
+def _reservation(line: str) -> tuple[int, float]:
+    """A reservation file's line as (port, time); a line a killed writer left half written is long
+    expired (time 0), so the next write drops it."""
+    try:
+        port, at = line.split()
+        return int(port), float(at)
+    except ValueError:
+        return 0, 0.0
 
 
 def port_is_free(port: int) -> bool:
