@@ -116,7 +116,8 @@ def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source
             validation = data.with_count(validation)
         val_examples, _ = data.shard(validation, workers, index)
         val_data = data.input_pipeline(val_examples, pipeline, batch_size=batch, training=False)
-    described = f"{sharding} ({workers} input pipelines, {source.train.files} files)" if workers > 1 else sharding
+    files = f", {source.train.files} files" if source.train.files else ""  # arrays and user datasets list none
+    described = f"{sharding} ({workers} input pipelines{files})" if workers > 1 else sharding
     return train_data, val_data, described
 
 

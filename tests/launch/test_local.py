@@ -41,6 +41,7 @@ def test_a_multi_worker_job_runs_from_one_command_with_its_progress_bar_and_leav
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(metrics.read_text())
     assert result["strategy"] == "multi_worker_mirrored" and result["num_replicas"] == 2
+    assert result["input_sharding"] == "record (2 input pipelines)"  # digits are arrays: no files to count
     assert_the_plan_predicted_what_each_worker_holds(result, "configs/default.yaml", ["strategy.shard_optimizer=1"])
     # The chief's bar redraws in place (a carriage return not ending a line) and its summary shows once.
     assert re.search(r"\r(?!\n)", out) and out.count("tfdist summary") == 1
