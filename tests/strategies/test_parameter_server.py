@@ -152,6 +152,28 @@ def test_a_port_another_process_took_before_its_task_listens_is_replaced_not_sha
            "other ports" in capfd.readouterr().err
 
 
+def test_a_dead_worker_whose_port_another_process_took_is_given_up_once_not_restarted_forever(monkeypatch, capfd):
+    """A worker restarted on a port held by another process exits at once: restarting it every half
+    second would print a line each time for the rest of the job."""
+    from tfdist.cluster import servers
+
+    cluster = servers.LocalCluster(num_workers=2, num_ps=1)
+    spawned = []
+    monkeypatch.setattr(cluster, "_spawn", lambda job, index: spawned.append((job, index)))
+    for index in (0, 1):
+        dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+        dead.wait(timeout=60)
+        cluster.processes["worker", index] = dead
+    port = int(cluster.cluster_spec["worker"][1].rsplit(":", 1)[1])
+    with socket.create_server(("0.0.0.0", port)):
+        cluster._restart_dead_workers()
+        cluster._restart_dead_workers()
+    assert spawned == [("worker", 0), ("worker", 0)] and cluster.lost_workers == {1} and cluster.restarts == 2
+    err = capfd.readouterr().err
+    assert err.count(f"tfdist: local worker 1 exited (code -9) and another process holds its port {port}; "
+                     "not restarting it; its steps run on the others") == 1, err
+
+
 def test_jobs_choosing_ports_at_once_never_get_the_same_one():
     """20 processes choosing 40 ports each at once: 800 of the ~22,000 below the ephemeral range would
     share one about 14 times by chance; reserved on this machine, none does."""

@@ -80,9 +80,12 @@ def _reservation(line: str) -> tuple[int, float]:
         return 0, 0.0
 
 
-def port_is_free(port: int) -> bool:
-    """Whether a server could bind `port` on every address now."""
+def port_is_free(port: int, *, reuse_address: bool = False) -> bool:
+    """Whether a server could bind `port` on every address now; with `reuse_address` as one that sets
+    SO_REUSEADDR (gRPC) could, which a closed connection still waiting on the port does not stop."""
     with socket.socket() as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
             return True

@@ -80,6 +80,7 @@ class LocalCluster:
         self.restart_workers = restart_workers
         self.processes: dict[tuple[str, int], subprocess.Popen] = {}
         self.restarts = 0
+        self.lost_workers: set[int] = set()  # workers not restarted: another process holds their port
         self._stopping = threading.Event()
         self._supervisor: Optional[threading.Thread] = None
 
@@ -180,13 +181,26 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         while not self._stopping.wait(0.5):
-            for (job, index), process in list(self.processes.items()):
-                # A worker that exited 0 saw its chief finish (see `serve`): nothing to restart.
-                if job == "worker" and self.restart_workers and process.poll() not in (None, 0):
-                    self.restarts += 1
-                    print(f"tfdist: local worker {index} exited (code {process.returncode}); restarting it; "
-                          "its steps run on the others meanwhile", file=sys.stderr, flush=True)
-                    self._spawn(job, index)
+            self._restart_dead_workers()
+
+    def _restart_dead_workers(self) -> None:
+        """Starts each worker that died again on its port, or says once that it cannot: a port another
+        process took since would make the new worker exit at once, again and again."""
+        for (job, index), process in list(self.processes.items()):
+            # A worker that exited 0 saw its chief finish (see `serve`): nothing to restart.
+            if job != "worker" or not self.restart_workers or index in self.lost_workers or \
+                    process.poll() in (None, 0):
+                continue
+            port = int(self.cluster_spec["worker"][index].rsplit(":", 1)[1])
+            if not port_is_free(port, reuse_address=True):  # as gRPC binds: a closed connection's wait is no owner
+                self.lost_workers.add(index)
+                print(f"tfdist: local worker {index} exited (code {process.returncode}) and another process holds "
+                      f"its port {port}; not restarting it; its steps run on the others", file=sys.stderr, flush=True)
+                continue
+            self.restarts += 1
+            print(f"tfdist: local worker {index} exited (code {process.returncode}); restarting it; "
+                  "its steps run on the others meanwhile", file=sys.stderr, flush=True)
+            self._spawn(job, index)
 
 
 class _PortTaken(ClusterError):
