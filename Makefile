@@ -89,7 +89,7 @@ bench: setup
 	OMP_NUM_THREADS=1 tfdist bench network --json results/network.json --plot results/network.png --repeats 3
 	OMP_NUM_THREADS=1 tfdist bench network --model sparse_embedding --json results/network_sparse.json \
 		--plot results/network_sparse.png --repeats 3
-	OMP_NUM_THREADS=1 tfdist bench plan --links 100mbit,1gbit,10gbit --repeats 3 --json results/plan.json
+	OMP_NUM_THREADS=1 tfdist bench plan --links 100mbit,1gbit,10gbit --repeats 5 --json results/plan.json
 	OMP_NUM_THREADS=1 tfdist bench plan --kinds pipeline,tensor_parallel --repeats 5 --json results/plan_one_process.json
 	tfdist bench plan_published --json results/plan_published.json
 	tfdist bench input_pipeline --json results/input_pipeline.json --repeats 5

@@ -37,6 +37,42 @@ def test_overlap_is_0_for_one_after_the_other_and_1_when_hidden():
     assert overlap(10, 4, 12) == pytest.approx(0.5)
 
 
+def test_settings_measured_together_share_every_round_and_keep_their_own_results(monkeypatch):
+    """`tfdist bench plan` takes a probe's cost from the probe's step and adds it to the jobs': run apart,
+    minutes of the machine's drift lie between them. Together, each round runs every job of every
+    setting once; each setting's result holds only its own jobs' rounds."""
+    from tfdist.bench import network
+
+    ran = []
+
+    def fake_job(overrides, launcher, command, read):
+        width = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.width=")), 0)
+        name = (tuple(command), width, tuple(o for o in overrides if o.startswith("strategy.kind")))
+
+        def one_round():
+            ran.append(name)
+            # Each setting's steps differ by its model, so a result mixing settings would show it.
+            return read({"samples_per_sec": 1000.0, "step_time_ms": 10.0 + width + len(ran) % 2,
+                         "trainable_bytes": 4000, "link_bytes_per_step": {"sent": 8000, "received": 8000}})
+        return one_round
+
+    monkeypatch.setattr(network, "train_job", fake_job)
+    results = network.measure_together({
+        "jobs": {"links": ["1gbit", "10gbit"], "kinds": ["horovod"], "variants": False},
+        "probe": {"links": ["10gbit"], "kinds": ["horovod", "parameter_server"], "variants": False,
+                  "extra": ["model.name=mlp", "model.width=100"]}}, repeats=3)
+    jobs = len(ran) // 3
+    assert jobs == (1 + 2) + (1 + 2)  # each setting's one-process step and its launches
+    assert all(set(ran[:jobs]) == set(ran[r * jobs:(r + 1) * jobs]) for r in (1, 2))  # each round runs them all
+    assert list(results["jobs"]["table"]) == ["horovod"] and [row["link"] for row in results["jobs"]["table"]
+                                                               ["horovod"]] == ["1gbit", "10gbit"]
+    assert set(results["probe"]["table"]) == {"horovod", "parameter_server"}
+    assert all(len(samples) == 3 for result in results.values() for samples in result["samples"].values())
+    assert all(10 <= row["step_time_ms"] <= 11 for rows in results["jobs"]["table"].values() for row in rows)
+    assert all(110 <= row["step_time_ms"] <= 111 for rows in results["probe"]["table"].values() for row in rows)
+    assert results["probe"]["jobs"]["compute_only"].endswith("--set model.width=100 --set strategy.kind=one_device")
+
+
 def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
     def row(link, samples, sent, received):
         return {"link": link, "samples_per_sec": samples, "bytes_vs_algorithm": 1.0,

@@ -70,7 +70,7 @@ are kept.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from tfdist.bench import sparse_workload
 from tfdist.bench.jobs import described, on_core, train_job
@@ -81,7 +81,7 @@ from tfdist.config.sources import model_source
 from tfdist.errors import ConfigError
 from tfdist.launch.hosts import link_bits_per_second
 
-__all__ = ["KINDS", "algorithm_bytes", "markdown_table", "measure", "overlap", "plot", "run"]
+__all__ = ["KINDS", "algorithm_bytes", "markdown_table", "listed_links", "measure", "measure_together", "overlap", "plot", "run"]
 
 KINDS = ("multi_worker", "horovod", "parameter_server")
 LINKS = ("100mbit", "1gbit", "10gbit")
@@ -113,9 +113,7 @@ def run(*, config: Optional[Config] = None, repeats: int = 3, plot_path: Optiona
                                     "(--model, --links, --kinds).", "given")
     if model and model != SPARSE_MODEL:
         model_source(model, "model")  # one line now rather than a dozen failed jobs
-    link_list = _listed(links, LINKS, "links")
-    for link in link_list:
-        link_bits_per_second(link)
+    link_list = listed_links(links)
     kind_list = _listed(kinds, KINDS, "kinds")
     unknown = [k for k in kind_list if k not in KINDS]
     if unknown:
@@ -125,6 +123,14 @@ def run(*, config: Optional[Config] = None, repeats: int = 3, plot_path: Optiona
         plot(result, plot_path)
         result["plot"] = plot_path
     return result
+
+
+def listed_links(value: Optional[str]) -> list[str]:
+    """`--links` as a list (LINKS when not given), every rate checked: one line now, not failed jobs later."""
+    links = _listed(value, LINKS, "links")
+    for link in links:
+        link_bits_per_second(link)
+    return links
 
 
 def _listed(value: Optional[str], default: Sequence[str], key: str) -> list[str]:
@@ -166,72 +172,98 @@ def measure(*, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds:
             repeats: int = 3, batch_per_worker: int = 32, steps: int = 40, extra: Sequence[str] = (),
             variants: bool = True) -> dict[str, Any]:
     """Every kind (and, with `variants`, its fp16, packed and split variants) at every link; `extra`
-    overrides end every job's (the plan benchmark's latency probe sets its model there)."""
-    common = [
-        "train.verbose=0", "train.epochs=1", f"train.steps_per_epoch={steps}", "callbacks.throughput_warmup_steps=10",
-        "runtime.intra_op_threads=1", "runtime.inter_op_threads=2", f"train.global_batch_size={batch_per_worker}",
-    ]
-    if model == SPARSE_MODEL:
-        common += [f"model.name={sparse_workload.__name__}:model", f"data.dataset={sparse_workload.__name__}:dataset",
-                   f"data.num_classes={sparse_workload.CLASSES}", *sparse_workload.TRAINING]
-    elif model:  # a model of the user's: random 32x32 images, 10 classes
-        common += [f"model.name={model}", "data.dataset=synthetic", "data.image_size=32", "data.channels=3",
-                   "data.num_classes=10", f"data.synthetic_examples={batch_per_worker * 2 * steps}"]
-    common += extra
-    # One process on one core: a worker's share of this 2-core machine when 2 of them train.
-    jobs: dict[str, tuple[list[str], list[str]]] = {"compute_only": ([], common + ["strategy.kind=one_device"])}
-    chosen = {}
-    for kind in kinds:
-        flags, strategy = _LAUNCH[kind]
-        # All-reduce kinds train 2 x batch_per_worker a step; a parameter-server step is one worker's batch.
-        batch = [] if kind == "parameter_server" else [f"train.global_batch_size={2 * batch_per_worker}"]
-        chosen[kind] = (flags, common + strategy + batch)
-        if not variants:
-            continue
-        if kind in _COMPRESSED:
-            chosen[f"{kind}_fp16"] = (flags, common + strategy + batch + [_COMPRESSED[kind]])
-        if kind in _PACKED:
-            chosen[f"{kind}_packed"] = (flags, common + strategy + batch + [_PACKED[kind]])
-        if kind in _SPLIT and model != SPARSE_MODEL:
-            chosen[f"{kind}_split"] = (flags, common + strategy + batch + [_SPLIT[kind]])
-    for variant, (flags, overrides) in chosen.items():
-        for link in links:
-            jobs[f"{variant}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link], overrides)
-    rounds = alternate({name: train_job(overrides, launcher=() if command else on_core(0),
-                                        command=command or ("train",), read=_figures_of_job)
-                        for name, (command, overrides) in jobs.items()}, repeats=repeats, warmup=0)
-    results = {name: _median_result(values) for name, values in rounds.items()}
-    compute = results.pop("compute_only")
-    gradient_bytes, slices = compute["trainable_bytes"], (0, 0)
-    if model == SPARSE_MODEL:  # the table's gradient is a batch's rows, not the table
-        gradient_bytes -= sparse_workload.TABLE_BYTES
-        slices = sparse_workload.gradient_slices(batch_per_worker)
-    table = {variant: [_row(variant, link, results[f"{variant}@{link}"], compute,
-                            algorithm_bytes(variant, gradient_bytes, slices=slices)) for link in links]
-             for variant in chosen}
-    for rows in table.values():
-        fastest = max(rows, key=lambda row: link_bits_per_second(row["link"]))
-        for row in rows:
-            row["base_ms"] = fastest["step_time_ms"] - fastest["comm_ms"]
-            if "overlap" in row and row is not fastest:
-                row["overlap_after_base"] = overlap(row["base_ms"], row["comm_ms"], row["step_time_ms"])
-    return {
-        "benchmark": "network",
-        "model": model or "the built-in digits CNN",
-        "hosts": HOSTS,
-        "batch_per_worker": batch_per_worker,
-        "steps": steps,
-        "repeats": repeats,
-        "gradient_bytes": gradient_bytes,
-        **({"sparse_gradient_bytes": dict(zip(("rows", "indices"), slices)), "table_bytes": sparse_workload.TABLE_BYTES}
-           if model == SPARSE_MODEL else {}),
-        "compute_only": {"step_time_ms": compute["step_time_ms"], "samples_per_sec": compute["samples_per_sec"]},
-        "jobs": {name: f"tfdist {' '.join(command or ['train'])} " + described({name: o})[name]
-                 for name, (command, o) in jobs.items()},
-        "table": table,
-        "samples": rounds,
-        "figures": _figures(table),
-    }
+    overrides end every job's (the plan benchmark's probes set their model there)."""
+    return measure_together({"": dict(model=model, links=links, kinds=kinds, batch_per_worker=batch_per_worker,
+                                      steps=steps, extra=extra, variants=variants)}, repeats=repeats)[""]
+
+
+def measure_together(settings: Mapping[str, Mapping[str, Any]], *, repeats: int) -> dict[str, dict[str, Any]]:
+    """Several `measure` settings (name -> its keyword arguments) in the same alternated rounds, every
+    job of every setting in each round, so that their figures compare as one run's: the machine's
+    drift over the minutes a run takes moves them all alike. Returns name -> that setting's result."""
+    planned = {name: _Planned(**setting) for name, setting in settings.items()}
+    rounds = alternate({f"{name}/{job}": train_job(overrides, launcher=() if command else on_core(0),
+                                                   command=command or ("train",), read=_figures_of_job)
+                        for name, setting in planned.items() for job, (command, overrides) in setting.jobs.items()},
+                       repeats=repeats, warmup=0)
+    return {name: setting.result({job: rounds[f"{name}/{job}"] for job in setting.jobs}, repeats)
+            for name, setting in planned.items()}
+
+
+class _Planned:
+    """One setting's jobs (name -> (the `tfdist` command, or () for a one-process `train` on core 0; the
+    overrides)), and its result from their rounds."""
+
+    def __init__(self, *, model: Optional[str] = None, links: Sequence[str] = LINKS, kinds: Sequence[str] = KINDS,
+                 batch_per_worker: int = 32, steps: int = 40, extra: Sequence[str] = (), variants: bool = True):
+        self.model, self.links, self.batch_per_worker, self.steps = model, list(links), batch_per_worker, steps
+        common = [
+            "train.verbose=0", "train.epochs=1", f"train.steps_per_epoch={steps}",
+            "callbacks.throughput_warmup_steps=10", "runtime.intra_op_threads=1", "runtime.inter_op_threads=2",
+            f"train.global_batch_size={batch_per_worker}",
+        ]
+        if model == SPARSE_MODEL:
+            common += [f"model.name={sparse_workload.__name__}:model",
+                       f"data.dataset={sparse_workload.__name__}:dataset",
+                       f"data.num_classes={sparse_workload.CLASSES}", *sparse_workload.TRAINING]
+        elif model:  # a model of the user's: random 32x32 images, 10 classes
+            common += [f"model.name={model}", "data.dataset=synthetic", "data.image_size=32", "data.channels=3",
+                       "data.num_classes=10", f"data.synthetic_examples={batch_per_worker * 2 * steps}"]
+        common += extra
+        # One process on one core: a worker's share of this 2-core machine when 2 of them train.
+        self.jobs: dict[str, tuple[list[str], list[str]]] = {
+            "compute_only": ([], common + ["strategy.kind=one_device"])}
+        self.chosen: dict[str, tuple[list[str], list[str]]] = {}
+        for kind in kinds:
+            flags, strategy = _LAUNCH[kind]
+            # All-reduce kinds train 2 x batch_per_worker a step; a parameter-server step is one worker's batch.
+            batch = [] if kind == "parameter_server" else [f"train.global_batch_size={2 * batch_per_worker}"]
+            self.chosen[kind] = (flags, common + strategy + batch)
+            if not variants:
+                continue
+            if kind in _COMPRESSED:
+                self.chosen[f"{kind}_fp16"] = (flags, common + strategy + batch + [_COMPRESSED[kind]])
+            if kind in _PACKED:
+                self.chosen[f"{kind}_packed"] = (flags, common + strategy + batch + [_PACKED[kind]])
+            if kind in _SPLIT and model != SPARSE_MODEL:
+                self.chosen[f"{kind}_split"] = (flags, common + strategy + batch + [_SPLIT[kind]])
+        for variant, (flags, overrides) in self.chosen.items():
+            for link in self.links:
+                self.jobs[f"{variant}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link], overrides)
+
+    def result(self, rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict[str, Any]:
+        results = {name: _median_result(values) for name, values in rounds.items()}
+        compute = results.pop("compute_only")
+        gradient_bytes, slices = compute["trainable_bytes"], (0, 0)
+        if self.model == SPARSE_MODEL:  # the table's gradient is a batch's rows, not the table
+            gradient_bytes -= sparse_workload.TABLE_BYTES
+            slices = sparse_workload.gradient_slices(self.batch_per_worker)
+        table = {variant: [_row(variant, link, results[f"{variant}@{link}"], compute,
+                                algorithm_bytes(variant, gradient_bytes, slices=slices)) for link in self.links]
+                 for variant in self.chosen}
+        for rows in table.values():
+            fastest = max(rows, key=lambda row: link_bits_per_second(row["link"]))
+            for row in rows:
+                row["base_ms"] = fastest["step_time_ms"] - fastest["comm_ms"]
+                if "overlap" in row and row is not fastest:
+                    row["overlap_after_base"] = overlap(row["base_ms"], row["comm_ms"], row["step_time_ms"])
+        return {
+            "benchmark": "network",
+            "model": self.model or "the built-in digits CNN",
+            "hosts": HOSTS,
+            "batch_per_worker": self.batch_per_worker,
+            "steps": self.steps,
+            "repeats": repeats,
+            "gradient_bytes": gradient_bytes,
+            **({"sparse_gradient_bytes": dict(zip(("rows", "indices"), slices)),
+                "table_bytes": sparse_workload.TABLE_BYTES} if self.model == SPARSE_MODEL else {}),
+            "compute_only": {"step_time_ms": compute["step_time_ms"], "samples_per_sec": compute["samples_per_sec"]},
+            "jobs": {name: f"tfdist {' '.join(command or ['train'])} " + described({name: o})[name]
+                     for name, (command, o) in self.jobs.items()},
+            "table": table,
+            "samples": rounds,
+            "figures": _figures(table),
+        }
 
 
 def _figures_of_job(metrics: dict[str, Any]) -> dict[str, float]:

@@ -36,6 +36,11 @@ their own), `variable_latency`; the latency probe's cost less its own 4
 variables' is then the fixed part, and `with_probes` counts both
 (`--variable_latency`).
 
+The jobs and the probes run in the same alternated rounds (each round
+launches every one of them once, `network.measure_together`), so that a
+probe's cost is measured on the machine as the jobs it is added to found it,
+not minutes apart.
+
 `--kinds pipeline,tensor_parallel` runs in one process instead (no root):
 the shipped configs' jobs (configs/pipeline.yaml as one replica of 2 stages,
 configs/tensor_parallel.yaml), each on 2 logical CPU devices of one core
@@ -92,14 +97,17 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
     from tfdist.bench import network
     from tfdist.launch.hosts import link_bits_per_second
 
-    result = network.run(repeats=repeats, links=links, kinds=",".join(chosen))
-    ran = [row["link"] for row in result["table"][chosen[0]]]
-    probe = network.measure(links=ran, kinds=chosen, repeats=repeats, extra=PROBE_MODEL, variants=False)
-    bytes_probe = network.measure(links=[max(ran, key=link_bits_per_second)], kinds=chosen, repeats=repeats,
-                                  extra=HOST_RATE_PROBE, variants=False)
-    variable_probe = network.measure(links=ran, kinds=["parameter_server"], repeats=repeats, extra=VARIABLE_PROBE,
-                                     variants=False) if "parameter_server" in chosen else None
-    return compare(result, probe, bytes_probe, variable_probe)
+    ran = network.listed_links(links)
+    settings = {"jobs": {"links": ran, "kinds": chosen},
+                "probe": {"links": ran, "kinds": chosen, "extra": PROBE_MODEL},
+                "bytes_probe": {"links": [max(ran, key=link_bits_per_second)], "kinds": chosen,
+                                "extra": HOST_RATE_PROBE}}
+    if "parameter_server" in chosen:
+        settings["variable_probe"] = {"links": ran, "kinds": ["parameter_server"], "extra": VARIABLE_PROBE}
+    # The jobs and their probes in the same rounds: a probe's cost is taken from the machine the jobs ran on.
+    measured = network.measure_together({name: {**setting, "variants": False} for name, setting in settings.items()},
+                                        repeats=repeats)
+    return compare(measured["jobs"], measured["probe"], measured["bytes_probe"], measured.get("variable_probe"))
 
 
 def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
