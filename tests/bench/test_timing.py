@@ -20,6 +20,18 @@ def test_rounds_alternate_after_untimed_warmup():
     assert samples == {"a": [1.0] * 4, "b": [2.0] * 4}
 
 
+def test_rounds_say_how_far_they_are_a_line_a_round_in_a_log(capsys):
+    alternate({"a": lambda: 1.0, "b": lambda: 2.0, "c": lambda: 3.0}, repeats=2, warmup=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(", ")[:2] for line in lines] == [
+        ["tfdist bench: warm-up", "3 of 9 runs"], ["tfdist bench: round 1 of 2", "6 of 9 runs"],
+        ["tfdist bench: round 2 of 2", "9 of 9 runs"]]
+    assert all(" so far, about " in line and " left (" in line for line in lines)
+    assert lines[-1].endswith("about 0:00 left (a)")  # the second round runs them in reverse
+    alternate({"a": lambda: 1.0}, repeats=1, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_medians():
     assert medians({"a": [3.0, 1.0, 2.0], "b": [4.0]}) == {"a": 2.0, "b": 4.0}
 
