@@ -81,7 +81,8 @@ from tfdist.config.sources import model_source
 from tfdist.errors import ConfigError
 from tfdist.launch.hosts import link_bits_per_second
 
-__all__ = ["KINDS", "algorithm_bytes", "markdown_table", "listed_links", "measure", "measure_together", "overlap", "plot", "run"]
+__all__ = ["KINDS", "algorithm_bytes", "listed_links", "markdown_table", "measure", "measure_together", "overlap",
+           "plot", "run"]
 
 KINDS = ("multi_worker", "horovod", "parameter_server")
 LINKS = ("100mbit", "1gbit", "10gbit")
