@@ -23,9 +23,13 @@ def test_measure_reports_every_figure_and_prefetch_overlaps():
     assert figures["meets_target"] == (figures["step_vs_max_stage"] <= 1.1)
     # 32 examples x 1 ms of waiting: the plain pipeline makes the step wait for all of it.
     assert step_ms["plain"] > 32 and figures["speedup"] > 1.1
-    # The stall report sees the plain pipeline's step mostly waiting, as the timings say it does.
-    stalls = result["input_stalls"]["plain"]
-    assert stalls["input_wait_share"] > 0.5 and stalls["expected_wait_share"] > 0.5
+    # The stall report sees the plain pipeline's step waiting, and longer than tfdist.data's, as the
+    # timings say. How long depends on the CPU (0.49-0.74 of the step), and the report sees less than
+    # 1 - consumer / step (0.69 there): the map's threads also slow the step they feed.
+    stalls = result["input_stalls"]
+    assert stalls["plain"]["expected_wait_share"] > 0.3 and stalls["plain"]["input_wait_share"] > 0.3, stalls
+    assert stalls["plain"]["input_wait_share"] > stalls["tfdist"]["input_wait_share"], stalls
+    assert all(s["input_wait_share"] <= s["expected_wait_share"] + 0.1 for s in stalls.values()), stalls
     assert result["settings"]["plain"] == {"map_parallelism": 0, "cache": False, "prefetch": 0, "threads": 0}
 
 
