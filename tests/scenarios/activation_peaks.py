@@ -12,6 +12,9 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The CPU allocator counts its peak only with oneDNN on: TensorFlow's default on CPUs with AVX512_VNNI,
+# AVX512_BF16 or AMX; elsewhere (AVX2 alone) `reset_memory_stats("CPU:0")` raises ValueError.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import tensorflow as tf  # noqa: E402
 
