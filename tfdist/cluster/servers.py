@@ -161,10 +161,9 @@ class LocalCluster:
         The listener must be the task itself: a port taken meanwhile by another process (another
         job's task, in CI) accepts connections too, and the chief would then talk to a stranger."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        pending = {(job, i): address for job in ("ps", "worker") for i, address in enumerate(self.cluster_spec[job])}
+        pending = {(job, i): self._port(job, i) for job in ("ps", "worker") for i in range(len(self.cluster_spec[job]))}
         while pending and time.monotonic() < deadline:
-            for task, address in list(pending.items()):
-                port = int(address.rsplit(":", 1)[1])
+            for task, port in list(pending.items()):
                 process = self.processes[task]
                 if process.poll() is not None:
                     self.stop()
@@ -179,6 +178,9 @@ class LocalCluster:
             names = ", ".join(f"{job} {i}" for job, i in pending)
             raise ClusterError(f"local tasks did not start within {START_TIMEOUT_SECONDS} s: {names}.")
 
+    def _port(self, job: str, index: int) -> int:
+        return int(self.cluster_spec[job][index].rsplit(":", 1)[1])
+
     def _supervise(self) -> None:
         while not self._stopping.wait(0.5):
             self._restart_dead_workers()
@@ -191,7 +193,7 @@ class LocalCluster:
             if job != "worker" or not self.restart_workers or index in self.lost_workers or \
                     process.poll() in (None, 0):
                 continue
-            port = int(self.cluster_spec["worker"][index].rsplit(":", 1)[1])
+            port = self._port(job, index)
             if not port_is_free(port, reuse_address=True):  # as gRPC binds: a closed connection's wait is no owner
                 self.lost_workers.add(index)
                 print(f"tfdist: local worker {index} exited (code {process.returncode}) and another process holds "
