@@ -30,6 +30,11 @@ def test_each_predicted_term_stands_beside_its_measurement():
         assert row["comm_ms"]["predicted"] == pytest.approx(row["comm_ms"]["measured"], rel=0.1), row
         assert row["unmodelled_ms"] == pytest.approx(row["measured_ms"] - row["predicted_ms"])
     assert result["figures"]["jobs"] == 9
+    # Every launch's step time is kept beside the medians, and compares again unchanged.
+    launches = result["network"]["step_ms_by_launch"]
+    assert launches["horovod@1gbit"] == [launch["step_time_ms"] for launch in measured["samples"]["horovod@1gbit"]]
+    assert len(launches["compute_only"]) == measured["repeats"]
+    assert compare(result["network"])["network"]["step_ms_by_launch"] == launches
 
 
 def test_the_probes_latency_variable_cost_and_host_rate_are_what_their_steps_hold_beyond_the_prediction():

@@ -237,15 +237,15 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
         figures.update({f"host_rate_MBps_{kind}": found["bytes_per_sec"] / 1e6 for kind, found in host_rates.items()})
     result = {"benchmark": "plan", "bounds": BOUNDS, "gradient_bytes": measured["gradient_bytes"],
               "model_trainable_bytes": model.trainable_bytes, "device_flops": rate, "rows": rows,
-              "network": {key: measured[key] for key in _KEPT}, "figures": figures}
+              "network": _kept(measured), "figures": figures}
     if probe:
-        result["probe"] = {key: probe[key] for key in _KEPT}
+        result["probe"] = _kept(probe)
     if host_rates:
         result["host_rates"] = host_rates
-        result["bytes_probe"] = {key: bytes_probe[key] for key in _KEPT}
+        result["bytes_probe"] = _kept(bytes_probe)
     if per_variable:
         result["variable_latency_ms"] = {link: 1000 * seconds for (_, link), seconds in per_variable.items()}
-        result["variable_probe"] = {key: variable_probe[key] for key in _KEPT}
+        result["variable_probe"] = _kept(variable_probe)
     return result
 
 
@@ -263,6 +263,17 @@ def _host_rate(predicted_ms, measured_ms: float) -> float:
 
 # What a result keeps of the network runs it compares: enough to compare them again (`compare`).
 _KEPT = ("jobs", "table", "compute_only", "repeats", "batch_per_worker", "gradient_bytes")
+
+
+def _kept(run: dict[str, Any]) -> dict[str, Any]:
+    """`_KEPT` of a network run, and each job's step time in every launch (the medians' spread)."""
+    kept = {key: run[key] for key in _KEPT}
+    if "samples" in run:
+        kept["step_ms_by_launch"] = {job: [launch["step_time_ms"] for launch in launches]
+                                     for job, launches in run["samples"].items()}
+    elif "step_ms_by_launch" in run:  # a committed result compared again
+        kept["step_ms_by_launch"] = run["step_ms_by_launch"]
+    return kept
 
 
 def _profiled(measured: dict[str, Any]):
