@@ -4,7 +4,7 @@ import pytest
 
 from helpers import measure_in_fresh_process, run_tfdist
 
-SMALL = "dict(repeats=1, map_ms=1.0, batch=32, examples=512, width=64, steps_per_round=4)"
+SMALL = "dict(repeats=3, map_ms=1.0, batch=32, examples=512, width=64, steps_per_round=8)"
 
 
 @pytest.mark.slow

@@ -126,10 +126,11 @@ def test_a_link_carries_its_rate(tmp_path):
 def test_a_steps_transfer_after_idle_takes_its_time_at_the_rate():
     """A gradient's worth of bytes (600 KB) sent after the link was idle, as a job sends each step, takes
     what the rate allows: tbf's bucket must not let it through faster (with 4 ms of burst it took 1.5 ms
-    at 1 Gbit/s, not 5)."""
+    at 1 Gbit/s, not 5). The fastest of 15 exchanges is checked: a busy CPU only adds time to an exchange,
+    and a bucket that lets bytes through early shows in every one, the fastest first."""
     from tfdist.plan.cluster import HOST_LINK_EFFICIENCY
 
-    exchange = ("import socket, statistics, sys, time\n"
+    exchange = ("import socket, sys, time\n"
                 "size = 600_000\n"
                 "if sys.argv[1] == 'serve':\n"
                 "    server = socket.create_server((sys.argv[2], 5002)); print('ready', flush=True)\n"
@@ -143,7 +144,7 @@ def test_a_steps_transfer_after_idle_takes_its_time_at_the_rate():
                 "        time.sleep(0.02); start = time.perf_counter()\n"
                 "        connection.sendall(b'x' * size); connection.recv(1)\n"
                 "        times.append(time.perf_counter() - start)\n"
-                "    print(statistics.median(times))\n")
+                "    print(min(times))\n")
     seconds = float(_between_two_hosts("1gbit", exchange)[0])
     at_rate = 600_000 / (HOST_LINK_EFFICIENCY * 1e9 / 8)  # 5.1 ms
     assert 0.85 * at_rate <= seconds <= 1.5 * at_rate, (seconds, at_rate)

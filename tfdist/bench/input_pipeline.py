@@ -4,7 +4,10 @@ The map stands for a real input stage (reading and decoding from storage): each
 example waits `map_ms` in a `tf.py_function` (the wait releases the CPU, as I/O
 does), then is normalized. The consumer is `model.fit` on an MLP. Variants,
 each `steps_per_round` steps (mean time per step or batch), alternated, medians
-of the rounds compared:
+of the rounds compared. Every round first runs `HEAD_STEPS` untimed: the
+round's start-up, and the batches the pipeline made ahead meanwhile (on a busy
+host the producer's first batch can come back after several more are ready,
+and those would count as made in no time):
 
 - `plain`: the map one example at a time, no prefetch (`map_parallelism: 0`,
   `prefetch: 0`), so the step waits for every batch to be made;
@@ -29,7 +32,7 @@ The training step runs on one core (one intra- and one inter-op thread), as a
 GPU would take it off the host. It does not take it out of the host's
 process, though, and a step computing in this process slows the producer by
 itself, as a GPU's step would not: `host_interference` = producer_loaded /
-producer measures that (1.11-1.14 here), and `step_vs_loaded_producer` =
+producer measures that (1.10-1.16 so far), and `step_vs_loaded_producer` =
 tfdist step time / producer_loaded is the overlap once it is counted (1.0:
 the step waits only for the producer running as fast as it can beside the
 step). Part of the interference is in every `py_function` call: on a tf.data
@@ -58,6 +61,7 @@ from tfdist.bench.timing import alternate, fit_round, medians
 __all__ = ["measure"]
 
 TARGET_STEP_VS_MAX_STAGE = 1.1
+HEAD_STEPS = 5
 
 
 def measure(
@@ -111,7 +115,8 @@ def measure(
 
     def producer_round() -> float:
         iterator = iter(datasets["tfdist"])
-        next(iterator)  # the pipeline's start-up is not a batch's cost
+        for _ in range(HEAD_STEPS):
+            next(iterator)
         start = time.perf_counter()
         for _ in range(steps_per_round):
             next(iterator)
@@ -138,9 +143,11 @@ def measure(
             step.join()
 
     # Mean step times, like the producer's time per batch: a stall is a slow step, not an outlier.
-    rounds = {name: fit_round(model, ds, batch=batch, steps=steps_per_round)
-              for name, ds in datasets.items()}
-    rounds["consumer"] = fit_round(model, in_memory, batch=batch, steps=steps_per_round)
+    def timed_fit(dataset):
+        return fit_round(model, dataset, batch=batch, steps=HEAD_STEPS + steps_per_round, warmup_steps=HEAD_STEPS)
+
+    rounds = {name: timed_fit(ds) for name, ds in datasets.items()}
+    rounds["consumer"] = timed_fit(in_memory)
     rounds["producer"] = producer_round
     rounds["producer_loaded"] = loaded_producer_round
     samples = alternate(rounds, repeats=repeats)
