@@ -4,7 +4,8 @@ import pytest
 
 from helpers import measure_in_fresh_process, run_tfdist
 
-SMALL = "dict(repeats=3, map_ms=1.0, batch=32, examples=512, width=64, steps_per_round=8)"
+# 64 ms of waiting a batch against a step of about 15 ms: a clear stall even when a busy host slows the step.
+SMALL = "dict(repeats=3, map_ms=2.0, batch=32, examples=512, width=64, steps_per_round=8)"
 
 
 @pytest.mark.slow
@@ -18,14 +19,14 @@ def test_measure_reports_every_figure_and_prefetch_overlaps():
     assert figures["speedup"] == pytest.approx(step_ms["plain"] / step_ms["tfdist"])
     assert figures["host_interference"] == pytest.approx(step_ms["producer_loaded"] / step_ms["producer"])
     assert figures["step_vs_loaded_producer"] == pytest.approx(step_ms["tfdist"] / step_ms["producer_loaded"])
-    # The producer made batches while the step ran beside it: 32 examples x 1 ms on 2 threads at least.
-    assert step_ms["producer_loaded"] > 16
+    # The producer made batches while the step ran beside it: 32 examples x 2 ms on 2 threads at least.
+    assert step_ms["producer_loaded"] > 32
     assert figures["meets_target"] == (figures["step_vs_max_stage"] <= 1.1)
-    # 32 examples x 1 ms of waiting: the plain pipeline makes the step wait for all of it.
-    assert step_ms["plain"] > 32 and figures["speedup"] > 1.1
+    # 32 examples x 2 ms of waiting: the plain pipeline makes the step wait for all of it.
+    assert step_ms["plain"] > 64 and figures["speedup"] > 1.1
     # The stall report sees the plain pipeline's step waiting, and longer than tfdist.data's, as the
-    # timings say. How long depends on the CPU (0.49-0.74 of the step), and the report sees less than
-    # 1 - consumer / step (0.69 there): the map's threads also slow the step they feed.
+    # timings say: no more than 1 - consumer / the window's step (a busy host lengthens the step, not
+    # the wait). Measured here 0.72-0.84 of plain's step, 0.74-0.86 expected, idle or beside busy loops.
     stalls = result["input_stalls"]
     assert stalls["plain"]["expected_wait_share"] > 0.3 and stalls["plain"]["input_wait_share"] > 0.3, stalls
     assert stalls["plain"]["input_wait_share"] > stalls["tfdist"]["input_wait_share"], stalls

@@ -72,6 +72,7 @@ def test_a_slow_input_is_reported_with_the_hint(capsys):
     assert history.history["input_wait_share"] == [stalls.input_wait_share]
     out = capsys.readouterr().out
     assert f"input stalls: {stalls.input_wait_share:.0%} of step time waiting for input (steps 3-12:" in out
+    assert stalls.step_time_ms > 32 and f"of {stalls.step_time_ms:.1f} ms per step)" in out
     assert HINT in out
 
 

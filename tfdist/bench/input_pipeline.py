@@ -23,10 +23,12 @@ and those would count as made in no time):
 Figures: `step_vs_max_stage` = tfdist step time / the slower of producer and
 consumer (1.0 when input and training fully overlap; target <= 1.1, the
 tf.data guide's prefetch rule); `speedup` = plain step time / tfdist step
-time. After the timed rounds, one more untimed fit per pipeline runs the
-`InputStalls` report: `input_wait_share` (the share of step time the step
-waited for input, measured from the profiler's trace) beside
-`expected_wait_share` = 1 - consumer / step time from the timed rounds.
+time. Two more variants, alternated with the others, run each pipeline's fit
+under the `InputStalls` report: `input_wait_share` (the share of step time the
+step waited for input, measured from the profiler's trace) beside
+`expected_wait_share` = 1 - consumer / the same window's step time (medians of
+the rounds). The window's own step time, not the timed rounds', since a busy
+host slows one window more than another.
 
 The training step runs on one core (one intra- and one inter-op thread), as a
 GPU would take it off the host. It does not take it out of the host's
@@ -50,6 +52,7 @@ and step are then about equally fast and contend more.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from typing import Any
@@ -146,19 +149,26 @@ def measure(
     def timed_fit(dataset):
         return fit_round(model, dataset, batch=batch, steps=HEAD_STEPS + steps_per_round, warmup_steps=HEAD_STEPS)
 
+    # At least 8 steps measured: in a window of 2, one slow step of a busy host halves the share.
+    stall_steps = max(8, steps_per_round)
+
+    def stall_round(dataset):
+        """A round under the input-stall report: (its measured wait share, the window's ms per step)."""
+        def one_round() -> tuple[float, float]:
+            stalls = InputStalls(start_step=HEAD_STEPS, steps=stall_steps, verbose=False)
+            model.fit(dataset, epochs=1, steps_per_epoch=HEAD_STEPS + stall_steps, verbose=0, shuffle=False,
+                      callbacks=[stalls])
+            return stalls.input_wait_share, stalls.step_time_ms
+
+        return one_round
+
     rounds = {name: timed_fit(ds) for name, ds in datasets.items()}
     rounds["consumer"] = timed_fit(in_memory)
     rounds["producer"] = producer_round
     rounds["producer_loaded"] = loaded_producer_round
+    rounds.update({f"stalls_{name}": stall_round(ds) for name, ds in datasets.items()})
     samples = alternate(rounds, repeats=repeats)
-    step_ms = medians(samples)
-    wait_share = {}
-    # At least 8 steps measured: in a window of 2, one slow step of a busy host halves the share.
-    stall_steps = max(8, steps_per_round - 2)
-    for name, ds in datasets.items():
-        stalls = InputStalls(start_step=2, steps=stall_steps, verbose=False)
-        model.fit(ds, epochs=1, steps_per_epoch=stall_steps + 2, verbose=0, shuffle=False, callbacks=[stalls])
-        wait_share[name] = stalls.input_wait_share
+    step_ms = medians({name: times for name, times in samples.items() if not name.startswith("stalls_")})
     slower_stage = max(step_ms["producer"], step_ms["consumer"])
     step_vs_max_stage = step_ms["tfdist"] / slower_stage
     figures = {
@@ -169,10 +179,11 @@ def measure(
         "step_vs_loaded_producer": step_ms["tfdist"] / step_ms["producer_loaded"],
         "meets_target": step_vs_max_stage <= TARGET_STEP_VS_MAX_STAGE,
     }
-    stall_check = {
-        name: {"input_wait_share": wait_share[name], "expected_wait_share": 1 - step_ms["consumer"] / step_ms[name]}
-        for name in datasets
-    }
+    stall_check = {}
+    for name in datasets:
+        share, window_ms = (statistics.median(values) for values in zip(*samples[f"stalls_{name}"]))
+        stall_check[name] = {"input_wait_share": share, "expected_wait_share": 1 - step_ms["consumer"] / window_ms,
+                             "window_step_ms": window_ms}
     return {
         "benchmark": "input_pipeline",
         "global_batch_size": batch,

@@ -10,20 +10,20 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Callable, Mapping, Optional, TextIO
+from typing import Any, Callable, Mapping, Optional, TextIO
 
 __all__ = ["alternate", "fit_round", "medians"]
 
 
 def alternate(
-    variants: Mapping[str, Callable[[], float]], *, repeats: int, warmup: int = 1,
+    variants: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 1,
     progress: bool = True,
-) -> dict[str, list[float]]:
+) -> dict[str, list[Any]]:
     """Runs every variant `warmup` times untimed, then `repeats` timed rounds.
 
     Args:
-      variants: name -> a function that runs one round and returns its measured
-        time (for example seconds per step).
+      variants: name -> a function that runs one round and returns what it
+        measured (for example seconds per step).
       repeats: timed rounds per variant.
       warmup: untimed rounds per variant first (tracing, caches, autotuning).
       progress: say on standard error how far the rounds are.
@@ -39,7 +39,7 @@ def alternate(
         for name in names:
             variants[name]()
             shown.ran(name, "warm-up")
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[str, list[Any]] = {name: [] for name in names}
     for round_index in range(repeats):
         order = names if round_index % 2 == 0 else names[::-1]
         for name in order:

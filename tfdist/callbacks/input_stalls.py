@@ -63,6 +63,7 @@ class InputStalls(keras.callbacks.Callback):
 
     Attributes:
       input_wait_share: the measured share (None before the window is measured).
+      step_time_ms: the window's mean wall time per step (None before).
       report: the report's text ("" before).
     """
 
@@ -79,10 +80,11 @@ class InputStalls(keras.callbacks.Callback):
         self.log_dir = log_dir
         self.verbose = verbose
         self.input_wait_share: Optional[float] = None
+        self.step_time_ms: Optional[float] = None
         self.report = ""
 
     def on_train_begin(self, logs=None):
-        self.input_wait_share, self.report = None, ""
+        self.input_wait_share, self.step_time_ms, self.report = None, None, ""
         self._steps_done = 0
         self._last_batch = -1
         self._profile_dir: Optional[str] = None
@@ -156,7 +158,7 @@ class InputStalls(keras.callbacks.Callback):
                 shutil.rmtree(profile_dir, ignore_errors=True)
         window_ns = max(self._end_ns - self._start_ns, 1)
         self.input_wait_share = wait_ns / window_ns
-        per_step = window_ns / 1e6 / self._window_steps
+        self.step_time_ms = per_step = window_ns / 1e6 / self._window_steps
         last = self._first_step + self._window_steps - 1
         self.report = (
             f"input stalls: {self.input_wait_share:.0%} of step time waiting for input "

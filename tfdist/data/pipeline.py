@@ -18,7 +18,9 @@ prefetch with it off; each stage switched and sized from `DataConfig`:
 - batch: training drops the remainder, so every step gives every replica the
   same batch size and replicas stay in step; evaluation keeps every example
   (tf.distribute spreads a last partial batch over the replicas);
-- prefetch: batches prepared while the step runs (AUTOTUNE by default).
+- prefetch: batches prepared while the step runs (AUTOTUNE by default); 0
+  prepares none ahead: tf.data's own optimizations that would (an injected
+  prefetch, map and batch fused into one stage that runs ahead) are off too.
 
 Example:
 
@@ -80,13 +82,15 @@ def input_pipeline(
         # no preprocessing, so an epoch starts without mapping a buffer's worth first.
         examples = _map(_shuffled(examples, config, seed) if training else examples, map_fn, config)
     batches = examples.batch(batch_size, drop_remainder=training)
+    options = tf.data.Options()
     if config.prefetch:
         batches = batches.prefetch(_tuned(config.prefetch))
+    else:  # tf.data would make batches ahead anyway: an injected tuned prefetch, a fused map-and-batch
+        options.experimental_optimization.inject_prefetch = False
+        options.experimental_optimization.map_and_batch_fusion = False
     if config.threads:
-        options = tf.data.Options()
         options.threading.private_threadpool_size = config.threads
-        batches = batches.with_options(options)
-    return batches
+    return batches.with_options(options)
 
 
 def _map(examples: tf.data.Dataset, map_fn: Optional[Callable], config: DataConfig) -> tf.data.Dataset:
