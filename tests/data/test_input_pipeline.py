@@ -117,7 +117,11 @@ def test_prefetch_zero_makes_no_batch_ahead(prefetch):
     config = DataConfig(prefetch=prefetch, map_parallelism=0, cache=False)
     batches = iter(input_pipeline(_examples(), config, batch_size=4, training=False, map_fn=map_fn))
     next(batches)
-    time.sleep(0.5)  # time for a prefetch, tf.data's own injected one included, to make the next batch
+    # A prefetch (tf.data's own injected one included) makes the next batch at once; 30 s for a
+    # starved run (Bazel's low priority), where waiting longer can only make a batch ahead show.
+    deadline = time.monotonic() + (0.5 if prefetch == 0 else 30)
+    while len(calls) <= 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert (len(calls) > 4) == (prefetch != 0), len(calls)
 
 
