@@ -34,8 +34,8 @@ def test_measure_reports_every_figure_and_prefetch_overlaps():
     stalls = result["input_stalls"]
     plain = stalls["plain"]
     assert plain["input_wait_share"] > 0.3 and plain["input_wait_share"] > stalls["tfdist"]["input_wait_share"], stalls
-    assert plain["input_wait_share"] * plain["window_step_ms"] >= BATCH * MAP_MS, stalls
-    assert all(0 <= s["input_wait_share"] <= 1 for s in stalls.values()), stalls
+    waited_ms = {name: s["input_wait_share"] * s["window_step_ms"] for name, s in stalls.items()}
+    assert waited_ms["plain"] >= BATCH * MAP_MS and waited_ms["tfdist"] < waited_ms["plain"], stalls
     assert result["settings"]["plain"] == {"map_parallelism": 0, "cache": False, "prefetch": 0, "threads": 0}
 
 

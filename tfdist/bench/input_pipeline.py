@@ -27,8 +27,9 @@ time. Two more variants, alternated with the others, run each pipeline's fit
 under the `InputStalls` report: `input_wait_share` (the share of step time the
 step waited for input, measured from the profiler's trace) beside
 `expected_wait_share` = 1 - consumer / the same window's step time (medians of
-the rounds). The window's own step time, not the timed rounds', since a busy
-host slows one window more than another.
+the rounds). The expectation holds on an idle host only: under load the
+scheduler gives a step waking from its wait a core at once, while the
+consumer, busy all the time, gets its fair share and looks slower.
 
 The training step runs on one core (one intra- and one inter-op thread), as a
 GPU would take it off the host. It does not take it out of the host's
