@@ -78,7 +78,7 @@ _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a10
                                "1x8-v100-32g, or a published run's, 128x4-p100-25g-roce or 32x8-p100-50g (its source "
                                "is printed).")
 _MEASURE = flags.DEFINE_bool("measure", False, "plan: time the model's training step on one device of this "
-                             "machine for the device rate.")
+                             "machine for the device rate, and a pipeline's stages on their micro-batches.")
 _STALLED_SECONDS = flags.DEFINE_integer("stalled_seconds", 20, "launch: how long a task may stay stopped "
                                          "(SIGSTOP) before the job ends, naming it.", lower_bound=1)
 _TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")
@@ -262,10 +262,17 @@ def _plan_command(args) -> None:
         one_device = plan.one_device_config(config, max(1, config.train.global_batch_size // cluster.devices))
         configure_runtime(one_device)
     model = plan.profile(config)
+    measured = None
     if _MEASURE.value:
-        cluster = dataclasses.replace(cluster, device_flops=plan.measured_flops(one_device, model),
-                                      source=f"{cluster.source}; device rate measured here")
-    result = plan.make_plan(config, cluster, model)
+        import tensorflow as tf
+
+        measured = plan.MeasuredTimes(one_device, model)
+        logical_cpus = not tf.config.list_physical_devices("GPU")  # the job's devices would share the cores
+        cluster = dataclasses.replace(
+            cluster, device_flops=measured.device_flops, shared_cores=logical_cpus,
+            source=f"{cluster.source}; device rate measured here" +
+                   ("; logical CPU devices sharing its cores" if logical_cpus else ""))
+    result = plan.make_plan(config, cluster, model, measured)
     print(plan.table(result))
     if _JSON.value:
         from tfdist.reporting import write_json

@@ -171,6 +171,55 @@ def test_predicted_activation_bytes_are_within_25_percent_of_what_tensorflows_al
     assert transformer["layer_outputs_per_example"] < 0.5 * transformer["measured_per_example"]
 
 
+def test_uneven_stages_leave_the_other_stages_slots_as_bubble_and_shared_cores_add_up_the_work():
+    """A flow shop's makespan: the slowest stage paces the micro-batches and the others' slots come once;
+    on devices that share their cores, the host's work adds up and nothing idles."""
+
+    class Timed:  # what `MeasuredTimes` gives the planner: the stages' times on a micro-batch, and the rest
+        rest_ms = 1.5
+
+        def stage_ms(self, stages, micro_batch):
+            assert (stages, micro_batch) == (2, 8)
+            return [3.0, 1.0]
+
+    model = _uniform_model()
+    cluster = Cluster(devices=2, device_flops=1e9)
+    layout = Layout(1, stages=2)
+    step = predict(model, cluster, layout, global_batch=32, micro_batches=4, measured=Timed()).step_ms
+    assert (step["compute"], step["bubble"], step["step_rest"]) == (4 * 3.0, 1.0, 1.5)
+    assert step["total"] == pytest.approx(12 + 1 + 1.5)
+    shared = dataclasses.replace(cluster, shared_cores=True)
+    step = predict(model, shared, layout, global_batch=32, micro_batches=4, measured=Timed()).step_ms
+    assert (step["compute"], step["bubble"]) == (4 * (3.0 + 1.0), 0.0)
+    # Without the stages' times, uneven layers cut by FLOPs: 3 layers of 1, 1 and 4 MFLOPs, as 2 and 4.
+    uneven = dataclasses.replace(model, layers=tuple(dataclasses.replace(layer, forward_flops_per_example=flops)
+                                                     for layer, flops in zip(model.layers, (1e6, 1e6, 4e6))))
+    step = predict(uneven, cluster, layout, global_batch=32, micro_batches=4).step_ms
+    per_mflop = 1000 * 3 * 8 * 1e6 / 1e9  # ms a forward MFLOP of one example costs a micro-batch of 8 in training
+    assert step["compute"] == pytest.approx(4 * 4 * per_mflop) and step["bubble"] == pytest.approx(2 * per_mflop)
+    data = predict(uneven, shared, Layout(2), global_batch=32, micro_batches=1).step_ms
+    assert data["compute"] == pytest.approx(2 * 6 * 16 * per_mflop / 8)  # both replicas' 16 examples, in turn
+
+
+def test_measure_times_the_stages_as_the_job_cuts_them(tmp_path):
+    table = tmp_path / "plan.json"
+    proc = run_tfdist("plan", "--config", "configs/pipeline.yaml", "--devices", "2", "--measure", "--json",
+                      str(table), timeout=400)
+    assert proc.returncode == 0, why_it_failed(proc.stderr)
+    result = json.loads(table.read_text())
+    measured, cluster = result["measured"], result["cluster"]
+    assert cluster["shared_cores"] and "logical CPU devices sharing its cores" in cluster["source"]
+    assert measured["batch"] == 32 and measured["rest_ms"] == pytest.approx(
+        max(0.0, measured["step_ms"] - measured["forward_backward_ms"]))
+    assert cluster["device_flops"] == pytest.approx(
+        result["model"]["training_flops_per_example"] * 32 / (measured["step_ms"] / 1000))
+    stages = measured["stage_ms"]["2 stages, micro-batch 16"]  # the config's 4 micro-batches of 64 examples
+    assert len(stages) == 2 and all(ms > 0 for ms in stages)
+    step = next(row for row in result["layouts"] if row["layout"] == "data 1 x pipeline 2")["step_ms"]
+    assert step["compute"] == pytest.approx(4 * sum(stages)) and step["bubble"] == 0
+    assert step["step_rest"] == pytest.approx(measured["rest_ms"])
+
+
 def test_the_plan_command_prints_the_layouts_and_writes_a_config_train_takes(tmp_path):
     out, table = tmp_path / "plan.yaml", tmp_path / "plan.json"
     proc = run_tfdist("plan", "--config", "configs/pipeline.yaml", "--devices", "4", "--device_memory", "64MiB",

@@ -22,7 +22,7 @@ from tfdist import training  # noqa: E402
 from tfdist.config import load_config  # noqa: E402
 from tfdist.plan import Cluster, Layout, profile  # noqa: E402
 from tfdist.plan.predict import predict  # noqa: E402
-from tfdist.plan.profile import one_device_config  # noqa: E402
+from tfdist.plan.measure import one_device_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THREADS = ["runtime.intra_op_threads=0", "runtime.inter_op_threads=0"]  # one process, several jobs

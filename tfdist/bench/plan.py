@@ -111,15 +111,17 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
 
 
 def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
-    """Each kind's shipped job at each batch, timed beside its one-device step, and predicted at the
-    rate that step gives (call before TensorFlow has started: it fixes the threads)."""
+    """Each kind's shipped job at each batch, timed beside what `tfdist plan --measure` times (its
+    one-device step and forward and backward, in the same alternated rounds; a pipeline's stages
+    after), and predicted from those times (call before TensorFlow has started: it fixes the threads)."""
+    import itertools
     import os
 
     from tfdist import training
     from tfdist.bench.jobs import ROOT
-    from tfdist.bench.timing import alternate, fit_round, medians
+    from tfdist.bench.timing import fit_round
     from tfdist.config import load_config
-    from tfdist.plan import Cluster, Layout, one_device_config, profile
+    from tfdist.plan import Cluster, Layout, MeasuredTimes, one_device_config, profile
     from tfdist.plan.predict import predict
     from tfdist.strategies.devices import configure_runtime
 
@@ -133,24 +135,27 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
             configure_runtime(config)
             devices = config.strategy.logical_devices
             batch = config.train.global_batch_size
-            one_device = one_device_config(config, batch // devices)  # what `tfdist plan --measure` times
-            jobs = {"one_device": training.prepare(one_device), kind: training.prepare(config)}
-            rounds = {name: fit_round(job.model, job.train_data, batch=job.config.train.global_batch_size,
-                                      steps=STEPS_PER_ROUND) for name, job in jobs.items()}
-            step_ms = medians(alternate(rounds, repeats=repeats))
+            job = training.prepare(config)
+            job_round = fit_round(job.model, job.train_data, batch=batch, steps=STEPS_PER_ROUND)
+            job_round()  # a pipeline cuts its model at its first step, by its layers' noisy times: time that cut
+            partition = job.strategy.partition_of(job.model) if kind == "pipeline" else None
+            starts = itertools.accumulate(len(stage.operations) for stage in partition.stages[:-1]) if partition else ()
             model = model or profile(config)
-            rate = model.training_flops_per_example * one_device.train.global_batch_size / (
-                step_ms["one_device"] / 1000)
+            measured = MeasuredTimes(one_device_config(config, batch // devices), model, rounds=repeats,
+                                     other_rounds={kind: job_round}, starts=list(starts))
             layout = Layout(1, stages=config.pipeline.num_stages) if kind == "pipeline" else \
                 Layout(1, tensor_parallel=config.strategy.tensor_parallel_size or devices)
-            predicted = predict(model, Cluster(devices=devices, device_flops=rate), layout, global_batch=batch,
-                                micro_batches=config.pipeline.num_micro_batches,
-                                schedule=config.pipeline.schedule.value,
-                                balance_by=config.pipeline.balance_by.value).step_ms
+            cluster = Cluster(devices=devices, device_flops=measured.device_flops, shared_cores=True)
+            predicted = predict(model, cluster, layout,
+                                global_batch=batch, micro_batches=config.pipeline.num_micro_batches,
+                                schedule=config.pipeline.schedule.value, balance_by=config.pipeline.balance_by.value,
+                                measured=measured).step_ms
+            measured_ms = measured.other_ms[kind]
             rows.append({"kind": kind, "config": path, "batch": batch, "layout": layout.name,
-                         "one_device_ms": step_ms["one_device"], "measured_ms": step_ms[kind],
-                         "predicted_ms": predicted["total"], "ratio": predicted["total"] / step_ms[kind],
-                         "terms_ms": predicted, "unmodelled_ms": step_ms[kind] - predicted["total"]})
+                         "stages": [stage.layer_names for stage in partition.stages] if partition else None,
+                         "one_device_ms": measured.step_ms, "measured_ms": measured_ms, "timed": measured.to_dict(),
+                         "predicted_ms": predicted["total"], "ratio": predicted["total"] / measured_ms,
+                         "terms_ms": predicted, "unmodelled_ms": measured_ms - predicted["total"]})
     return {"benchmark": "plan", "bounds": BOUNDS, "threads": THREADS, "rows": rows,
             "figures": {"within_bounds": sum(BOUNDS[0] <= row["ratio"] <= BOUNDS[1] for row in rows),
                         "jobs": len(rows), **{f"ratio_{row['kind']}_batch{row['batch']}": row["ratio"]

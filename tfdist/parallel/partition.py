@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import _compat
 
-__all__ = ["Partition", "Stage", "balance", "draws_random_numbers", "split"]
+__all__ = ["Partition", "Stage", "balance", "draws_random_numbers", "random_inputs", "split"]
 
 BALANCE_BASES = ("time", "params")
 
@@ -298,7 +298,8 @@ def _param_cost(op) -> float:
     return float(sum(int(math.prod(v.shape)) for v in getattr(op, "weights", ())) or 1)
 
 
-def _sample(tensors, batch: int) -> Optional[list]:
+def random_inputs(tensors, batch: int) -> Optional[list]:
+    """A random batch of `batch` examples for `tensors` (KerasTensors); None if a shape is not all known."""
     values = []
     for t in tensors:
         if any(d is None for d in t.shape[1:]):
@@ -313,7 +314,7 @@ def _sample(tensors, batch: int) -> Optional[list]:
 
 def _time_ms(fn_model: keras.Model, input_tensors, batch: int, repeats: int = 3) -> Optional[float]:
     """Median eager forward+backward time of `fn_model` on a random batch."""
-    sample = _sample(input_tensors, batch)
+    sample = random_inputs(input_tensors, batch)
     if sample is None:
         return None
     floats = [x for x in sample if x.dtype.is_floating]

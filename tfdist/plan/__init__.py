@@ -17,26 +17,29 @@ import dataclasses
 from typing import Any, Optional
 
 from tfdist.plan.cluster import PRESETS, Cluster, format_bytes, from_preset, parse_bytes, parse_duration, parse_rate
+from tfdist.plan.measure import MeasuredTimes, one_device_config
 from tfdist.plan.predict import Layout, Prediction, layouts, predict, recommended
-from tfdist.plan.profile import ModelProfile, measured_flops, one_device_config, profile
+from tfdist.plan.profile import ModelProfile, profile
 
-__all__ = ["PRESETS", "SPEED_FLAGS", "Cluster", "Layout", "ModelProfile", "Prediction", "from_preset",
-           "layout_overrides", "make_plan", "measured_flops", "one_device_config", "parse_bytes", "parse_duration",
+__all__ = ["PRESETS", "SPEED_FLAGS", "Cluster", "Layout", "MeasuredTimes", "ModelProfile", "Prediction",
+           "from_preset", "layout_overrides", "make_plan", "one_device_config", "parse_bytes", "parse_duration",
            "parse_rate", "profile", "table"]
 
 SPEED_FLAGS = "--device_tflops, a --cluster preset or --measure"
 
 
-def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None) -> dict[str, Any]:
+def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None,
+              measured: Optional[MeasuredTimes] = None) -> dict[str, Any]:
     """Every layout's prediction for `config`'s job on `cluster`, fastest first, and the recommended one.
     Without the devices' speed (`cluster.device_flops` 0) only memory is predicted: the layouts that fit
-    come first, in `layouts`' order, no step time is given and none is recommended."""
+    come first, in `layouts`' order, no step time is given and none is recommended. With `measured`
+    (`--measure`), a pipeline's stages are timed on this machine."""
     model = model or profile(config)
     batch = config.train.global_batch_size
     pipeline = config.pipeline
     predictions = [predict(model, cluster, layout, global_batch=batch, micro_batches=pipeline.num_micro_batches,
                            schedule=pipeline.schedule.value, recompute=pipeline.recompute,
-                           balance_by=pipeline.balance_by.value)
+                           balance_by=pipeline.balance_by.value, measured=measured)
                    for layout in layouts(model, cluster, global_batch=batch)]
     if not cluster.device_flops:  # a step time of communication alone would rank the layouts wrongly
         predictions = [dataclasses.replace(p, step_ms={}, samples_per_sec=0.0, scaling_efficiency=0.0)
@@ -44,6 +47,7 @@ def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None) ->
     predictions.sort(key=lambda p: (not p.fits, -p.samples_per_sec))
     best = recommended(predictions)
     return {"model": model.to_dict(), "cluster": vars(cluster), "global_batch_size": batch,
+            **({"measured": measured.to_dict()} if measured else {}),
             "layouts": [p.to_dict() for p in predictions],
             "recommended": best.to_dict() if best else None,
             "recommended_overrides": layout_overrides(best.layout, cluster, batch) if best else []}

@@ -15,9 +15,12 @@ parameter servers. For each:
   pass (`_fullest_per_example`);
 - **step time**, with nothing overlapped (tfdist measured no overlap of
   all-reduce with the backward pass on CPUs): compute from the stage's
-  training FLOPs at the device's sustained rate; a pipeline runs M + K - 1
-  micro-batch slots of its slowest stage, so (K - 1)/(M + K - 1) of the step
-  is bubble; tensor parallelism sums each of its layers' outputs across the
+  training FLOPs at the device's sustained rate (or, `measured`, the
+  stages' own times on this machine); a pipeline runs M micro-batch slots of
+  its slowest stage, and its bubble is the other stages' slots once (the
+  first micro-batch passes through them before it reaches the slowest, the
+  last after it): (K - 1)/(M + K - 1) of the step when the stages are even;
+  tensor parallelism sums each of its layers' outputs across the
   group forward and backward; the stages pass activations and their
   gradients on; data parallelism all-reduces the gradients with a ring (2(N
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
@@ -25,7 +28,9 @@ parameter servers. For each:
   every device of a host sends its own ring's share at once; across hosts
   the cluster's `link_latency` (a step's fixed cost, when given) and its
   `host_rate` (the transport's own work on each byte: serializing, copying)
-  add to the wire time;
+  add to the wire time; on a cluster whose devices share a host's cores
+  (logical CPU devices, `shared_cores`), the compute is all the host's
+  devices' work one after another, and there is no bubble;
 - **parameter servers**: every device a worker that reads the weights at
   the start of its step and sends its gradients at its end, over its host's
   link for the servers on other hosts, asynchronously: its step is its own
@@ -111,9 +116,11 @@ def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int) -> list
 
 def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_batch: int, micro_batches: int,
             schedule: str = "1f1b", recompute: bool = False, balance_by: str = "time",
-            servers_apart: bool = False) -> Prediction:
+            servers_apart: bool = False, measured=None) -> Prediction:
     """The memory and step time of `layout` for `model` on `cluster` (see the module docstring);
-    `servers_apart`: a parameter-server layout's servers run on hosts of their own, not the workers'."""
+    `servers_apart`: a parameter-server layout's servers run on hosts of their own, not the workers';
+    `measured` (`tfdist.plan.measure.MeasuredTimes`): a pipeline's stages are timed on this machine,
+    not taken from the FLOPs rate."""
     from tfdist.parallel.partition import balance
 
     if layout.parameter_server:
@@ -154,11 +161,14 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
         tp_bytes = sum(2 * 2 * (t - 1) / t * layer.output_bytes_per_example * micro
                        for layer in layers if layer.tensor_parallel and t > 1)
         tp_ms.append(1000 * tp_bytes / cluster.intra_link if tp_bytes and cluster.intra_link else 0.0)
+    timed = measured is not None and k > 1 and t == 1
+    if timed:  # each stage's own time on a micro-batch, as the job cuts it
+        compute_ms = measured.stage_ms(k, micro)
     boundary = max((stage[-1].output_bytes_per_example for stage in stages[:-1]), default=0)
     # A stage passes each micro-batch's activations on, and their gradients back.
     pipeline_ms = 1000 * 2 * boundary * micro / cluster.intra_link if k > 1 and cluster.intra_link else 0.0
-    slowest = max(range(k), key=lambda i: compute_ms[i] + tp_ms[i])
-    slot_ms = compute_ms[slowest] + tp_ms[slowest] + pipeline_ms  # one micro-batch on the slowest stage
+    slot_ms = [compute_ms[i] + tp_ms[i] + pipeline_ms for i in range(k)]  # one micro-batch on each stage
+    slowest = max(range(k), key=lambda i: slot_ms[i])
     gradient_bytes = max(memory["gradients"] for memory in memory_by_stage)
     factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
@@ -166,8 +176,15 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
         data_ms = cluster.crossing_ms(1000 * moved / cluster.across_hosts, moved)
     else:
         data_ms = 1000 * factor * gradient_bytes / cluster.intra_link if dp > 1 and cluster.intra_link else 0.0
+    # The slowest stage paces the micro-batches; the first one passes through every other stage before it
+    # reaches it, and the last one after it leaves (a flow shop's makespan): the bubble is the other stages'
+    # slots, once; (K - 1)/(M + K - 1) of the step when the stages are even.
     step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
-            "bubble": (k - 1) * slot_ms, "data_parallel": data_ms}
+            "bubble": sum(slot_ms) - slot_ms[slowest], "data_parallel": data_ms}
+    if cluster.shared_cores:  # the host's devices take turns on its cores: all their work, and no idle slot
+        step.update(compute=cluster.per_host // k * m * sum(compute_ms), bubble=0.0)
+    if timed:  # the optimizer's update, the loss and metrics, Keras's work: once a step
+        step["step_rest"] = measured.rest_ms
     step["total"] = sum(step.values())
     memory_by_stage = [{**memory, "total": sum(memory.values())} for memory in memory_by_stage]
     return _prediction(model, layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["LayerCost", "ModelProfile", "measured_flops", "one_device_config", "profile"]
+__all__ = ["LayerCost", "ModelProfile", "profile"]
 
 TRAINING_FLOPS_PER_FORWARD = 3  # forward, then the backward's products for the inputs and for the weights
 
@@ -225,30 +225,3 @@ def _op_flops(graph, op, ops) -> float:
         return float(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
     except ValueError:  # no statistics registered for the op type: no arithmetic worth counting
         return 0.0
-
-
-def one_device_config(config, batch: int):
-    """`config` as a one-device job of `batch` examples a step: what `measured_flops` times."""
-    from tfdist.config import to_dict
-    from tfdist.config.loading import from_dict
-
-    raw = to_dict(config)
-    raw["strategy"].update(kind="one_device", logical_devices=1, devices=[], shard_optimizer=0)
-    raw["train"]["global_batch_size"] = batch
-    return from_dict(raw)
-
-
-def measured_flops(one_device, model: ModelProfile, steps: int = 10) -> float:
-    """This machine's sustained FLOP/s in a training step of a one-device job (`one_device_config`):
-    the profile's training FLOPs over the median of 3 timed rounds of `steps` steps."""
-    import statistics
-
-    from tfdist import training
-    from tfdist.bench.timing import fit_round
-
-    batch = one_device.train.global_batch_size
-    job = training.prepare(one_device)
-    one_round = fit_round(job.model, job.train_data, batch=batch, steps=steps)
-    one_round()  # tracing and warm-up
-    step_ms = statistics.median(one_round() for _ in range(3))
-    return model.training_flops_per_example * batch / (step_ms / 1000)

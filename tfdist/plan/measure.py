@@ -1,0 +1,155 @@
+"""`tfdist plan --measure`: this machine's own times for the config's model, on one device.
+
+`MeasuredTimes(one_device, model)` trains the job on one device
+(`one_device_config`: a device's share of the batch) and times, in
+alternated rounds:
+
+- its training step: the device's rate, the model's training FLOPs over it
+  (`device_flops`), which the planner scales to every layout's batch;
+- the model's forward and backward alone, compiled, at the same batch: what
+  the step does besides them (the optimizer's update, the loss and metrics,
+  Keras's own work a step) is `rest_ms`, which a step pays once whatever its
+  micro-batches.
+
+A pipeline's stages are timed when the planner asks for them
+(`stage_ms`): the model cut as the job cuts it (`tfdist.parallel.partition.
+split`, with the config's boundaries or balance), each stage's forward and
+backward, compiled, on one micro-batch, less what calling a compiled
+function costs with nothing in it. On a CPU a small micro-batch costs far
+more than its share of the FLOPs (every op has a fixed cost), so a pipeline
+predicted from the FLOPs rate is off by as much as its micro-batches are
+small; the stages' own times carry it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["MeasuredTimes", "one_device_config"]
+
+ROUNDS = 5  # alternated timed rounds, each a median's sample
+STEPS = 10  # training steps, or compiled calls, a round
+EMPTY = "empty call"
+
+
+def one_device_config(config, batch: int):
+    """`config` as a one-device job of `batch` examples a step: what `MeasuredTimes` times."""
+    from tfdist.config import to_dict
+    from tfdist.config.loading import from_dict
+
+    raw = to_dict(config)
+    raw["strategy"].update(kind="one_device", logical_devices=1, devices=[], shard_optimizer=0)
+    raw["train"]["global_batch_size"] = batch
+    return from_dict(raw)
+
+
+class MeasuredTimes:
+    """This machine's times for `one_device`'s job (call after the runtime is set up as the job's).
+
+    Attributes:
+      batch: the examples of the timed step.
+      step_ms: the one-device training step.
+      forward_backward_ms: the model's forward and backward alone, at the same batch (the work of a
+        compiled call of them: less the cost of calling it).
+      rest_ms: what the step does once besides them (the optimizer's update, loss, metrics).
+      device_flops: the model's training FLOPs in the step, over its time.
+      other_ms: the medians of `other_rounds`, timed in the same alternated rounds.
+
+    `starts`: where a pipeline's stages after the first start (positions in the model's layer graph),
+    when a job's own cut is known; otherwise the model is cut as the job would cut it.
+    """
+
+    def __init__(self, one_device, model, *, other_rounds: Optional[dict[str, Callable[[], float]]] = None,
+                 rounds: int = ROUNDS, starts: Sequence[int] = ()):
+        from tfdist import training
+        from tfdist.bench.timing import fit_round
+
+        self._config, self._rounds, self._starts = one_device, rounds, list(starts)
+        self.batch = one_device.train.global_batch_size
+        self._job = training.prepare(one_device)
+        self._model = self._job.model
+        whole = _forward_backward(self._model, self._model.inputs, self.batch)
+        step = fit_round(self._model, self._job.train_data, batch=self.batch, steps=STEPS)
+        medians = self._timed({"step": step, **(other_rounds or {})}, {"forward_backward": whole})
+        self.step_ms, self.forward_backward_ms = medians.pop("step"), medians.pop("forward_backward")
+        self.rest_ms = max(0.0, self.step_ms - self.forward_backward_ms)
+        self.device_flops = model.training_flops_per_example * self.batch / (self.step_ms / 1000)
+        self.other_ms = medians
+        self._stages: dict[tuple[int, int], list[float]] = {}
+
+    def stage_ms(self, stages: int, micro_batch: int) -> list[float]:
+        """Each stage's forward and backward on one micro-batch, compiled, when the model is cut into
+        `stages` as the job cuts it (less an empty compiled call's cost, which a step pays once)."""
+        from tfdist.parallel.partition import split
+
+        key = (stages, micro_batch)
+        if key not in self._stages:
+            pipeline = self._config.pipeline
+            boundaries = next((cut for cut in (self._starts, list(pipeline.boundaries)) if len(cut) == stages - 1),
+                              None)
+            partition = split(self._model, stages, boundaries=boundaries, balance_by=pipeline.balance_by.value,
+                              micro_batch_size=micro_batch)
+            medians = self._timed({}, {f"stage {stage.index}": _forward_backward(stage.model, stage.consumes,
+                                                                                 micro_batch)
+                                       for stage in partition.stages})
+            self._stages[key] = list(medians.values())
+        return self._stages[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "step_ms": self.step_ms, "forward_backward_ms": self.forward_backward_ms,
+                "rest_ms": self.rest_ms, "device_flops": self.device_flops,
+                "stage_ms": {f"{stages} stages, micro-batch {micro}": ms
+                             for (stages, micro), ms in self._stages.items()}}
+
+    def _timed(self, rounds: dict[str, Callable[[], float]], calls: dict[str, Any]) -> dict[str, float]:
+        """The medians of `rounds` and of the compiled `calls`' work (less an empty compiled call's
+        cost, which a step pays once), all in the same alternated rounds."""
+        import tensorflow as tf
+
+        from tfdist.bench.timing import alternate
+
+        samples = alternate({**rounds, **{name: _call_round(call) for name, call in calls.items()},
+                             EMPTY: _call_round(tf.function(lambda: tf.constant(0.0)))}, repeats=self._rounds)
+        medians = {name: statistics.median(values) for name, values in samples.items()}
+        empty = medians.pop(EMPTY)
+        return {name: max(0.0, ms - empty) if name in calls else ms for name, ms in medians.items()}
+
+
+def _forward_backward(model, inputs, batch: int):
+    """A compiled forward and backward of `model` on a random batch, in training mode: the gradients of
+    its outputs' sum with respect to its trainable variables and its floating-point inputs (what a
+    pipeline stage sends back)."""
+    import tensorflow as tf
+
+    from tfdist.parallel.partition import random_inputs
+
+    sample = random_inputs(inputs, batch)
+    if sample is None:
+        raise ValueError(f"cannot time {model.name!r}: its inputs' shapes are not all known ({inputs}).")
+    floats = [x for x in sample if x.dtype.is_floating]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            outputs = tf.nest.flatten(model(sample, training=True))
+            total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outputs])
+        return [g for g in tape.gradient(total, floats + model.trainable_variables) if g is not None]
+
+    return step
+
+
+def _call_round(function) -> Callable[[], float]:
+    """A round for `alternate`: `STEPS` calls of a compiled `function`; ms a call, once its results are in."""
+
+    def one_round() -> float:
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            results = function()
+        for result in results if isinstance(results, list) else [results]:
+            result.numpy()  # the calls run ahead of Python: wait for the last one's work
+        return 1000 * (time.perf_counter() - start) / STEPS
+
+    return one_round
