@@ -199,6 +199,8 @@ def test_uneven_stages_leave_the_other_stages_slots_as_bubble_and_shared_cores_a
     assert step["compute"] == pytest.approx(4 * 4 * per_mflop) and step["bubble"] == pytest.approx(2 * per_mflop)
     data = predict(uneven, shared, Layout(2), global_batch=32, micro_batches=1).step_ms
     assert data["compute"] == pytest.approx(2 * 6 * 16 * per_mflop / 8)  # both replicas' 16 examples, in turn
+    workers = predict(uneven, shared, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
+    assert workers["compute"] == pytest.approx(data["compute"])  # a worker's step waits for the other's compute
 
 
 def test_measure_times_the_stages_as_the_job_cuts_them(tmp_path):

@@ -47,7 +47,8 @@ class Cluster:
         (0: not counted; the all-reduce kinds pack every gradient into one collective).
       shared_cores: a host's devices share its processors (logical CPU devices of one process), so
         their work adds up instead of running at once: a step's compute is all of the host's devices'
-        work, one after another, with no pipeline bubble (another stage's work fills it).
+        work, one after another, with no pipeline bubble (another stage's work fills it); a
+        parameter-server worker's compute waits for the host's other workers'.
       source: where the figures come from.
     """
 

@@ -221,6 +221,7 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     memory["total"] = sum(memory.values())
     rate = cluster.device_flops
     compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0
+    compute *= cluster.per_host if cluster.shared_cores else 1  # the host's workers take turns on its cores
     remote = 1.0 if servers_apart else (cluster.hosts - 1) / cluster.hosts
     own = compute + (1000 * (1 - remote) * (weights + gradients) / cluster.intra_link if cluster.intra_link else 0.0)
     total = own
