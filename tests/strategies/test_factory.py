@@ -183,3 +183,19 @@ def test_a_mirrored_strategy_makes_the_cpus_it_names_or_says_it_cannot():
     assert proc.returncode == 1
     assert ("ConfigError: `strategy.logical_devices` cannot be raised to 6: TensorFlow already initialised "
             "with 3 CPU device(s)") in proc.stderr
+
+
+def _faults_per_step(trim: str) -> float:
+    script = os.path.join(os.path.dirname(__file__), "..", "scenarios", "allocator_faults.py")
+    proc = subprocess.run([sys.executable, script, trim], capture_output=True, text=True, timeout=patient(300),
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["faults_per_step"]
+
+
+def test_the_strategy_takes_back_tensorflows_allocator_trimming_unless_asked_to_keep_it():
+    """TensorFlow's generator datasets (every fit under a strategy) set glibc's trim threshold, which maps
+    and unmaps every tensor of 128 KB or more each step; tfdist sets the allocator back, so the default
+    job's steps (half-megabyte activations) reuse their memory instead of faulting it in again."""
+    kept, trimmed = _faults_per_step("false"), _faults_per_step("true")
+    assert trimmed > 1000 and kept < 0.2 * trimmed, (kept, trimmed)

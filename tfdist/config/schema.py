@@ -599,11 +599,18 @@ class RuntimeConfig:
       deterministic_ops: TensorFlow's op determinism
         (`tf.config.experimental.enable_op_determinism`): the same inputs give
         the same bits, which a bit-identical resume on a GPU needs.
+      trim_freed_memory: keep the host allocator as TensorFlow's generator
+        datasets set it (glibc's trim threshold at 128 KB: freed memory goes
+        back to the system at once, but every block of 128 KB or more is
+        mapped and unmapped each time, which made CPU training steps about
+        twice as long). Off: tfdist sets glibc's thresholds back to where its
+        own adjustment takes them (reuse blocks under 32 MiB).
     """
 
     intra_op_threads: int = bounded(0, low=0)
     inter_op_threads: int = bounded(0, low=0)
     deterministic_ops: bool = False
+    trim_freed_memory: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

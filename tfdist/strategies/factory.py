@@ -36,6 +36,7 @@ from tfdist.errors import ClusterError, ConfigError
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import configure_runtime, local_devices
 from tfdist.strategies.horovod import AdasumWithoutMpiError, HorovodStrategy
+from tfdist.strategies.host_allocator import restore_allocator
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
 from tfdist.strategies.pipeline import PipelineStrategy
@@ -47,7 +48,8 @@ __all__ = ["make_strategy", "serves_only"]
 
 
 def make_strategy(config: Config) -> tf.distribute.Strategy:
-    """Configures the runtime and precision policy, then builds the strategy.
+    """Configures the runtime and precision policy, then builds the strategy, and sets the host
+    allocator back from TensorFlow's trimming (`host_allocator`) unless `runtime.trim_freed_memory`.
 
     Call it before running any TensorFlow op: logical CPU devices and thread
     pools can only be set before TensorFlow initialises.
@@ -62,6 +64,8 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     strategy = _BUILDERS[config.strategy.kind](config, gpus)
     check_batch_split(config, strategy.num_replicas_in_sync)
     precision.apply_policy(config.precision)
+    if not config.runtime.trim_freed_memory:  # once the strategy has started TensorFlow: it runs a dataset
+        restore_allocator()
     return strategy
 
 
