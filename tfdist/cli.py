@@ -267,11 +267,12 @@ def _plan_command(args) -> None:
         import tensorflow as tf
 
         measured = plan.MeasuredTimes(one_device, model)
-        logical_cpus = not tf.config.list_physical_devices("GPU")  # the job's devices would share the cores
+        # Without GPUs the job's devices are logical CPUs, sharing this machine's cores.
+        cores = 0 if tf.config.list_physical_devices("GPU") else len(os.sched_getaffinity(0))
         cluster = dataclasses.replace(
-            cluster, device_flops=measured.device_flops, shared_cores=logical_cpus,
+            cluster, device_flops=measured.device_flops, host_cores=cores,
             source=f"{cluster.source}; device rate measured here" +
-                   ("; logical CPU devices sharing its cores" if logical_cpus else ""))
+                   (f"; logical CPU devices sharing its {cores} cores" if cores else ""))
     result = plan.make_plan(config, cluster, model, measured)
     print(plan.table(result))
     if _JSON.value:

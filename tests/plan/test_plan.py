@@ -171,16 +171,19 @@ def test_predicted_activation_bytes_are_within_25_percent_of_what_tensorflows_al
     assert transformer["layer_outputs_per_example"] < 0.5 * transformer["measured_per_example"]
 
 
-def test_uneven_stages_leave_the_other_stages_slots_as_bubble_and_shared_cores_add_up_the_work():
+def test_uneven_stages_leave_the_other_stages_slots_as_bubble_and_shared_cores_bound_the_step():
     """A flow shop's makespan: the slowest stage paces the micro-batches and the others' slots come once;
-    on devices that share their cores, the host's work adds up and nothing idles."""
+    on devices that share a host's cores, a step takes at least all their CPU time over the cores."""
 
-    class Timed:  # what `MeasuredTimes` gives the planner: the stages' times on a micro-batch, and the rest
-        rest_ms = 1.5
+    class Timed:  # what `MeasuredTimes` gives the planner
+        rest_ms, parallelism = 1.5, 1.0
 
         def stage_ms(self, stages, micro_batch):
             assert (stages, micro_batch) == (2, 8)
             return [3.0, 1.0]
+
+        def stage_cpu_ms(self, stages, micro_batch):
+            return [6.0, 1.0]  # the first stage keeps 2 cores busy
 
     model = _uniform_model()
     cluster = Cluster(devices=2, device_flops=1e9)
@@ -188,19 +191,28 @@ def test_uneven_stages_leave_the_other_stages_slots_as_bubble_and_shared_cores_a
     step = predict(model, cluster, layout, global_batch=32, micro_batches=4, measured=Timed()).step_ms
     assert (step["compute"], step["bubble"], step["step_rest"]) == (4 * 3.0, 1.0, 1.5)
     assert step["total"] == pytest.approx(12 + 1 + 1.5)
-    shared = dataclasses.replace(cluster, shared_cores=True)
-    step = predict(model, shared, layout, global_batch=32, micro_batches=4, measured=Timed()).step_ms
-    assert (step["compute"], step["bubble"]) == (4 * (3.0 + 1.0), 0.0)
+    two_cores = dataclasses.replace(cluster, host_cores=2)  # 4 x 7 ms of CPU over 2 cores: longer than 13
+    step = predict(model, two_cores, layout, global_batch=32, micro_batches=4, measured=Timed()).step_ms
+    assert (step["compute"], step["bubble"]) == (4 * 7.0 / 2, 0.0)
+    four_cores = dataclasses.replace(cluster, host_cores=4)  # enough cores: the schedule is the step
+    step = predict(model, four_cores, layout, global_batch=32, micro_batches=4, measured=Timed()).step_ms
+    assert (step["compute"], step["bubble"]) == (12.0, 1.0)
     # Without the stages' times, uneven layers cut by FLOPs: 3 layers of 1, 1 and 4 MFLOPs, as 2 and 4.
     uneven = dataclasses.replace(model, layers=tuple(dataclasses.replace(layer, forward_flops_per_example=flops)
                                                      for layer, flops in zip(model.layers, (1e6, 1e6, 4e6))))
     step = predict(uneven, cluster, layout, global_batch=32, micro_batches=4).step_ms
     per_mflop = 1000 * 3 * 8 * 1e6 / 1e9  # ms a forward MFLOP of one example costs a micro-batch of 8 in training
     assert step["compute"] == pytest.approx(4 * 4 * per_mflop) and step["bubble"] == pytest.approx(2 * per_mflop)
-    data = predict(uneven, shared, Layout(2), global_batch=32, micro_batches=1).step_ms
-    assert data["compute"] == pytest.approx(2 * 6 * 16 * per_mflop / 8)  # both replicas' 16 examples, in turn
-    workers = predict(uneven, shared, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
-    assert workers["compute"] == pytest.approx(data["compute"])  # a worker's step waits for the other's compute
+    one_core = dataclasses.replace(cluster, host_cores=1)
+    data = predict(uneven, one_core, Layout(2), global_batch=32, micro_batches=1).step_ms
+    assert data["compute"] == pytest.approx(2 * 6 * 16 * per_mflop / 8)  # both replicas' 16 examples on one core
+    workers = predict(uneven, one_core, Layout(2, parameter_server=True), global_batch=32, micro_batches=1).step_ms
+    assert workers["compute"] == pytest.approx(data["compute"])  # a worker's step shares the core with the other
+    # A tensor-parallel group meets at every layer: on shared cores its devices take turns, however many cores.
+    plenty = dataclasses.replace(cluster, host_cores=8)
+    alone = predict(model, cluster, Layout(1, tensor_parallel=2), global_batch=32, micro_batches=1).step_ms
+    turns = predict(model, plenty, Layout(1, tensor_parallel=2), global_batch=32, micro_batches=1).step_ms
+    assert turns["compute"] == pytest.approx(2 * alone["compute"])
 
 
 def test_measure_times_the_stages_as_the_job_cuts_them(tmp_path):
@@ -210,15 +222,18 @@ def test_measure_times_the_stages_as_the_job_cuts_them(tmp_path):
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(table.read_text())
     measured, cluster = result["measured"], result["cluster"]
-    assert cluster["shared_cores"] and "logical CPU devices sharing its cores" in cluster["source"]
+    cores = len(os.sched_getaffinity(0))
+    assert cluster["host_cores"] == cores and f"logical CPU devices sharing its {cores} cores" in cluster["source"]
     assert measured["batch"] == 32 and measured["rest_ms"] == pytest.approx(
         max(0.0, measured["step_ms"] - measured["forward_backward_ms"]))
     assert cluster["device_flops"] == pytest.approx(
         result["model"]["training_flops_per_example"] * 32 / (measured["step_ms"] / 1000))
-    stages = measured["stage_ms"]["2 stages, micro-batch 16"]  # the config's 4 micro-batches of 64 examples
-    assert len(stages) == 2 and all(ms > 0 for ms in stages)
+    key = "2 stages, micro-batch 16"  # the config's 4 micro-batches of 64 examples
+    stages, cpu = measured["stage_ms"][key], measured["stage_cpu_ms"][key]
+    assert len(stages) == 2 and all(ms > 0 for ms in stages) and 0 < measured["parallelism"] <= cores + 0.5
     step = next(row for row in result["layouts"] if row["layout"] == "data 1 x pipeline 2")["step_ms"]
-    assert step["compute"] == pytest.approx(4 * sum(stages)) and step["bubble"] == 0
+    schedule = 4 * max(stages) + min(stages)  # the slowest stage paces 4 micro-batches; the other's slot once
+    assert step["compute"] + step["bubble"] == pytest.approx(max(schedule, 4 * sum(cpu) / cores))
     assert step["step_rest"] == pytest.approx(measured["rest_ms"])
 
 

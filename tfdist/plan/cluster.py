@@ -45,10 +45,10 @@ class Cluster:
       variable_latency: seconds each trainable variable adds to a parameter-server worker's step
         beyond its bytes: the worker reads it and sends its gradient with an RPC of their own each
         (0: not counted; the all-reduce kinds pack every gradient into one collective).
-      shared_cores: a host's devices share its processors (logical CPU devices of one process), so
-        their work adds up instead of running at once: a step's compute is all of the host's devices'
-        work, one after another, with no pipeline bubble (another stage's work fills it); a
-        parameter-server worker's compute waits for the host's other workers'.
+      host_cores: the cores a host's devices share, when they do (logical CPU devices of one
+        process; 0: each device computes on its own): a step then takes at least all the host's
+        devices' CPU time over its cores, however the devices' work is scheduled, and a
+        tensor-parallel group's devices take turns.
       source: where the figures come from.
     """
 
@@ -61,7 +61,7 @@ class Cluster:
     link_latency: float = 0.0
     host_rate: float = 0.0
     variable_latency: float = 0.0
-    shared_cores: bool = False
+    host_cores: int = 0
     source: str = "flags"
 
     def __post_init__(self):

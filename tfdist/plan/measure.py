@@ -54,6 +54,7 @@ class MeasuredTimes:
       forward_backward_ms: the model's forward and backward alone, at the same batch (the work of a
         compiled call of them: less the cost of calling it).
       rest_ms: what the step does once besides them (the optimizer's update, loss, metrics).
+      parallelism: the cores the step keeps busy on average (the process's CPU time over its time).
       device_flops: the model's training FLOPs in the step, over its time.
       other_ms: the medians of `other_rounds`, timed in the same alternated rounds.
 
@@ -72,16 +73,23 @@ class MeasuredTimes:
         self._model = self._job.model
         whole = _forward_backward(self._model, self._model.inputs, self.batch)
         step = fit_round(self._model, self._job.train_data, batch=self.batch, steps=STEPS)
-        medians = self._timed({"step": step, **(other_rounds or {})}, {"forward_backward": whole})
-        self.step_ms, self.forward_backward_ms = medians.pop("step"), medians.pop("forward_backward")
+        timed = self._timed({"step": step, **(other_rounds or {})}, {"forward_backward": whole})
+        (self.step_ms, self.parallelism), (self.forward_backward_ms, _) = timed.pop("step"), timed.pop("forward_backward")
         self.rest_ms = max(0.0, self.step_ms - self.forward_backward_ms)
         self.device_flops = model.training_flops_per_example * self.batch / (self.step_ms / 1000)
-        self.other_ms = medians
-        self._stages: dict[tuple[int, int], list[float]] = {}
+        self.other_ms = {name: ms for name, (ms, _) in timed.items()}
+        self._stages: dict[tuple[int, int], list[tuple[float, float]]] = {}
 
     def stage_ms(self, stages: int, micro_batch: int) -> list[float]:
         """Each stage's forward and backward on one micro-batch, compiled, when the model is cut into
         `stages` as the job cuts it (less an empty compiled call's cost, which a step pays once)."""
+        return [ms for ms, _ in self._stage_times(stages, micro_batch)]
+
+    def stage_cpu_ms(self, stages: int, micro_batch: int) -> list[float]:
+        """The CPU time of each stage's slot (`stage_ms`): its time times the cores it kept busy."""
+        return [ms * cores for ms, cores in self._stage_times(stages, micro_batch)]
+
+    def _stage_times(self, stages: int, micro_batch: int) -> list[tuple[float, float]]:
         from tfdist.parallel.partition import split
 
         key = (stages, micro_batch)
@@ -91,30 +99,33 @@ class MeasuredTimes:
                               None)
             partition = split(self._model, stages, boundaries=boundaries, balance_by=pipeline.balance_by.value,
                               micro_batch_size=micro_batch)
-            medians = self._timed({}, {f"stage {stage.index}": _forward_backward(stage.model, stage.consumes,
-                                                                                 micro_batch)
-                                       for stage in partition.stages})
-            self._stages[key] = list(medians.values())
+            self._stages[key] = list(self._timed({}, {f"stage {stage.index}": _forward_backward(
+                stage.model, stage.consumes, micro_batch) for stage in partition.stages}).values())
         return self._stages[key]
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, "step_ms": self.step_ms, "forward_backward_ms": self.forward_backward_ms,
-                "rest_ms": self.rest_ms, "device_flops": self.device_flops,
-                "stage_ms": {f"{stages} stages, micro-batch {micro}": ms
-                             for (stages, micro), ms in self._stages.items()}}
+                "rest_ms": self.rest_ms, "device_flops": self.device_flops, "parallelism": self.parallelism,
+                "stage_ms": {f"{stages} stages, micro-batch {micro}": [ms for ms, _ in times]
+                             for (stages, micro), times in self._stages.items()},
+                "stage_cpu_ms": {f"{stages} stages, micro-batch {micro}": [ms * cores for ms, cores in times]
+                                 for (stages, micro), times in self._stages.items()}}
 
-    def _timed(self, rounds: dict[str, Callable[[], float]], calls: dict[str, Any]) -> dict[str, float]:
-        """The medians of `rounds` and of the compiled `calls`' work (less an empty compiled call's
-        cost, which a step pays once), all in the same alternated rounds."""
+    def _timed(self, rounds: dict[str, Callable[[], float]], calls: dict[str, Any]) -> dict[str, tuple[float, float]]:
+        """For `rounds` and the compiled `calls`, all in the same alternated rounds: the median ms (a call's
+        less an empty compiled call's, which a step pays once) and the median cores kept busy (the
+        process's CPU time over the round's wall time)."""
         import tensorflow as tf
 
         from tfdist.bench.timing import alternate
 
-        samples = alternate({**rounds, **{name: _call_round(call) for name, call in calls.items()},
-                             EMPTY: _call_round(tf.function(lambda: tf.constant(0.0)))}, repeats=self._rounds)
-        medians = {name: statistics.median(values) for name, values in samples.items()}
-        empty = medians.pop(EMPTY)
-        return {name: max(0.0, ms - empty) if name in calls else ms for name, ms in medians.items()}
+        timed = {**rounds, **{name: _call_round(call) for name, call in calls.items()},
+                 EMPTY: _call_round(tf.function(lambda: tf.constant(0.0)))}
+        samples = alternate({name: _with_cores(one_round) for name, one_round in timed.items()}, repeats=self._rounds)
+        medians = {name: (statistics.median(ms for ms, _ in values), statistics.median(cores for _, cores in values))
+                   for name, values in samples.items()}
+        empty, _ = medians.pop(EMPTY)
+        return {name: (max(0.0, ms - empty) if name in calls else ms, cores) for name, (ms, cores) in medians.items()}
 
 
 def _forward_backward(model, inputs, batch: int):
@@ -139,6 +150,17 @@ def _forward_backward(model, inputs, batch: int):
         return [g for g in tape.gradient(total, floats + model.trainable_variables) if g is not None]
 
     return step
+
+
+def _with_cores(one_round: Callable[[], float]) -> Callable[[], tuple[float, float]]:
+    """`one_round`, returning what it measured and the cores the process kept busy meanwhile."""
+
+    def measured() -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        value = one_round()
+        return value, (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+
+    return measured
 
 
 def _call_round(function) -> Callable[[], float]:

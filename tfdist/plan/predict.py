@@ -29,8 +29,10 @@ parameter servers. For each:
   the cluster's `link_latency` (a step's fixed cost, when given) and its
   `host_rate` (the transport's own work on each byte: serializing, copying)
   add to the wire time; on a cluster whose devices share a host's cores
-  (logical CPU devices, `shared_cores`), the compute is all the host's
-  devices' work one after another, and there is no bubble;
+  (logical CPU devices, `host_cores`), a step's compute is at least all
+  the host's devices' CPU time over its cores (their time times the cores
+  each kept busy, as measured), and a tensor-parallel group's devices,
+  which meet at every layer's sum, take turns;
 - **parameter servers**: every device a worker that reads the weights at
   the start of its step and sends its gradients at its end, over its host's
   link for the servers on other hosts, asynchronously: its step is its own
@@ -124,7 +126,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     from tfdist.parallel.partition import balance
 
     if layout.parameter_server:
-        return _parameter_servers(model, cluster, layout, global_batch, servers_apart)
+        return _parameter_servers(model, cluster, layout, global_batch, servers_apart, measured)
     k, t, dp = layout.stages, layout.tensor_parallel, layout.dp
     batch = global_batch // dp  # a replica's examples a step
     m = micro_batches if k > 1 else 1
@@ -181,8 +183,12 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     # slots, once; (K - 1)/(M + K - 1) of the step when the stages are even.
     step = {"compute": m * compute_ms[slowest], "tensor_parallel": m * tp_ms[slowest], "pipeline": m * pipeline_ms,
             "bubble": sum(slot_ms) - slot_ms[slowest], "data_parallel": data_ms}
-    if cluster.shared_cores:  # the host's devices take turns on its cores: all their work, and no idle slot
-        step.update(compute=cluster.per_host // k * m * sum(compute_ms), bubble=0.0)
+    if cluster.host_cores:  # the host's devices share its cores: a step takes at least all their CPU time over them
+        cpu_ms = measured.stage_cpu_ms(k, micro) if timed else [ms * _parallelism(measured) for ms in compute_ms]
+        # A tensor-parallel group's devices meet at every layer's sum: on shared cores they take turns.
+        floor = max(cluster.per_host // k * m * sum(cpu_ms) / cluster.host_cores, t * m * compute_ms[slowest])
+        if floor > step["compute"] + step["bubble"]:
+            step.update(compute=floor, bubble=0.0)
     if timed:  # the optimizer's update, the loss and metrics, Keras's work: once a step
         step["step_rest"] = measured.rest_ms
     step["total"] = sum(step.values())
@@ -206,7 +212,7 @@ def _fullest_per_example(layers, share) -> float:
 
 
 def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, global_batch: int,
-                       servers_apart: bool) -> Prediction:
+                       servers_apart: bool, measured=None) -> Prediction:
     """Each device a worker of global_batch / workers examples a step (as many examples a step as the
     all-reduce layouts), reading the weights at the start of its step and sending the gradients at its
     end; the servers hold a share of the variables each, one on every host (or, `servers_apart`, on
@@ -221,7 +227,8 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
     memory["total"] = sum(memory.values())
     rate = cluster.device_flops
     compute = 1000 * model.training_flops_per_example * batch / rate if rate else 0.0
-    compute *= cluster.per_host if cluster.shared_cores else 1  # the host's workers take turns on its cores
+    if cluster.host_cores:  # the host's workers share its cores
+        compute = max(compute, cluster.per_host * compute * _parallelism(measured) / cluster.host_cores)
     remote = 1.0 if servers_apart else (cluster.hosts - 1) / cluster.hosts
     own = compute + (1000 * (1 - remote) * (weights + gradients) / cluster.intra_link if cluster.intra_link else 0.0)
     total = own
@@ -233,6 +240,11 @@ def _parameter_servers(model: ModelProfile, cluster: Cluster, layout: Layout, gl
         total = own + cluster.crossing_ms(reads + sends, moved)
     step = {"compute": compute, "parameter_server": total - compute, "total": total}
     return _prediction(model, layout, memory, cluster, step, global_batch)
+
+
+def _parallelism(measured) -> float:
+    """The cores a device's step keeps busy, as measured (1 when not)."""
+    return measured.parallelism if measured is not None else 1.0
 
 
 def _shared_link(read_ms: float, send_ms: float, rest_ms: float, workers: int) -> tuple[float, float]:
