@@ -96,7 +96,8 @@ def test_the_pipeline_in_one_process_is_predicted_from_its_own_stages_times():
         key = f"2 stages, micro-batch {row['batch'] // 4}"
         stages, cpu = timed["stage_ms"][key], timed["stage_cpu_ms"][key]
         schedule = 4 * max(stages) + min(stages)  # M = 4; the 2 devices share the machine's cores
-        assert terms["compute"] + terms["bubble"] == pytest.approx(max(schedule, 4 * sum(cpu) / len(os.sched_getaffinity(0))))
+        cores = len(os.sched_getaffinity(0))
+        assert terms["compute"] + terms["bubble"] == pytest.approx(max(schedule, 4 * sum(cpu) / cores))
         assert terms["step_rest"] == pytest.approx(timed["rest_ms"])
         assert row["ratio"] == pytest.approx(row["predicted_ms"] / row["measured_ms"])
         assert row["unmodelled_ms"] == pytest.approx(row["measured_ms"] - row["predicted_ms"])

@@ -19,6 +19,10 @@ function costs with nothing in it. On a CPU a small micro-batch costs far
 more than its share of the FLOPs (every op has a fixed cost), so a pipeline
 predicted from the FLOPs rate is off by as much as its micro-batches are
 small; the stages' own times carry it.
+
+Every round also reads the process's CPU time: the cores a step or a stage
+keeps busy, which bound a step on devices that share a machine's cores
+(`Cluster.host_cores`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
+
+from tfdist.errors import ConfigError
 
 __all__ = ["MeasuredTimes", "one_device_config"]
 
@@ -72,9 +78,13 @@ class MeasuredTimes:
         self._job = training.prepare(one_device)
         self._model = self._job.model
         whole = _forward_backward(self._model, self._model.inputs, self.batch)
+        if whole is None:
+            raise ConfigError("--measure", "needs the model's input shape: its inputs' shapes are not all known.",
+                              [tuple(t.shape) for t in self._model.inputs])
         step = fit_round(self._model, self._job.train_data, batch=self.batch, steps=STEPS)
         timed = self._timed({"step": step, **(other_rounds or {})}, {"forward_backward": whole})
-        (self.step_ms, self.parallelism), (self.forward_backward_ms, _) = timed.pop("step"), timed.pop("forward_backward")
+        self.step_ms, self.parallelism = timed.pop("step")
+        self.forward_backward_ms, _ = timed.pop("forward_backward")
         self.rest_ms = max(0.0, self.step_ms - self.forward_backward_ms)
         self.device_flops = model.training_flops_per_example * self.batch / (self.step_ms / 1000)
         self.other_ms = {name: ms for name, (ms, _) in timed.items()}
@@ -82,7 +92,8 @@ class MeasuredTimes:
 
     def stage_ms(self, stages: int, micro_batch: int) -> list[float]:
         """Each stage's forward and backward on one micro-batch, compiled, when the model is cut into
-        `stages` as the job cuts it (less an empty compiled call's cost, which a step pays once)."""
+        `stages` as the job cuts it (less an empty compiled call's cost, which a step pays once); empty
+        when a stage cannot be timed (an input of unknown shape between stages)."""
         return [ms for ms, _ in self._stage_times(stages, micro_batch)]
 
     def stage_cpu_ms(self, stages: int, micro_batch: int) -> list[float]:
@@ -99,8 +110,9 @@ class MeasuredTimes:
                               None)
             partition = split(self._model, stages, boundaries=boundaries, balance_by=pipeline.balance_by.value,
                               micro_batch_size=micro_batch)
-            self._stages[key] = list(self._timed({}, {f"stage {stage.index}": _forward_backward(
-                stage.model, stage.consumes, micro_batch) for stage in partition.stages}).values())
+            calls = {f"stage {stage.index}": _forward_backward(stage.model, stage.consumes, micro_batch)
+                     for stage in partition.stages}
+            self._stages[key] = list(self._timed({}, calls).values()) if None not in calls.values() else []
         return self._stages[key]
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,7 +123,8 @@ class MeasuredTimes:
                 "stage_cpu_ms": {f"{stages} stages, micro-batch {micro}": [ms * cores for ms, cores in times]
                                  for (stages, micro), times in self._stages.items()}}
 
-    def _timed(self, rounds: dict[str, Callable[[], float]], calls: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    def _timed(self, rounds: dict[str, Callable[[], float]],
+               calls: dict[str, Any]) -> dict[str, tuple[float, float]]:
         """For `rounds` and the compiled `calls`, all in the same alternated rounds: the median ms (a call's
         less an empty compiled call's, which a step pays once) and the median cores kept busy (the
         process's CPU time over the round's wall time)."""
@@ -131,14 +144,14 @@ class MeasuredTimes:
 def _forward_backward(model, inputs, batch: int):
     """A compiled forward and backward of `model` on a random batch, in training mode: the gradients of
     its outputs' sum with respect to its trainable variables and its floating-point inputs (what a
-    pipeline stage sends back)."""
+    pipeline stage sends back); None when an input's shape is not all known."""
     import tensorflow as tf
 
     from tfdist.parallel.partition import random_inputs
 
     sample = random_inputs(inputs, batch)
-    if sample is None:
-        raise ValueError(f"cannot time {model.name!r}: its inputs' shapes are not all known ({inputs}).")
+    if sample is None:  # an input of unknown shape: nothing to time it on
+        return None
     floats = [x for x in sample if x.dtype.is_floating]
 
     @tf.function
