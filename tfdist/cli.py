@@ -264,11 +264,8 @@ def _plan_command(args) -> None:
     model = plan.profile(config)
     measured = None
     if _MEASURE.value:
-        import tensorflow as tf
-
         measured = plan.MeasuredTimes(one_device, model)
-        # Without GPUs the job's devices are logical CPUs, sharing this machine's cores.
-        cores = 0 if tf.config.list_physical_devices("GPU") else len(os.sched_getaffinity(0))
+        cores = plan.shared_cores()
         cluster = dataclasses.replace(
             cluster, device_flops=measured.device_flops, host_cores=cores,
             source=f"{cluster.source}; device rate measured here" +

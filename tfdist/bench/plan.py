@@ -121,7 +121,7 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
     from tfdist.bench.jobs import ROOT
     from tfdist.bench.timing import fit_round
     from tfdist.config import load_config
-    from tfdist.plan import Cluster, Layout, MeasuredTimes, one_device_config, profile
+    from tfdist.plan import Cluster, Layout, MeasuredTimes, one_device_config, profile, shared_cores
     from tfdist.plan.predict import predict
     from tfdist.strategies.devices import configure_runtime
 
@@ -145,8 +145,7 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
                                      other_rounds={kind: job_round}, starts=list(starts))
             layout = Layout(1, stages=config.pipeline.num_stages) if kind == "pipeline" else \
                 Layout(1, tensor_parallel=config.strategy.tensor_parallel_size or devices)
-            cluster = Cluster(devices=devices, device_flops=measured.device_flops,
-                              host_cores=len(os.sched_getaffinity(0)))
+            cluster = Cluster(devices=devices, device_flops=measured.device_flops, host_cores=shared_cores())
             predicted = predict(model, cluster, layout,
                                 global_batch=batch, micro_batches=config.pipeline.num_micro_batches,
                                 schedule=config.pipeline.schedule.value, balance_by=config.pipeline.balance_by.value,

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import _compat
 
-__all__ = ["Partition", "Stage", "balance", "draws_random_numbers", "random_inputs", "split"]
+__all__ = ["Partition", "Stage", "balance", "draws_random_numbers", "forward_backward", "random_inputs", "split"]
 
 BALANCE_BASES = ("time", "params")
 
@@ -312,25 +312,28 @@ def random_inputs(tensors, batch: int) -> Optional[list]:
     return values
 
 
+def forward_backward(model: keras.Model, sample: list) -> list:
+    """One training-mode forward and backward of `model` on `sample`: the gradients of its outputs' sum
+    with respect to the sample's floating-point tensors and the model's trainable variables (what a
+    stage sends back and what it updates), those that exist."""
+    floats = [x for x in sample if x.dtype.is_floating]
+    with tf.GradientTape() as tape:
+        tape.watch(floats)
+        outputs = tf.nest.flatten(model(sample, training=True))
+        total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outputs])
+    return [g for g in tape.gradient(total, floats + model.trainable_variables) if g is not None]
+
+
 def _time_ms(fn_model: keras.Model, input_tensors, batch: int, repeats: int = 3) -> Optional[float]:
     """Median eager forward+backward time of `fn_model` on a random batch."""
     sample = random_inputs(input_tensors, batch)
     if sample is None:
         return None
-    floats = [x for x in sample if x.dtype.is_floating]
-    variables = fn_model.trainable_variables
 
     def step():
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            outputs = tf.nest.flatten(fn_model(sample, training=True))
-            total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outputs])
-        grads = tape.gradient(total, floats + variables)
-        # Reading a value waits for the work (eager ops may run ahead).
-        for g in grads:
-            if g is not None:
-                g.numpy()
-                break
+        grads = forward_backward(fn_model, sample)
+        if grads:
+            grads[0].numpy()  # reading a value waits for the work (eager ops may run ahead)
 
     step()  # warm-up: kernels, caches
     times = []

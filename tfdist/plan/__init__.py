@@ -17,13 +17,13 @@ import dataclasses
 from typing import Any, Optional
 
 from tfdist.plan.cluster import PRESETS, Cluster, format_bytes, from_preset, parse_bytes, parse_duration, parse_rate
-from tfdist.plan.measure import MeasuredTimes, one_device_config
+from tfdist.plan.measure import MeasuredTimes, one_device_config, shared_cores
 from tfdist.plan.predict import Layout, Prediction, layouts, predict, recommended
 from tfdist.plan.profile import ModelProfile, profile
 
 __all__ = ["PRESETS", "SPEED_FLAGS", "Cluster", "Layout", "MeasuredTimes", "ModelProfile", "Prediction",
            "from_preset", "layout_overrides", "make_plan", "one_device_config", "parse_bytes", "parse_duration",
-           "parse_rate", "profile", "table"]
+           "parse_rate", "profile", "shared_cores", "table"]
 
 SPEED_FLAGS = "--device_tflops, a --cluster preset or --measure"
 

@@ -33,11 +33,21 @@ from typing import Any, Callable, Optional, Sequence
 
 from tfdist.errors import ConfigError
 
-__all__ = ["MeasuredTimes", "one_device_config"]
+__all__ = ["MeasuredTimes", "one_device_config", "shared_cores"]
 
 ROUNDS = 5  # alternated timed rounds, each a median's sample
 STEPS = 10  # training steps, or compiled calls, a round
 EMPTY = "empty call"
+
+
+def shared_cores() -> int:
+    """The cores this machine's devices share when they are logical CPU devices (no GPU): those this
+    process may run on; 0 with GPUs, each of which computes on its own."""
+    import os
+
+    from tfdist.strategies.devices import physical_gpus
+
+    return 0 if physical_gpus() else len(os.sched_getaffinity(0))
 
 
 def one_device_config(config, batch: int):
@@ -116,12 +126,11 @@ class MeasuredTimes:
         return self._stages[key]
 
     def to_dict(self) -> dict[str, Any]:
+        timed = {f"{stages} stages, micro-batch {micro}": (stages, micro) for stages, micro in self._stages}
         return {"batch": self.batch, "step_ms": self.step_ms, "forward_backward_ms": self.forward_backward_ms,
                 "rest_ms": self.rest_ms, "device_flops": self.device_flops, "parallelism": self.parallelism,
-                "stage_ms": {f"{stages} stages, micro-batch {micro}": [ms for ms, _ in times]
-                             for (stages, micro), times in self._stages.items()},
-                "stage_cpu_ms": {f"{stages} stages, micro-batch {micro}": [ms * cores for ms, cores in times]
-                                 for (stages, micro), times in self._stages.items()}}
+                "stage_ms": {name: self.stage_ms(*key) for name, key in timed.items()},
+                "stage_cpu_ms": {name: self.stage_cpu_ms(*key) for name, key in timed.items()}}
 
     def _timed(self, rounds: dict[str, Callable[[], float]],
                calls: dict[str, Any]) -> dict[str, tuple[float, float]]:
@@ -142,27 +151,16 @@ class MeasuredTimes:
 
 
 def _forward_backward(model, inputs, batch: int):
-    """A compiled forward and backward of `model` on a random batch, in training mode: the gradients of
-    its outputs' sum with respect to its trainable variables and its floating-point inputs (what a
-    pipeline stage sends back); None when an input's shape is not all known."""
+    """`partition.forward_backward` of `model` on a random batch, compiled; None when an input's shape
+    is not all known."""
     import tensorflow as tf
 
-    from tfdist.parallel.partition import random_inputs
+    from tfdist.parallel.partition import forward_backward, random_inputs
 
     sample = random_inputs(inputs, batch)
     if sample is None:  # an input of unknown shape: nothing to time it on
         return None
-    floats = [x for x in sample if x.dtype.is_floating]
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            outputs = tf.nest.flatten(model(sample, training=True))
-            total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outputs])
-        return [g for g in tape.gradient(total, floats + model.trainable_variables) if g is not None]
-
-    return step
+    return tf.function(lambda: forward_backward(model, sample))
 
 
 def _with_cores(one_round: Callable[[], float]) -> Callable[[], tuple[float, float]]:

@@ -163,9 +163,10 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
         tp_bytes = sum(2 * 2 * (t - 1) / t * layer.output_bytes_per_example * micro
                        for layer in layers if layer.tensor_parallel and t > 1)
         tp_ms.append(1000 * tp_bytes / cluster.intra_link if tp_bytes and cluster.intra_link else 0.0)
-    timed = measured is not None and k > 1 and t == 1 and bool(measured.stage_ms(k, micro))
+    stage_ms = measured.stage_ms(k, micro) if measured is not None and k > 1 and t == 1 else []
+    timed = bool(stage_ms)
     if timed:  # each stage's own time on a micro-batch, as the job cuts it
-        compute_ms = measured.stage_ms(k, micro)
+        compute_ms = stage_ms
     boundary = max((stage[-1].output_bytes_per_example for stage in stages[:-1]), default=0)
     # A stage passes each micro-batch's activations on, and their gradients back.
     pipeline_ms = 1000 * 2 * boundary * micro / cluster.intra_link if k > 1 and cluster.intra_link else 0.0
