@@ -93,8 +93,10 @@ def format_summary(result: Mapping[str, Any]) -> str:
                      "this machine)")
     if "link_bytes_per_step" in result:
         link = result["link_bytes_per_step"]
+        resent = result.get("link_retransmits_per_step") or 0.0
+        resent_note = f", {resent:.1f} TCP segments sent again" if resent else ""
         lines.append(f"  link traffic    {megabytes(link['sent'])} sent, {megabytes(link['received'])} received "
-                     "a step (this host's link)")
+                     f"a step (this host's link{resent_note})")
     if "input_stalls" in result:
         first, *rest = result["input_stalls"].removeprefix("input stalls: ").splitlines()
         lines += [f"  input stalls    {first}", *(f"{'':18}{line.strip()}" for line in rest)]

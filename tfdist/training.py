@@ -174,7 +174,8 @@ def run(
       `samples_per_sec`, `step_time_ms`, `epochs`, `steps_per_epoch`,
       `trainable_bytes`, `final` (the last epoch's Keras logs) and
       `host_cpu_busy` (the share of the machine's cores busy over the
-      measured steps); on a namespace host, `link_bytes_per_step`.
+      measured steps); on a namespace host, `link_bytes_per_step` and
+      `link_retransmits_per_step` (TCP segments sent again).
 
     Raises:
       ClusterError: a multi-worker job lost a task, or a Horovod job a rank.
@@ -230,6 +231,7 @@ def run(
         result["host_cpu_busy"] = throughput.host_cpu_busy
     if throughput.link_bytes_per_step is not None:
         result["link_bytes_per_step"] = throughput.link_bytes_per_step
+        result["link_retransmits_per_step"] = throughput.link_retransmits_per_step
     if stalls is not None and stalls.report:
         result["input_wait_share"] = stalls.input_wait_share
         result["input_stalls"] = stalls.report

@@ -84,12 +84,12 @@ def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
     assert figures["split_speed_ratio_horovod"] == pytest.approx(0.8)  # at the slowest link
 
 
-def _tcp_bytes(payload: float, payload_back: float) -> float:
+def _tcp_bytes(payload: float, payload_back: float, retransmits: float = 0.0) -> float:
     """The most a link's counters should see one way for `payload` bytes of a step sent and `payload_back`
     received: each segment's 1448 bytes of data carry 66 of Ethernet, IP and TCP headers, every second
-    segment received is acknowledged by a 66-byte frame, and a step's requests and their headers add a
-    few KB (about 6 KB for a parameter-server worker)."""
-    return payload * 1514 / 1448 + payload_back * 66 / 2896 + 6_000
+    segment received is acknowledged by a 66-byte frame, a step's requests and their headers add a
+    few KB (about 6 KB for a parameter-server worker), and each segment TCP sent again crosses twice."""
+    return payload * 1514 / 1448 + payload_back * 66 / 2896 + 6_000 + retransmits * 1514
 
 
 @needs_root
@@ -101,7 +101,7 @@ def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
     # The sparse-embedding model: its dense layers all-reduced (float16 too), and its table's rows
     # all-gathered or read and sent; the whole table (12.8 MB) crossing would be 100 x the count.
     result = measure(model="sparse_embedding", links=["1gbit"], kinds=["multi_worker", "parameter_server"],
-                     repeats=1, steps=20)
+                     repeats=1, steps=40)  # 30 measured steps: the bench's default
     assert set(result["table"]) == {"multi_worker", "multi_worker_fp16", "multi_worker_packed", "parameter_server",
                                     "parameter_server_fp16"}
     rows, indices = result["sparse_gradient_bytes"]["rows"], result["sparse_gradient_bytes"]["indices"]
@@ -122,7 +122,8 @@ def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
                 assert measured[direction] - expected <= fixed + 0.1 * expected, (kind, direction, measured)
             else:
                 other = row["algorithm_bytes"]["received" if direction == "sent" else "sent"]
-                assert measured[direction] <= _tcp_bytes(expected, other), (kind, direction, measured)
+                retransmits = row["tcp_retransmits_per_step"] if direction == "sent" else 0.0
+                assert measured[direction] <= _tcp_bytes(expected, other, retransmits), (kind, direction, row)
         assert row["comm_ms"] == pytest.approx(1000 * max(measured.values()) * 8 / 1e9)
     assert result["figures"]["bytes_within_tolerance"] == all(
         result["figures"][f"bytes_vs_algorithm_{kind}"] <= 1.1 for kind in result["table"])

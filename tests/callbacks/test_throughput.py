@@ -1,5 +1,6 @@
 """Throughput: warm-up excluded, per-epoch logs, steps_per_execution, queued steps timed when finished."""
 
+import subprocess
 import time
 import types
 
@@ -147,3 +148,10 @@ def test_in_a_real_fit_the_figures_reach_the_history():
     assert [w.steps for w in callback.windows] == [7, 8]  # epoch 1: steps 2..8 (1 is warm-up); epoch 2: all
     assert all(v > 0 for v in history.history["samples_per_sec"])
     assert all(v > 0 for v in history.history["step_time_ms"])
+
+
+def test_the_retransmit_counter_reads_what_iproute2s_nstat_reads():
+    # Both read this network namespace's /proc/net/snmp; -s leaves nstat's history file alone.
+    nstat = subprocess.run(["nstat", "-azs", "TcpRetransSegs"], capture_output=True, text=True, check=True)
+    (count,) = [int(line.split()[1]) for line in nstat.stdout.splitlines() if line.startswith("TcpRetransSegs")]
+    assert count <= throughput_module._tcp_retransmitted_segments() <= count + 100  # a counter only grows

@@ -46,7 +46,9 @@ them:
   bytes, and all-gathers sparse rows; a parameter-server worker receives every
   variable (and row) it reads and sends its gradients. `bytes_vs_algorithm` =
   measured / algorithm (the larger direction); above 1.1 something is sent
-  twice, or a sparse gradient went dense;
+  twice, or a sparse gradient went dense. `tcp_retransmits_per_step` counts
+  the segments the host's TCP sent again over the same steps (a loaded
+  machine's late acknowledgements): their bytes cross the link twice;
 - `compute_ms`: the step with no communication at all, the same batch per
   worker trained by one process with one thread (strategy.kind=one_device), in
   the same rounds;
@@ -271,7 +273,8 @@ def _figures_of_job(metrics: dict[str, Any]) -> dict[str, float]:
     """What a round keeps of a job's `--metrics_out`."""
     link = {f"link_{direction}": value for direction, value in metrics.get("link_bytes_per_step", {}).items()}
     return {"samples_per_sec": metrics["samples_per_sec"], "step_time_ms": metrics["step_time_ms"],
-            "trainable_bytes": metrics["trainable_bytes"], **link}
+            "trainable_bytes": metrics["trainable_bytes"], **link,
+            "link_retransmits": metrics.get("link_retransmits_per_step", 0.0)}
 
 
 def _median_result(values: list[dict[str, Any]]) -> dict[str, float]:
@@ -287,6 +290,7 @@ def _row(kind: str, link: str, measured: dict[str, float], compute: dict[str, fl
         "samples_per_sec": measured["samples_per_sec"],
         "step_time_ms": measured["step_time_ms"],
         "link_bytes_per_step": {"sent": sent, "received": received},
+        "tcp_retransmits_per_step": measured["link_retransmits"],  # segments this host's TCP sent again
         "algorithm_bytes": expected,
         "bytes_vs_algorithm": max(sent / expected["sent"], received / expected["received"]),
         "compute_ms": compute["step_time_ms"],

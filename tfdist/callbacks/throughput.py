@@ -23,7 +23,9 @@ the machine counts, which on the namespace hosts of `tfdist launch --hosts`
 is every task of the job. Given a network interface (`link=`, as on those
 hosts), the window also reads the interface's byte counters at its ends, so
 the bytes the host's link carried per step are measured over the same steps,
-validation and start-up left out.
+validation and start-up left out. With them it reads the TCP segments the
+host's network namespace retransmitted (/proc/net/snmp): a retransmitted
+segment crosses the link again, so those bytes are TCP's, not the job's.
 
 Example:
 
@@ -53,8 +55,8 @@ MIN_BUSY_SECONDS = 0.5
 @dataclasses.dataclass(frozen=True)
 class Window:
     """One epoch's measured window: `steps` finished between `start` and `end` (perf_counter seconds),
-    while the machine's cores were busy `busy_core_seconds` in all and the link sent `sent` bytes and
-    received `received` (0 without a link)."""
+    while the machine's cores were busy `busy_core_seconds` in all, the link sent `sent` bytes and
+    received `received`, and TCP retransmitted `retransmitted` segments (0 without a link)."""
 
     start: float
     end: float
@@ -62,6 +64,7 @@ class Window:
     sent: int = 0
     received: int = 0
     busy_core_seconds: float = 0.0
+    retransmitted: int = 0
 
     @property
     def seconds(self) -> float:
@@ -129,8 +132,8 @@ class Throughput(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self._steps:
             return
-        (sent0, received0, busy0), (sent1, received1, busy1) = self._counters_at_start, self._counters_at_end
-        window = Window(self._start, self._end, self._steps, sent1 - sent0, received1 - received0, busy1 - busy0)
+        start, end = self._counters_at_start, self._counters_at_end
+        window = Window(self._start, self._end, self._steps, *(b - a for a, b in zip(start, end)))
         self.windows.append(window)
         if logs is not None:
             logs["samples_per_sec"] = self.global_batch_size * window.steps / window.seconds
@@ -166,6 +169,13 @@ class Throughput(keras.callbacks.Callback):
                 "received": sum(w.received for w in self.windows) / steps}
 
     @property
+    def link_retransmits_per_step(self) -> Optional[float]:
+        """TCP segments the host retransmitted per measured step; None without a link or a measured step."""
+        if not self.link or not self.windows:
+            return None
+        return sum(w.retransmitted for w in self.windows) / self.measured_steps
+
+    @property
     def host_cpu_busy(self) -> Optional[float]:
         """The share of the machine's cores busy over the measured steps (1.0: all of them all the
         time); None under MIN_BUSY_SECONDS of them, where the counters' ticks would blur it."""
@@ -174,17 +184,25 @@ class Throughput(keras.callbacks.Callback):
         busy = sum(w.busy_core_seconds for w in self.windows)
         return min(1.0, busy / (self.measured_seconds * psutil.cpu_count()))  # above 1.0: the ticks' blur
 
-    def _counters(self) -> tuple[int, int, float]:
-        """(bytes sent, bytes received) by the link so far, from Linux's counters ((0, 0) without one),
-        and the seconds the machine's cores have been busy, summed over them."""
+    def _counters(self) -> tuple[int, int, float, int]:
+        """Bytes sent and received by the link so far (Linux's counters), the seconds the machine's cores
+        have been busy, summed over them, and the TCP segments retransmitted in this network namespace
+        (the counts 0 without a link)."""
         times = psutil.cpu_times()
         # Linux counts a guest's time in user and nice already.
         busy = sum(times) - sum(getattr(times, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
         if not self.link:
-            return 0, 0, busy
+            return 0, 0, busy, 0
         statistics = f"/sys/class/net/{self.link}/statistics"
         with open(f"{statistics}/tx_bytes") as sent, open(f"{statistics}/rx_bytes") as received:
-            return int(sent.read()), int(received.read()), busy
+            return int(sent.read()), int(received.read()), busy, _tcp_retransmitted_segments()
+
+
+def _tcp_retransmitted_segments() -> int:
+    """RetransSegs of /proc/net/snmp's `Tcp:` table (a header line, then a line of values)."""
+    with open("/proc/net/snmp") as snmp:
+        header, values = [line.split() for line in snmp if line.startswith("Tcp:")]
+    return int(values[header.index("RetransSegs")])
 
 
 def _nothing() -> None:
