@@ -21,13 +21,15 @@ A latency probe then launches each kind again at each link with a model of
 of it is the per-step cost across hosts, and each job is predicted again
 with it as the cluster's `link_latency` (`with_probe_latency`), as a user who
 knows that cost gives `tfdist plan --link_latency`. A bytes probe then
-launches each kind at the fastest link with a model of 2.5 MB of gradients
-and little compute (`HOST_RATE_PROBE`): what its step takes beyond the
+launches each kind at each link with a model of 2.5 MB of gradients and
+little compute (`HOST_RATE_PROBE`): what its step takes beyond the
 prediction with the latency probe's cost is the hosts' transport (gRPC, or
 Horovod's Gloo over TCP) serializing and copying its bytes on the cores the
-workers also compute on; the rate that makes the planner predict its step
-is the cluster's `host_rate`, and each job is predicted a third time with
-both (`with_probes`), as `tfdist plan --link_latency --host_rate` would.
+workers also compute on, and, on a link slower than the cores, handing them
+to the link a few packets at a time as its rate allows; the rate that makes
+the planner predict its step is the cluster's `host_rate` at that link, and
+each job is predicted a third time with both (`with_probes`), as
+`tfdist plan --link_latency --host_rate` would.
 For the parameter servers a variables probe (`VARIABLE_PROBE`: the latency
 probe with 18 variables instead of 4) launches at each link too: what its
 step holds beyond the latency probe's, over the 14 variables more, is what
@@ -74,8 +76,8 @@ STEPS_PER_ROUND = 10
 # The latency probe: digits through one hidden unit (85 weights, next to no compute), launched as each
 # network job is; what its step takes beyond the planner's prediction is the step's cost across hosts.
 PROBE_MODEL = ["model.name=mlp", "model.width=1", "model.depth=1"]
-# The bytes probe: digits through 8192 hidden units (2.5 MB of gradients, 4 ms of compute on a core), at the
-# fastest link only, where the link is not what limits the bytes.
+# The bytes probe: digits through 8192 hidden units (2.5 MB of gradients, 4 ms of compute on a core), at every
+# link: what the hosts' transport costs a byte beyond the link's own time depends on the link's pace.
 HOST_RATE_PROBE = ["model.name=mlp", "model.width=8192", "model.depth=1"]
 # The variables probe: the latency probe with 8 hidden layers (18 variables, not 4), parameter servers only,
 # where each variable is read and updated by an RPC of its own: the steps' difference over the variables'.
@@ -95,13 +97,11 @@ def measure(*, repeats: int = 1, links: Optional[str] = None, kinds: Optional[st
     if not set(chosen) <= set(NETWORK_KINDS):
         raise ConfigError("kinds", "mixes kinds on namespace hosts and in one process: run them apart.", kinds)
     from tfdist.bench import network
-    from tfdist.launch.hosts import link_bits_per_second
 
     ran = network.listed_links(links)
     settings = {"jobs": {"links": ran, "kinds": chosen},
                 "probe": {"links": ran, "kinds": chosen, "extra": PROBE_MODEL},
-                "bytes_probe": {"links": [max(ran, key=link_bits_per_second)], "kinds": chosen,
-                                "extra": HOST_RATE_PROBE}}
+                "bytes_probe": {"links": ran, "kinds": chosen, "extra": HOST_RATE_PROBE}}
     if "parameter_server" in chosen:
         settings["variable_probe"] = {"links": ran, "kinds": ["parameter_server"], "extra": VARIABLE_PROBE}
     # The jobs and their probes in the same rounds: a probe's cost is taken from the machine the jobs ran on.
@@ -168,8 +168,8 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
     """The planner's prediction beside each job of a `tfdist bench network` result. With `probe` (the
     same launches of `PROBE_MODEL`), each is predicted again with the per-step cost across hosts the
     probe shows (`link_latency`: the probe's measured step over the planner's own prediction of it);
-    with `bytes_probe` too (`HOST_RATE_PROBE` at one link), a third time with the `host_rate` at which
-    the planner predicts the bytes probe's step; with `variable_probe` (`VARIABLE_PROBE`), the
+    with `bytes_probe` too (`HOST_RATE_PROBE`), a third time with the `host_rate` at which the planner
+    predicts the bytes probe's step at the job's link; with `variable_probe` (`VARIABLE_PROBE`), the
     parameter servers' per-step cost is split into a fixed part and `variable_latency` for each variable,
     from the two probes' costs at each link."""
     from tfdist.launch.hosts import link_bits_per_second
@@ -200,8 +200,9 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
                     return _predicted(wide_model, wide_rate, batch, kind, link, seconds, rate_, variables)[0]
 
                 found = _host_rate(probe_ms, row["step_time_ms"])
-                host_rates[kind] = {"bytes_per_sec": found, "link": row["link"],
-                                    "probe_measured_ms": row["step_time_ms"], "probe_predicted_ms": probe_ms(found)}
+                host_rates[kind, row["link"]] = {"bytes_per_sec": found, "link": row["link"],
+                                                 "probe_measured_ms": row["step_time_ms"],
+                                                 "probe_predicted_ms": probe_ms(found)}
     rows = []
     for kind in (k for k in NETWORK_KINDS if k in measured["table"]):
         for row in measured["table"][kind]:
@@ -219,13 +220,14 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
                 with_latency, _, _ = _predicted(model, rate, batch, kind, link, seconds)
                 rows[-1]["with_probe_latency"] = {"link_latency_ms": 1000 * seconds, "predicted_ms": with_latency,
                                                   "ratio": with_latency / row["step_time_ms"]}
-            if kind in host_rates:
-                host_rate = host_rates[kind]["bytes_per_sec"]
+            found = _host_rate_for(host_rates, kind, row["link"])
+            if found:
                 variables = per_variable.get((kind, row["link"]), 0.0)
-                with_both, _, _ = _predicted(model, rate, batch, kind, link, fixed[kind, row["link"]], host_rate,
-                                             variables)
+                with_both, _, _ = _predicted(model, rate, batch, kind, link, fixed[kind, row["link"]],
+                                             found["bytes_per_sec"], variables)
                 rows[-1]["with_probes"] = {"link_latency_ms": 1000 * fixed[kind, row["link"]],
-                                           "host_rate_bytes_per_sec": host_rate, "predicted_ms": with_both,
+                                           "host_rate_bytes_per_sec": found["bytes_per_sec"],
+                                           "host_rate_link": found["link"], "predicted_ms": with_both,
                                            "ratio": with_both / row["step_time_ms"]}
                 if variables:
                     rows[-1]["with_probes"]["variable_latency_ms"] = 1000 * variables
@@ -238,20 +240,32 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
     for suffix, by_job in ratios.items():
         figures[f"within_bounds{suffix}"] = sum(BOUNDS[0] <= ratio <= BOUNDS[1] for ratio in by_job.values())
         figures.update({f"ratio{suffix}_{job}": ratio for job, ratio in by_job.items()})
-    if host_rates:
-        figures.update({f"host_rate_MBps_{kind}": found["bytes_per_sec"] / 1e6 for kind, found in host_rates.items()})
+    figures.update({f"host_rate_MBps_{kind}_{link}": found["bytes_per_sec"] / 1e6
+                    for (kind, link), found in host_rates.items()})
     result = {"benchmark": "plan", "bounds": BOUNDS, "gradient_bytes": measured["gradient_bytes"],
               "model_trainable_bytes": model.trainable_bytes, "device_flops": rate, "rows": rows,
               "network": _kept(measured), "figures": figures}
     if probe:
         result["probe"] = _kept(probe)
     if host_rates:
-        result["host_rates"] = host_rates
+        result["host_rates"] = {kind: {link: found for (k, link), found in host_rates.items() if k == kind}
+                                for kind in dict.fromkeys(kind for kind, _ in host_rates)}
         result["bytes_probe"] = _kept(bytes_probe)
     if per_variable:
         result["variable_latency_ms"] = {link: 1000 * seconds for (_, link), seconds in per_variable.items()}
         result["variable_probe"] = _kept(variable_probe)
     return result
+
+
+def _host_rate_for(host_rates: dict[tuple[str, str], dict], kind: str, link: str) -> Optional[dict[str, Any]]:
+    """The host rate the bytes probe found for `kind` at `link`; where it did not run there (a result from
+    before it ran at every link), the one at the fastest link it ran at; None without one."""
+    from tfdist.launch.hosts import link_bits_per_second
+
+    ran_at = [at for k, at in host_rates if k == kind]
+    if not ran_at:
+        return None
+    return host_rates[kind, link if link in ran_at else max(ran_at, key=link_bits_per_second)]
 
 
 def _host_rate(predicted_ms, measured_ms: float) -> float:
