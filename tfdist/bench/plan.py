@@ -248,8 +248,9 @@ def compare(measured: dict[str, Any], probe: Optional[dict[str, Any]] = None,
     if probe:
         result["probe"] = _kept(probe)
     if host_rates:
-        result["host_rates"] = {kind: {link: found for (k, link), found in host_rates.items() if k == kind}
-                                for kind in dict.fromkeys(kind for kind, _ in host_rates)}
+        result["host_rates"] = {}  # kind: link: what the bytes probe found there
+        for (kind, link), found in host_rates.items():
+            result["host_rates"].setdefault(kind, {})[link] = found
         result["bytes_probe"] = _kept(bytes_probe)
     if per_variable:
         result["variable_latency_ms"] = {link: 1000 * seconds for (_, link), seconds in per_variable.items()}
