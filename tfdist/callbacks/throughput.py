@@ -132,8 +132,9 @@ class Throughput(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self._steps:
             return
-        start, end = self._counters_at_start, self._counters_at_end
-        window = Window(self._start, self._end, self._steps, *(b - a for a, b in zip(start, end)))
+        sent, received, busy, retransmitted = (end - start for start, end in
+                                               zip(self._counters_at_start, self._counters_at_end))
+        window = Window(self._start, self._end, self._steps, sent, received, busy, retransmitted)
         self.windows.append(window)
         if logs is not None:
             logs["samples_per_sec"] = self.global_batch_size * window.steps / window.seconds
