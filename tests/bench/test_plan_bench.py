@@ -86,11 +86,12 @@ def test_the_probes_latency_variable_cost_and_host_rate_are_what_their_steps_hol
         assert result["figures"][name] == committed["figures"][name]
 
 
-def test_each_link_takes_the_host_rate_its_own_bytes_probe_found():
-    """The committed run whose bytes probe ran at every link, compared again: each job takes the rate
-    found at its own link, that rate makes the planner predict the probe's step there, and the
-    figures are the committed ones. Here the transports were slower at 1 Gbit/s than at 10 Gbit/s."""
-    with open(os.path.join(ROOT, "results", "plan_per_link.json")) as f:
+@pytest.mark.parametrize("name", ["plan_per_link.json", "plan_per_link_xeon.json"])
+def test_each_link_takes_the_host_rate_its_own_bytes_probe_found(name):
+    """The committed runs whose bytes probe ran at every link (on two machines), compared again: each
+    job takes the rate found at its own link, that rate makes the planner predict the probe's step
+    there, and the figures are the committed ones."""
+    with open(os.path.join(ROOT, "results", name)) as f:
         committed = json.load(f)
     result = compare(committed["network"], committed["probe"], committed["bytes_probe"], committed["variable_probe"])
     links = ["100mbit", "1gbit", "10gbit"]
@@ -104,8 +105,9 @@ def test_each_link_takes_the_host_rate_its_own_bytes_probe_found():
             assert found["probe_predicted_ms"] == pytest.approx(found["probe_measured_ms"], rel=1e-6)
         else:  # the link alone predicts the probe's step (the parameter servers at 100 Mbit/s)
             assert found["probe_predicted_ms"] >= found["probe_measured_ms"]
-    for kind, by_link in result["host_rates"].items():
-        assert by_link["1gbit"]["bytes_per_sec"] < by_link["10gbit"]["bytes_per_sec"], kind
+    if name == "plan_per_link.json":  # on the AVX2 machine every transport was slower at 1 Gbit/s than at 10
+        for kind, by_link in result["host_rates"].items():
+            assert by_link["1gbit"]["bytes_per_sec"] < by_link["10gbit"]["bytes_per_sec"], kind
     assert result["figures"] == pytest.approx(committed["figures"])
 
 
