@@ -187,11 +187,8 @@ def test_a_mirrored_strategy_makes_the_cpus_it_names_or_says_it_cannot():
 
 def _faults_per_step(trim: str) -> float:
     script = os.path.join(os.path.dirname(__file__), "..", "scenarios", "allocator_faults.py")
-    # TensorFlow's own CPU kernels, on every machine: with oneDNN's (its default on CPUs with AVX512_VNNI or
-    # AMX) the trimming costs far fewer faults (145 a step kept, 557 trimmed, on an Intel Xeon with AMX;
-    # 494 and 26,330 there with oneDNN off), so the same check would pass or fail by the CPU.
     proc = subprocess.run([sys.executable, script, trim], capture_output=True, text=True, timeout=patient(300),
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"})
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["faults_per_step"]
 
