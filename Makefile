@@ -18,15 +18,16 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
 $(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[cpu,monitor,test,k8s,docs]"
+	$(BIN)/pip install --quiet -e ".[cpu,monitor,plots,test,k8s,docs]"
 	mkdir -p $(STAMPS) && touch $@
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that
 # TensorFlow's XLA headers include, and Open MPI (Horovod's MPI controller, which Adasum needs);
 # Slurm and munge, which the tests start as a real one-node cluster; ip, tc and sshd, which make
-# the network-namespace hosts of `tfdist launch --hosts` (horovodrun reaches them by ssh).
+# the network-namespace hosts of `tfdist launch --hosts` (horovodrun reaches them by ssh); acct, whose
+# process accounting counts the processes `make test` starts.
 SYSTEM_PACKAGES := bazel-bootstrap cmake libhighwayhash-dev libfarmhash-dev libopenmpi-dev openmpi-bin \
-                   slurm-wlm munge openssh-server iproute2
+                   slurm-wlm munge openssh-server iproute2 acct
 $(STAMPS)/system: Makefile | $(BIN)/python
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES); }
 	mkdir -p $(STAMPS) && touch $@
@@ -43,18 +44,28 @@ demo: setup
 BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
 
 # Bazel's unit tests run beside pytest at the lowest CPU priority: they take the cycles pytest's
-# multi-process tests leave idle while their processes start and wait on each other (pytest keeps
-# about 1.7 of 2 cores busy), so they add little to the wall time and nothing to pytest's timings.
-# Starved that way a unit test can take several times its own time, hence Bazel's long timeout: on a
-# slow 2-core machine pytest took 53 minutes, and a 3-minute file starved for 30 of them.
-# Bazel's output is shown when pytest has finished; either failing fails `make test`.
+# multi-process tests leave idle while their processes start and wait on each other, so they add
+# little to the wall time and nothing to pytest's timings. Starved that way a unit test can take
+# several times its own time, hence Bazel's long timeout. Bazel's output is shown when pytest has
+# finished; either failing fails `make test`. The run ends with a summary (tools/test_summary.py):
+# the times, the slowest tests and, where process accounting can be switched on (root), how many
+# processes of TensorFlow's size were started and how many forked from the test zygote.
 BAZEL_LOG := bazel-test.log
+RESULTS := .test-results
 test: setup
 	$(MAKE) site
-	nice -n 19 bazel --batch test --test_timeout=3600 //... > $(BAZEL_LOG) 2>&1 & bazel_pid=$$!; \
-	trap 'kill $$bazel_pid 2>/dev/null' INT TERM; \
-	$(MAKE) pytest PYTEST_ARGS="$(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"; pytest_status=$$?; \
-	wait $$bazel_pid; bazel_status=$$?; echo "=== bazel test //... (ran beside pytest) ==="; cat $(BAZEL_LOG); \
+	@rm -rf $(RESULTS) && mkdir -p $(RESULTS) && touch $(RESULTS)/pacct; \
+	accton $(abspath $(RESULTS))/pacct >/dev/null 2>&1 || true; \
+	start=$$(date +%s); \
+	( nice -n 19 bazel --batch test --test_timeout=3600 //... > $(BAZEL_LOG) 2>&1; status=$$?; \
+	  echo $$(( $$(date +%s) - start )) > $(RESULTS)/bazel_seconds; exit $$status ) & bazel_pid=$$!; \
+	trap 'kill $$bazel_pid 2>/dev/null; accton off >/dev/null 2>&1' INT TERM; \
+	$(MAKE) pytest PYTEST_ARGS="--junitxml=$(RESULTS)/pytest.xml $(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"; \
+	pytest_status=$$?; pytest_seconds=$$(( $$(date +%s) - start )); \
+	wait $$bazel_pid; bazel_status=$$?; accton off >/dev/null 2>&1; \
+	echo "=== bazel test //... (ran beside pytest) ==="; cat $(BAZEL_LOG); \
+	python tools/test_summary.py --pytest_seconds $$pytest_seconds --bazel_seconds $$(cat $(RESULTS)/bazel_seconds) \
+	    --total_seconds $$(( $$(date +%s) - start )) --junit $(RESULTS)/pytest.xml --accounting $(RESULTS)/pacct; \
 	[ $$pytest_status -eq 0 ] && [ $$bazel_status -eq 0 ]
 
 # Two pytest-xdist workers: most of a multi-process test's time is its processes starting,

@@ -1,9 +1,9 @@
 """The jobs `tfdist bench baselines` compares tfdist with, written the way each framework's docs write them.
 
 Every job trains the digits CNN (built here layer by layer, as `tfdist`'s
-`digits_cnn`) on scikit-learn's digits with Adam, tracks accuracy, pins its
-threads as tfdist's jobs do (intra-op 1, inter-op 2), runs `warmup` steps and
-then times `steps` steps by wall clock. The chief (rank 0) writes
+`digits_cnn`) on the handwritten digits (`tfdist.data.load_digits`) with Adam,
+tracks accuracy, pins its threads as tfdist's jobs do (intra-op 1, inter-op 2),
+runs `warmup` steps and then times `steps` steps by wall clock. The chief (rank 0) writes
 `{"samples_per_sec": ...}` to `--out`.
 
 - `multi_worker` (TensorFlow's "Custom training loop with Keras and

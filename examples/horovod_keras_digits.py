@@ -12,8 +12,8 @@ import os
 from absl import app, flags
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
+from tfdist.data import load_digits  # the digits data, which tfdist ships
 import tfdist.horovod.tensorflow.keras as hvd  # was: import horovod.tensorflow.keras as hvd
 
 _EPOCHS = flags.DEFINE_integer("epochs", 24, "Passes over this rank's shard.")
@@ -33,14 +33,14 @@ def main(argv):
     if gpus:
         tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
 
-    digits = load_digits()
-    images = (digits.images / 16.0).astype("float32")[..., np.newaxis]
+    pixels, labels = load_digits()
+    images = (pixels / 16.0).astype("float32")[..., np.newaxis]
     rng = np.random.default_rng(0)
     order = rng.permutation(len(images))
     train, val = order[:1400], order[1400:]
 
     # Horovod: each rank reads its own shard.
-    dataset = tf.data.Dataset.from_tensor_slices((images[train], digits.target[train]))
+    dataset = tf.data.Dataset.from_tensor_slices((images[train], labels[train]))
     dataset = dataset.shard(hvd.size(), hvd.rank()).repeat().shuffle(1000, seed=hvd.rank()).batch(32)
 
     model = tf.keras.Sequential([
@@ -84,7 +84,7 @@ def main(argv):
     model.fit(dataset, steps_per_epoch=44 // hvd.size(), callbacks=callbacks, epochs=_EPOCHS.value,
               verbose=verbose)
 
-    _, accuracy = model.evaluate(images[val], digits.target[val], verbose=0)
+    _, accuracy = model.evaluate(images[val], labels[val], verbose=0)
     if hvd.rank() == 0:
         print(f"ranks={hvd.size()} val_accuracy={accuracy:.4f}")
         if _RESULT.value:

@@ -11,8 +11,8 @@ Written for `horovod.tensorflow`; on Keras 3 only its import line changed, and
 from absl import app, flags
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
+from tfdist.data import load_digits  # the digits data, which tfdist ships
 import tfdist.horovod.tensorflow as hvd  # was: import horovod.tensorflow as hvd
 
 _STEPS = flags.DEFINE_integer("steps", 1200, "Training steps, divided among the ranks.")
@@ -32,12 +32,12 @@ def main(argv):
     if gpus:
         tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
 
-    digits = load_digits()
-    images = (digits.images / 16.0).astype("float32")[..., np.newaxis]
+    pixels, classes = load_digits()
+    images = (pixels / 16.0).astype("float32")[..., np.newaxis]
     order = np.random.default_rng(0).permutation(len(images))
     train, val = order[:1400], order[1400:]
 
-    dataset = tf.data.Dataset.from_tensor_slices((images[train], digits.target[train]))
+    dataset = tf.data.Dataset.from_tensor_slices((images[train], classes[train]))
     dataset = dataset.repeat().shuffle(1000, seed=hvd.rank()).batch(32)
 
     model = tf.keras.Sequential([
@@ -89,7 +89,7 @@ def main(argv):
         checkpoint.save(_CHECKPOINT_DIR.value + "/checkpoint")
 
     predictions = np.argmax(model.predict(images[val], verbose=0), axis=1)
-    accuracy = float(np.mean(predictions == digits.target[val]))
+    accuracy = float(np.mean(predictions == classes[val]))
     if hvd.rank() == 0:
         print(f"ranks={hvd.size()} val_accuracy={accuracy:.4f}")
         if _RESULT.value:

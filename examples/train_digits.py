@@ -23,16 +23,15 @@ def main(argv):
         raise app.UsageError(str(e)) from None
 
     import keras
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    import numpy as np
 
     keras.utils.set_random_seed(config.train.seed)  # the same data order on every process
     chief = tfdist.is_chief(strategy)  # rank 0 / the chief reports; the others stay quiet
-    digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
-    x_train, x_val, y_train, y_val = train_test_split(
-        x, digits.target, test_size=0.2, random_state=config.train.seed
-    )
+    images, labels = tfdist.data.load_digits()
+    x = (images / 16.0).astype("float32")[..., None]
+    order = np.random.default_rng(config.train.seed).permutation(len(x))  # a fifth held out
+    train, val = order[: len(x) * 4 // 5], order[len(x) * 4 // 5 :]
+    x_train, x_val, y_train, y_val = x[train], x[val], labels[train], labels[val]
 
     with strategy.scope():
         model = keras.Sequential(

@@ -17,6 +17,7 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 LOGICAL_CPUS = 4
 # The scripts tests run as processes, importable by name (a test may share their code).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios"))
+import zygote  # noqa: E402,F401  (names the test zygote's socket in the environment every process inherits)
 
 
 def pytest_runtest_setup(item):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import zygote
 from tfdist.cluster.loopback import free_loopback_ports as free_ports  # noqa: F401
 from tfdist.launch.process_tree import descendants
 
@@ -57,9 +58,10 @@ def user_lines(stderr):
 
 
 def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
-    """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root."""
+    """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root; each rank forked from the
+    test zygote where it can be."""
     return subprocess.run(
-        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *command],
+        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *zygote.command(command)],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
@@ -74,8 +76,9 @@ def tfdist_imports(script):
     """The tfdist modules a script imports (for an example that changed only its import line)."""
     with open(script) as f:
         tree = ast.parse(f.read())
-    return [alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-            for alias in node.names if "tfdist" in (getattr(node, "module", None) or alias.name)]
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    return [name for name in imported if name.startswith("tfdist")]
 
 
 def tfdist_command(*args):
@@ -92,8 +95,8 @@ def patient(seconds):
 
 
 def run_tfdist(*args, timeout=120, env=None):
-    """Runs `tfdist ARGS` from the repository root; returns the CompletedProcess."""
-    return subprocess.run(
+    """Runs `tfdist ARGS` from the repository root (forked from the test zygote); returns the CompletedProcess."""
+    return zygote.run(
         tfdist_command(*args),
         capture_output=True,
         text=True,
@@ -171,10 +174,10 @@ def train_with_metrics(tmp_path, config, *overrides, timeout=400):
 
 
 def measure_in_fresh_process(module, kwargs, timeout=600):
-    """`module.measure(**kwargs)`'s result, run in a fresh interpreter (benchmarks fix
-    TensorFlow's thread pools before it starts). `kwargs` is Python source, e.g. "dict(repeats=1)"."""
+    """`module.measure(**kwargs)`'s result, run in a process whose TensorFlow has not started (benchmarks
+    fix its thread pools first), forked from the test zygote. `kwargs` is Python source, e.g. "dict(repeats=1)"."""
     script = f"import json; from {module} import measure; print(json.dumps(measure(**{kwargs})))"
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )

@@ -1,4 +1,4 @@
-"""Runs one pytest file under `bazel test` (see tests/pytest.bzl)."""
+"""Runs a target's pytest files in one process under `bazel test` (see tests/pytest.bzl)."""
 
 import sys
 

@@ -1,16 +1,16 @@
-"""Small data files written by tests: scikit-learn's digits as TFRecord shards and as a folder of PNGs."""
+"""Small data files written by tests: the digits as TFRecord shards and as a folder of PNGs."""
 
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+from tfdist.data import load_digits
 
 # The feature spec of the records `write_tfrecords` writes (data.features).
 FEATURES = "[{name: image, dtype: float32, shape: [8, 8, 1]}, {name: label, dtype: int64, shape: []}]"
 
 
 def digits():
-    digits = load_digits()
-    return (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int64)
+    pixels, labels = load_digits()
+    return (pixels / 16.0).astype(np.float32)[..., None], labels.astype(np.int64)
 
 
 def write_tfrecords(directory, shards, x, y):

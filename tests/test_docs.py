@@ -24,16 +24,17 @@ import sys
 import pytest
 
 from helpers import HOROVODRUN, ROOT, doc_blocks, why_it_failed
+import zygote
 
 README_LAYERS = (
     '[keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]'
 )
 
 DATA = """
-from sklearn.datasets import load_digits
-_digits = load_digits()
-_images = (_digits.data / 16.0).astype("float32")
-x, y, xv, yv = _images[:256], _digits.target[:256], _images[256:384], _digits.target[256:384]
+from tfdist.data import load_digits
+_pixels, _labels = load_digits()
+_images = (_pixels.reshape(len(_pixels), -1) / 16.0).astype("float32")
+x, y, xv, yv = _images[:256], _labels[:256], _images[256:384], _labels[256:384]
 """
 
 FRAGMENT = f"""
@@ -63,7 +64,7 @@ def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
         discover.chmod(0o755)
         command = [HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "1", "--network-interface", "lo",
                    "--host-discovery-script", str(discover), *command]
-    return subprocess.run(
+    return zygote.run(
         command, capture_output=True, text=True, timeout=400, cwd=tmp_path,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )

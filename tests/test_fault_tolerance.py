@@ -11,6 +11,7 @@ import time
 import pytest
 
 from helpers import ROOT, task_pid, tfdist_command, why_it_failed
+import zygote
 from tfdist.callbacks import EXIT_PREEMPTED
 from tfdist.checkpoint_store import CheckpointStore
 
@@ -24,9 +25,9 @@ JOB = ["--config", "configs/default.yaml", "--set", "strategy.kind=one_device", 
 
 def _start(directory, metrics, *sets, log=None):
     args = [*JOB, *(f"--set={s}" for s in sets), "--set", f"checkpoint.dir={directory}", "--metrics_out", str(metrics)]
-    return subprocess.Popen(tfdist_command("train", *args), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=log or subprocess.PIPE, text=True,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    return zygote.Popen(tfdist_command("train", *args), cwd=ROOT, stdout=subprocess.DEVNULL,
+                        stderr=log or subprocess.PIPE, text=True,
+                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 def _digest(metrics):
@@ -71,7 +72,7 @@ def test_twenty_sigkills_at_random_moments_lose_nothing(tmp_path, uninterrupted)
         steps = _wait_for_checkpoint_after(store, newest, process)
         assert min(s for s in steps if s > newest) == newest + 1, "the restart did not resume from the newest checkpoint"
         time.sleep(rng.uniform(0, 0.3))  # saves every step: many kills land during one
-        process.send_signal(signal.SIGKILL)
+        zygote.send_signal(process, signal.SIGKILL)  # the training process itself, forked or not
         process.wait(timeout=30)
         kills += 1
         during_save += any(name.startswith(".tmp-") for name in os.listdir(store.directory))
@@ -112,8 +113,8 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
 def _launch(directory, metrics, *flags, tmpdir=None):
     args = ["launch", "--workers", "2", *flags, "--set", "train.epochs=2", "--set", "train.verbose=0",
             "--set", "checkpoint.every_steps=5", "--set", f"checkpoint.dir={directory}", "--metrics_out", str(metrics)]
-    return subprocess.Popen(tfdist_command(*args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+    return zygote.Popen(tfdist_command(*args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                                             **({"TMPDIR": str(tmpdir)} if tmpdir else {})})
 
 
@@ -164,8 +165,8 @@ def test_a_parameter_server_job_resumes_from_its_checkpoint(tmp_path):
           "--set", "train.verbose=0", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "checkpoint.every_steps=4",
           "--metrics_out", str(tmp_path / "metrics.json")]
     for epochs, resumed in ((1, 0), (3, 10)):
-        proc = subprocess.run(tfdist_command(*ps, "--set", f"train.epochs={epochs}"), cwd=ROOT, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        proc = zygote.run(tfdist_command(*ps, "--set", f"train.epochs={epochs}"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
         assert proc.returncode == 0, why_it_failed(proc.stderr)
         result = json.loads((tmp_path / "metrics.json").read_text())
         assert result["resumed_from_step"] == resumed
@@ -177,11 +178,11 @@ def test_rerunning_a_finished_job_says_so_and_keeps_its_results(tmp_path):
     metrics = tmp_path / "metrics.json"
     args = ["train", "--set", "train.epochs=1", "--set", "train.steps_per_epoch=5", "--set", "train.verbose=0",
             "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--metrics_out", str(metrics)]
-    first = subprocess.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    first = zygote.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, why_it_failed(first.stderr)
     finished = metrics.read_text()
     assert json.loads(finished)["final"]["loss"] > 0
-    again = subprocess.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    again = zygote.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, why_it_failed(again.stderr)
     assert "tfdist: nothing to train: the checkpoint in " in again.stdout and "is of step 5" in again.stdout
     assert metrics.read_text() == finished  # not rewritten with an empty `final` and 0 samples/sec

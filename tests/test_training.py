@@ -1,12 +1,12 @@
 """`tfdist train` and the example script, end to end."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from helpers import ROOT, train_with_metrics, why_it_failed
+import zygote
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_pipeline_config_reaches_095_and_reports_its_partition(tmp_path):
     ("configs/pipeline.yaml", "strategy=pipeline replicas=2 val_accuracy="),
 ])
 def test_example_script_reads_the_same_config(config, expected):
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "examples/train_digits.py", "--config", config,
          "--set", "train.epochs=2", "--set", "train.verbose=0"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -61,7 +61,7 @@ def test_example_script_reads_the_same_config(config, expected):
 
 
 def test_example_script_bad_config_is_a_usage_error():
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "examples/train_digits.py", "--set", "train.epochs=-1"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )

@@ -12,4 +12,6 @@ BUILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(BUILD) as f:
     for target in re.findall(r"pytest_test\((.*?)\)\n", f.read(), re.S):
         if '"manual"' not in target:
-            print("tests/" + re.search(r'src = "([^"]+)"', target)[1])
+            sources = re.search(r"srcs = \[(.*?)\]", target, re.S)[1]
+            for source in re.findall(r'"([^"]+)"', sources):
+                print("tests/" + source)

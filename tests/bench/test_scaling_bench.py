@@ -71,3 +71,17 @@ def test_cli_needs_a_config_and_refuses_a_plot_elsewhere():
     assert proc.returncode == 2 and "`config` is needed by the scaling benchmark" in proc.stderr
     proc = run_tfdist("bench", "overhead", "--plot", "x.png")
     assert proc.returncode == 2 and "`plot` only applies to `bench network` or `bench scaling` or `bench synthetic`; overhead draws no plot" in proc.stderr
+
+
+def test_a_plot_without_matplotlib_is_one_line_saying_how_to_get_it(monkeypatch):
+    import importlib.util
+
+    import tfdist.bench
+    from tfdist import load_config
+    from tfdist.errors import ConfigError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "matplotlib" else find_spec(name, *rest))
+    with pytest.raises(ConfigError, match=r"`plot` needs matplotlib, which is not installed: pip install 'tfdist\[plots\]'"):
+        tfdist.bench.run("scaling", config=load_config("configs/default.yaml"), plot_path="x.png")

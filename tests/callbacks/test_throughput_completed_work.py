@@ -15,6 +15,7 @@ import pytest
 
 import throughput_probe
 from helpers import ROOT, free_ports, horovodrun, why_it_failed
+import zygote
 
 PROBE = throughput_probe.__file__
 TOLERANCE = 0.05
@@ -41,8 +42,8 @@ def test_single_process_kinds(overrides):
 
 
 def _probe_processes(tmp_path, commands, timeout=240):
-    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}) for c in commands]
+    procs = [zygote.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}) for c in commands]
     try:
         for proc in procs:
             _, err = proc.communicate(timeout=timeout)

@@ -2,11 +2,11 @@
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from helpers import ROOT, tfdist_command, why_it_failed
+import zygote
 from sample_files import FEATURES, digits, write_image_folder, write_tfrecords
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -16,8 +16,8 @@ def _launch(tmp_path, *flags):
     metrics = tmp_path / "metrics.json"
     command = tfdist_command("launch", *flags, "--metrics_out", str(metrics), "--set", "train.verbose=0",
                              "--set", "train.epochs=8")
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    proc = zygote.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     return proc, json.loads(metrics.read_text())
 

@@ -1,6 +1,6 @@
 """The user's own data and models from config: npz, TFRecords, image folders, functions, files.
 
-Every test writes its own small files (scikit-learn's digits) into a temporary
+Every test writes its own small files (the digits) into a temporary
 directory; nothing is downloaded.
 """
 
@@ -76,11 +76,11 @@ def test_a_function_of_the_users_gives_the_data_and_another_the_model(tmp_path, 
         import keras
         import numpy as np
         import tensorflow as tf
-        from sklearn.datasets import load_digits
+        from tfdist.data import load_digits
 
         def digits():
-            d = load_digits()
-            x, y = (d.images / 16.0).astype(np.float32)[..., None], d.target
+            pixels, labels = load_digits()
+            x, y = (pixels / 16.0).astype(np.float32)[..., None], labels
             return (tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])),
                     tf.data.Dataset.from_tensor_slices((x[1400:], y[1400:])))
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, doc_blocks, free_port_block, run_tfdist, why_it_failed
+import zygote
 
 from tfdist.cluster import kubernetes
 from tfdist.launch import k8s
@@ -252,7 +253,7 @@ def _run_pods(tmp_path, objects):
             command = [sys.executable if part == "python" else part.replace(k8s.CONFIG_DIR, str(config_dir))
                        for part in container["command"]]
             log = open(tmp_path / f"{job_name}-{index}.log", "w")
-            processes.append((f"{job_name}-{index}", subprocess.Popen(
+            processes.append((f"{job_name}-{index}", zygote.Popen(
                 command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
         for name, process in processes:
             code = process.wait(timeout=400)
@@ -310,8 +311,8 @@ def test_the_mpi_launchers_horovodrun_command_trains_over_an_operator_style_host
                "/etc/mpi/hostfile": str(hostfile)}
     command = [replace.get(part, part.replace(k8s.CONFIG_DIR, str(config_dir)))
                for part in _containers(mpi_job)["launcher"]["command"]]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=360,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    proc = zygote.run(command, cwd=ROOT, capture_output=True, text=True, timeout=360,
+                      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-2000:] + why_it_failed(proc.stderr)
     result = json.loads(metrics.read_text())
     assert result["strategy"] == "horovod" and result["num_replicas"] == 2

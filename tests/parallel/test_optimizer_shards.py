@@ -62,21 +62,13 @@ def _train(devices, make_optimizer, stage, epochs=2, callbacks=()):
     return model, optimizer, shards
 
 
-# Every optimizer on 2 devices; on 4 (other slice lengths and paddings), one with slots and the loss-scaled one.
-CASES = [(name, 2) for name in OPTIMIZERS] + [("adam", 4), ("mixed_float16_loss_scaling", 4)]
-
-
-# Stage 2 changes only how the gradients are reduced, the same for every optimizer: checked with one with
-# slots, with global clipping (a norm over the whole reduced gradient) and with loss scaling.
-STAGE_2 = ("adam", "adam_global_clipnorm", "mixed_float16_loss_scaling")
-
-
-@pytest.mark.parametrize("name, devices", CASES)
+@pytest.mark.parametrize("devices", [2, 4])  # 4: other slice lengths and paddings
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_split_state_trains_the_same_weights_as_one_copy_per_device(cpus, name, devices):
     """Stage 1 (the gradients all-reduced) and stage 2 (reduce-scattered) against the same job unsplit."""
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
     whole, whole_optimizer, _ = _train(devices, OPTIMIZERS[name], stage=0)
-    for stage in (1, 2) if name in STAGE_2 else (1,):
+    for stage in (1, 2):
         split, optimizer, shards = _train(devices, OPTIMIZERS[name], stage=stage)
         assert int(optimizer.iterations.numpy()) == STEPS and shards.collectives.stage == stage
         for a, b in zip(whole.get_weights(), split.get_weights()):

@@ -25,7 +25,7 @@ import hashlib  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from tfdist.data import load_digits  # noqa: E402  (the digits data, which tfdist ships)
 
 import tfdist.horovod.tensorflow as hvd  # noqa: E402  (was: import horovod.tensorflow as hvd)
 
@@ -39,8 +39,8 @@ def main(out, modes):
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; known: {MODES}")
     hvd.init()
-    digits = load_digits()
-    data = (digits.data / 16.0).astype("float32"), digits.target.astype("int64")
+    pixels, labels = load_digits()
+    data = (pixels.reshape(len(pixels), -1) / 16.0).astype("float32"), labels.astype("int64")
     for mode in modes:
         train(f"{out}.{mode}", mode, *data)
 

@@ -19,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from tfdist.data import load_digits  # noqa: E402  (the digits data, which tfdist ships)
 
 import tfdist.horovod.tensorflow.keras as hvd  # noqa: E402  (was: import horovod.tensorflow.keras as hvd)
 
@@ -38,8 +38,8 @@ def main(out_dir):
 
     hvd.init()
     event("start", pid=os.getpid())
-    digits = load_digits()
-    images = (digits.images / 16.0).astype("float32")[..., np.newaxis]
+    pixels, labels = load_digits()
+    images = (pixels / 16.0).astype("float32")[..., np.newaxis]
     order = np.random.default_rng(0).permutation(len(images))
     train_rows, val_rows = order[:1400], order[1400:]
 
@@ -94,13 +94,13 @@ def main(out_dir):
     @hvd.elastic.run
     def train(state):
         # Horovod: each rank reads its own shard of the ranks there are now.
-        dataset = tf.data.Dataset.from_tensor_slices((images[train_rows], digits.target[train_rows]))
+        dataset = tf.data.Dataset.from_tensor_slices((images[train_rows], labels[train_rows]))
         dataset = dataset.shard(hvd.size(), hvd.rank()).repeat().shuffle(1000, seed=0).batch(BATCH)
         state.model.fit(dataset, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, callbacks=callbacks,
                         verbose=2 if hvd.rank() == 0 else 0)
 
     train(state)
-    _, accuracy = model.evaluate(images[val_rows], digits.target[val_rows], verbose=0)
+    _, accuracy = model.evaluate(images[val_rows], labels[val_rows], verbose=0)
     event("end", step=steps(), val_accuracy=float(accuracy))
     if hvd.rank() == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from any_size_job import dense, load, run, tensor_parallel
 from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports
+import zygote
 from tfdist import MirroredStrategy
 from tfdist.parallel import DeviceGroup
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
@@ -60,7 +61,7 @@ JOB = os.path.join(SCENARIO_DIR, "any_size_job.py")
 def test_multi_worker_matches_one_device(tmp_path):
     out = tmp_path / "results.npz"
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    tasks = [subprocess.Popen([sys.executable, JOB, "multi_worker", json.dumps(
+    tasks = [zygote.Popen([sys.executable, JOB, "multi_worker", json.dumps(
         {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}), str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for task in tasks:
@@ -74,7 +75,7 @@ def test_multi_worker_matches_one_device(tmp_path):
 @pytest.mark.timeout(300)
 def test_horovod_matches_one_device(tmp_path):
     out = tmp_path / "results.npz"
-    proc = subprocess.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, JOB, "horovod",
+    proc = zygote.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, JOB, "horovod",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     _assert_as_on_one_device(load(out), run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense))

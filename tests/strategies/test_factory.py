@@ -14,6 +14,7 @@ from tfdist.strategies import MultiWorkerMirroredStrategy
 from tfdist.cluster.resolver import cluster_resolver
 
 from helpers import patient, run_tfdist
+import zygote
 
 
 def _strategy(*overrides):
@@ -167,7 +168,7 @@ def test_deterministic_ops_switches_on_op_determinism():
     code = ("from tensorflow.python.framework.config import is_op_determinism_enabled; "
             "from tfdist import load_config, make_strategy; "
             "make_strategy(load_config(None, ['runtime.deterministic_ops=true'])); print(is_op_determinism_enabled())")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
+    proc = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "True"
     assert not is_op_determinism_enabled()  # off unless asked for
@@ -178,7 +179,7 @@ def test_a_mirrored_strategy_makes_the_cpus_it_names_or_says_it_cannot():
     code = ("import tfdist; s = tfdist.MirroredStrategy(['/cpu:0', '/cpu:2']); "
             "import tensorflow as tf; print(len(tf.config.list_logical_devices('CPU')), s.num_replicas_in_sync); "
             "tfdist.MirroredStrategy(['/cpu:0', '/cpu:5'])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
+    proc = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
     assert proc.stdout.strip().splitlines()[-1] == "3 2"
     assert proc.returncode == 1
     assert ("ConfigError: `strategy.logical_devices` cannot be raised to 6: TensorFlow already initialised "

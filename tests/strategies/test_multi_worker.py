@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from helpers import ROOT, SCENARIO_DIR, free_ports, tfdist_command
+import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -33,7 +35,7 @@ def _start_workers(tmp_path, ports, count, extra=()):
             *extra,
         )
         procs.append(
-            subprocess.Popen(
+            zygote.Popen(
                 args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env=env,
             )
@@ -91,7 +93,7 @@ def test_a_port_held_by_another_process_is_one_line_naming_it(tmp_path, kind):
         cluster = [f"cluster.workers=[{worker}]", "cluster.task_type=worker"]
         if kind == "parameter_server":
             cluster += [f"cluster.ps=[{ps}]", f"cluster.chief={chief}"]
-        proc = subprocess.run(
+        proc = zygote.run(
             tfdist_command("train", "--set", f"strategy.kind={kind}", *[f"--set={c}" for c in cluster]),
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )
@@ -116,7 +118,7 @@ def test_a_peer_killed_mid_training_is_an_error_not_a_hang(tmp_path):
                 break
         else:
             pytest.fail(f"the chief stopped before training: {chief.stderr.read()[-3000:]}")
-        worker.kill()
+        zygote.send_signal(worker, signal.SIGKILL)  # the worker itself, forked or not
         killed = time.monotonic()
         _, err = chief.communicate(timeout=120)
         assert chief.returncode == 1
@@ -146,7 +148,7 @@ def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path, compr
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     out = tmp_path / "chief.npz"
     procs = [
-        subprocess.Popen(
+        zygote.Popen(
             [sys.executable, script, json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
              str(out), *([compression] if compression else [])],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -178,7 +180,7 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
 
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     procs = [
-        subprocess.Popen(
+        zygote.Popen(
             [sys.executable, os.path.join(SCENARIO_DIR, "multi_worker_split.py"),
              json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}), str(tmp_path)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from helpers import ROOT, SCENARIO_DIR, free_ports, run_tfdist, tfdist_command, why_it_failed
+import zygote
 from tfdist.cluster.loopback import LOWEST_PORT, port_is_free
 from tfdist.launch.process_tree import descendants
 
@@ -21,7 +22,7 @@ SCENARIOS = os.path.join(SCENARIO_DIR, "ps_scenarios.py")
 
 def _scenario(name, timeout=240, stderr=False):
     """The scenario's JSON result (and its stderr, if asked)."""
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, SCENARIOS, name], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
     assert proc.returncode == 0, why_it_failed(proc.stderr)
@@ -161,7 +162,7 @@ def test_a_dead_worker_whose_port_another_process_took_is_given_up_once_not_rest
     spawned = []
     monkeypatch.setattr(cluster, "_spawn", lambda job, index: spawned.append((job, index)))
     for index in (0, 1):
-        dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+        dead = zygote.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
         dead.wait(timeout=60)
         cluster.processes["worker", index] = dead
     port = int(cluster.cluster_spec["worker"][1].rsplit(":", 1)[1])
@@ -178,7 +179,7 @@ def test_jobs_choosing_ports_at_once_never_get_the_same_one():
     """20 processes choosing 40 ports each at once: 800 of the ~22,000 below the ephemeral range would
     share one about 14 times by chance; reserved on this machine, none does."""
     script = "from tfdist.cluster.loopback import free_loopback_ports as f; print(*f(20), *f(20))"
-    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    processes = [zygote.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
                  for _ in range(20)]
     ports = [int(port) for process in processes for port in process.communicate(timeout=120)[0].split()]
     assert all(process.returncode == 0 for process in processes)
@@ -246,7 +247,7 @@ def test_sharded_config_trains_digits_to_095_with_the_table_on_both_servers(tmp_
 def _local_tasks(parent_pid, job):
     """PIDs of the local `job` processes ("ps" or "worker") that `parent_pid` started."""
     found = []
-    for pid in descendants(parent_pid)[1:]:
+    for pid in descendants(zygote.forked_child(parent_pid) or parent_pid)[1:]:
         try:
             with open(f"/proc/{pid}/cmdline") as f:
                 args = f.read().split("\0")
@@ -269,8 +270,8 @@ def test_a_restarted_worker_is_one_line_on_the_users_screen(tmp_path):
     # TensorFlow start-up banner.
     command = tfdist_command("train", "--config", "configs/parameter_server.yaml", "--set", "train.epochs=4",
                              "--set", "train.verbose=2", "--metrics_out", str(tmp_path / "metrics.json"))
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_cli_default_env())
+    proc = zygote.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env=_cli_default_env())
     try:
         for line in proc.stdout:
             if line.startswith("Epoch 2/4"):
@@ -293,7 +294,7 @@ def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_checkpoint(tmp_p
         "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--metrics_out", str(metrics),
     )
     env = _cli_default_env()
-    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = zygote.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in first.stdout:
             if line.startswith("Epoch 3/6"):  # epochs 1 and 2 are saved
@@ -309,7 +310,7 @@ def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_checkpoint(tmp_p
     assert len(lines) == 1 and lines[0].startswith("tfdist: error: lost a parameter server"), err[-3000:]
     assert "checkpoint.dir" in lines[0], err[-3000:]
 
-    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    second = zygote.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, why_it_failed(second.stderr)
     epochs = [line.split()[1] for line in second.stdout.splitlines() if line.startswith("Epoch ")]
     assert epochs[0] == "3/6" and epochs[-1] == "6/6"  # resumed at the last saved epoch end

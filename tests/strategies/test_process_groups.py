@@ -14,6 +14,7 @@ import pytest
 
 from helpers import (HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, horovod_rank_pid, tfdist_command,
                      why_it_failed)
+import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -38,14 +39,14 @@ def _run(backend, layout, out, *shard):
     """The scenario on 2 processes of `backend`, or on one device; returns the chief's saved arrays."""
     arguments = [SCENARIOS, backend, layout, out, *shard]
     if backend == "one_device":
-        procs = [subprocess.Popen([sys.executable, *arguments], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
+        procs = [zygote.Popen([sys.executable, *arguments], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
     elif backend == "horovod":
-        procs = [subprocess.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *arguments],
-                                  cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
+        procs = [zygote.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *arguments],
+                              cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
     else:
         ports = free_ports(2)
-        procs = [subprocess.Popen([sys.executable, *arguments], cwd=ROOT,
-                                  env={**ENV, "TF_CONFIG": _tf_config(ports, i)}, stderr=subprocess.PIPE, text=True)
+        procs = [zygote.Popen([sys.executable, *arguments], cwd=ROOT,
+                              env={**ENV, "TF_CONFIG": _tf_config(ports, i)}, stderr=subprocess.PIPE, text=True)
                  for i in range(2)]
     for code, proc in _wait_all(procs, timeout=300):
         assert code == 0, why_it_failed(proc.stderr.read())
@@ -88,7 +89,8 @@ def one_device_adam(tmp_path_factory):
 
 @pytest.mark.xdist_group("process_groups_one_device")
 @pytest.mark.parametrize("backend, layout, stage", [
-    ("multi_worker", "pipeline", 2), ("multi_worker", "pipeline_2x2", 1),
+    ("multi_worker", "pipeline", 2), ("multi_worker", "tensor_parallel", 1), ("multi_worker", "pipeline_2x2", 1),
+    ("multi_worker", "pipeline_2x2", 2),
     pytest.param("horovod", "pipeline", 1, marks=pytest.mark.horovod),
     pytest.param("horovod", "tensor_parallel", 2, marks=pytest.mark.horovod),
 ])
@@ -130,8 +132,8 @@ def _workers(tmp_path, overrides_per_task, *common):
             "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=multi_worker",
             "--set", f"cluster.workers=[{workers}]", "--set", f"cluster.task_index={index}",
             "--metrics_out", str(tmp_path / f"metrics{index}.json"), *common, *own)
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(zygote.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
     return procs
 
 
@@ -155,7 +157,7 @@ def test_a_killed_process_ends_the_job_with_one_line(tmp_path):
                 break
         else:
             pytest.fail(f"the chief stopped before training: {chief.stderr.read()[-3000:]}")
-        worker.kill()
+        zygote.send_signal(worker, signal.SIGKILL)  # the worker itself, forked or not
         killed = time.monotonic()
         _, err = chief.communicate(timeout=120)
         assert chief.returncode == 1, err[-3000:]
@@ -174,7 +176,7 @@ def test_a_killed_or_stopped_horovod_rank_ends_the_job(fault):
         "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
         "--set", "strategy.logical_devices=2", "--set", "train.epochs=1000", "--set", "train.verbose=2",
         "--set", "horovod.stall_shutdown_seconds=10")]
-    job = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = zygote.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
         for line in job.stdout:
@@ -212,7 +214,7 @@ def test_digits_train_to_095_under_horovodrun(tmp_path):
     command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(
         "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
         "--set", "strategy.logical_devices=2", "--metrics_out", str(metrics))]
-    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    done = zygote.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
@@ -230,11 +232,11 @@ def test_digits_train_to_095_under_the_launcher_and_resume_from_the_chiefs_check
     launch = ["launch", "--workers", "2", "--config", "configs/pipeline.yaml", "--set",
               "strategy.data_parallel=multi_worker", "--set", "strategy.logical_devices=2",
               "--set", f"checkpoint.dir={ckpt}", "--metrics_out", str(metrics)]
-    first = subprocess.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=400)
+    first = zygote.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=400)
     assert first.returncode == 0, why_it_failed(first.stderr)
     saved = sorted(os.listdir(ckpt))
-    second = subprocess.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    second = zygote.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, why_it_failed(second.stderr)
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["horovod", "nvml", "xspace"]
+__all__ = ["horovod", "nvml", "pyplot", "xspace"]
 
 def horovod():
     """`horovod.tensorflow`, or an ImportError that says in one line how to get it.
@@ -26,6 +26,17 @@ def nvml():
     except ImportError as error:
         raise ImportError(f"nvidia-ml-py is not installed ({error}); pip install 'tfdist[monitor]'.") from None
     return pynvml
+
+def pyplot():
+    """`matplotlib.pyplot` drawing to files only (the Agg backend), or an ImportError that says how to get it."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(f"matplotlib is not installed ({error}); pip install 'tfdist[plots]'.") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 def xspace(path: str):
     """A profile written by `tf.profiler` (an `.xplane.pb` file), parsed.

@@ -8,6 +8,7 @@ object with the numbers docs/figures.md quotes.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any, Optional
 
 from tfdist.bench import machine
@@ -76,6 +77,8 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
         takers = " or ".join(f"`bench {b}`" for b in _PLOTTED)
         raise ConfigError("plot", f"only applies to {takers}; {name} draws no plot.",
                           plot_path)
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("plot", "needs matplotlib, which is not installed: pip install 'tfdist[plots]'.", plot_path)
     for option, value in options.items():
         if option not in _OPTIONS.get(name, ()):
             takers = " or ".join(f"`bench {b}`" for b, taken in _OPTIONS.items() if option in taken)

@@ -12,10 +12,9 @@ __all__ = ["png"]
 def png(path: str) -> Iterator[tuple]:
     """Yields (figure, axes) to draw on; on leaving, adds the grid and legend and saves the figure
     as PNG at `path`."""
-    import matplotlib
+    from tfdist._compat.optional import pyplot
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(6, 4.5), dpi=100)
     try:

@@ -415,8 +415,8 @@ class DataConfig:
     """The input data.
 
     Attributes:
-      dataset: where the examples come from: `digits` (scikit-learn's 8x8
-        digits, ships with scikit-learn), `synthetic` (random images and
+      dataset: where the examples come from: `digits` (the UCI handwritten
+        8x8 digits that tfdist ships, `tfdist.data.load_digits`), `synthetic` (random images and
         labels, for benchmarks), `npz:PATH` (arrays `x` and `y`, optionally
         `x_val` and `y_val`), `tfrecord:GLOB` (`tf.train.Example` records
         described by `features`), `images:DIR` (one folder of images per

@@ -1,6 +1,6 @@
 """Where `tfdist train`'s examples come from: `data.dataset` and `data.validation`.
 
-Built in, needing no download: scikit-learn's digits and synthetic images. The
+Built in, needing no download: the handwritten digits tfdist ships and synthetic images. The
 user's own: `npz:PATH` arrays, `tfrecord:GLOB` records and `images:DIR` folders
 (`tfdist.data.files`), or `MODULE:FUNCTION` returning `tf.data.Dataset`s. Each
 becomes a `Source` of unbatched examples for `tfdist.data.input_pipeline`, and
@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfdist.config.schema import DataConfig, Dataset
 from tfdist.config.sources import DataSource, data_source
 from tfdist.data import files
+from tfdist.data.digits import load_digits
 from tfdist.data.files import Examples
 from tfdist.errors import ConfigError
 
@@ -246,11 +247,8 @@ def shard(examples: Examples, workers: int, index: Optional[int]) -> tuple[tf.da
 
 
 def _digits():
-    from sklearn.datasets import load_digits  # ships its data; no download
-
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    return x, digits.target.astype(np.int32), 10
+    images, labels = load_digits()
+    return (images / 16.0).astype(np.float32)[..., None], labels.astype(np.int32), 10
 
 
 def _synthetic(config: DataConfig, seed: int):

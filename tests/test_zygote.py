@@ -1,0 +1,124 @@
+"""The test zygote: a forked child behaves as the process it stands for."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, free_ports, processes_with
+import zygote
+
+# Two logical CPUs, one mirrored step (a collective all-reduce), the weights' sum; numpy's unseeded draw first.
+_STEP = """
+import json, sys
+import numpy as np
+unseeded = float(np.random.random())
+import tfdist
+strategy = tfdist.make_strategy(tfdist.load_config(None, ["strategy.logical_devices=2"]))
+import keras
+keras.utils.set_random_seed(int(sys.argv[1]))
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), batch_size=8, epochs=1, verbose=0)
+print(json.dumps({"sum": float(sum(np.sum(w) for w in model.get_weights())), "replicas": strategy.num_replicas_in_sync,
+                  "random": unseeded}))
+"""
+
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _forked(args):
+    """Whether `args` runs through the zygote (its client stands for the interpreter)."""
+    return zygote.command(args)[1:4] == ["-I", "-S", zygote.CLIENT]
+
+
+@pytest.mark.timeout(600)
+def test_forked_children_train_as_fresh_processes_do_many_in_a_row():
+    step = [sys.executable, "-c", _STEP, "3"]
+    fresh = subprocess.run(step, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    expected = json.loads(fresh.stdout.splitlines()[-1])
+    assert _forked(step)
+    seen_random = set()
+    for _ in range(20):
+        done = zygote.run(step, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(done.stdout.splitlines()[-1])
+        assert result["sum"] == expected["sum"] and result["replicas"] == 2
+        seen_random.add(result["random"])
+    assert len(seen_random) == 20  # numpy's unseeded generator differs from child to child, as from process to process
+    assert done.stderr == ""  # not even TensorFlow's start-up lines
+
+
+def _state(pid):
+    """A process's state letter (T: stopped), read when it has settled."""
+    time.sleep(0.5)
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_child_is_signalled_killed_and_fails_as_the_process_would():
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(7)); print('up', flush=True); " \
+           "time.sleep(600)"
+    marker = f"zygote-test-{os.getpid()}"
+    sleeper = zygote.Popen([sys.executable, "-c", code, marker], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    assert sleeper.stdout.readline() == "up\n"
+    assert processes_with(marker) == [sleeper.pid]  # the client, whose command line is the command's
+    sleeper.terminate()  # passed on to the child, whose handler exits 7
+    assert sleeper.wait(timeout=30) == 7
+    sleeper = zygote.Popen([sys.executable, "-c", code, marker], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    assert sleeper.stdout.readline() == "up\n"
+    sleeper.kill()  # the client: the zygote kills its child
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    assert sleeper.stdout.read() == ""  # every writer of the pipe has gone: the child too
+    sleeper = zygote.Popen([sys.executable, "-c", code, marker], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    assert sleeper.stdout.readline() == "up\n"
+    child = zygote.forked_child(sleeper.pid)
+    assert child not in (None, sleeper.pid)
+    zygote.send_signal(sleeper, signal.SIGSTOP)  # the child itself stops
+    assert _state(child) == "T" and _state(sleeper.pid) != "T"
+    zygote.send_signal(sleeper, signal.SIGKILL)
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL and zygote.forked_child(sleeper.pid) is None
+    failed = zygote.run([sys.executable, "-c", "import sys; print('out'); sys.exit('why')"], cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=60)
+    assert (failed.returncode, failed.stdout, failed.stderr) == (1, "out\n", "why\n")
+    raised = zygote.run([sys.executable, "-c", "raise KeyError('k')"], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=60)
+    assert raised.returncode == 1 and raised.stderr.rstrip().endswith("KeyError: 'k'")
+    killed_self = zygote.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                             cwd=ROOT, env=ENV, timeout=60)
+    assert killed_self.returncode == -signal.SIGKILL
+
+
+def test_what_the_zygote_cannot_stand_in_for_runs_the_real_interpreter():
+    code = "import os; print(os.getppid())"  # a forked child's parent is the zygote; the interpreter's, this test
+    assert zygote.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True).stdout != f"{os.getpid()}\n"
+    for env in ({**ENV, "TF_ENABLE_ONEDNN_OPTS": "0"}, {**ENV, "PYTHONPATH": "/nowhere"}):  # read at import
+        done = zygote.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.stdout == f"{os.getpid()}\n", done.stderr
+    assert not _forked([sys.executable, "-X", "importtime", "-c", "pass"])  # interpreter options
+    assert not _forked(["/bin/echo", "x"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_forked_children_are_the_workers_of_one_multi_worker_job(tmp_path):
+    """Each child starts its own TensorFlow runtime and gRPC server after the fork."""
+    ports = free_ports(2)
+    workers = ", ".join(f"127.0.0.1:{p}" for p in ports)
+    procs = [zygote.Popen([sys.executable, "-m", "tfdist.cli", "train", "--set", "strategy.kind=multi_worker_mirrored",
+                           "--set", f"cluster.workers=[{workers}]", "--set", f"cluster.task_index={index}",
+                           "--set", "train.epochs=1", "--set", "train.steps_per_epoch=5", "--set", "train.verbose=0",
+                           "--metrics_out", str(tmp_path / f"m{index}.json")],
+                          cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for index in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+    assert json.loads((tmp_path / "m0.json").read_text())["num_replicas"] == 2  # the chief's report

@@ -1,0 +1,101 @@
+"""`python ARGS` through the test zygote: run as `python -I -S zygote_client.py ARGS`.
+
+This small process (standard library only, no site packages: it starts in a few
+hundredths of a second) stands where the interpreter would. It hands the zygote
+its arguments, working directory, environment and standard streams; the zygote
+forks a child that runs `python ARGS` on them. The client passes on the signals
+it gets (TERM, INT, HUP, QUIT, USR1, USR2, CONT), exits with the child's code (or
+dies of the child's signal), and if the client is killed the zygote kills the
+child. Where the zygote cannot stand in (no zygote, another network namespace,
+another value of a variable read at import: see tests/zygote.py), the client
+becomes the real interpreter (exec) and nothing else changes.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+SOCKET_VARIABLE = "TFDIST_TEST_ZYGOTE"  # the zygote's socket path, in every process a test starts
+_HEADER = 8  # a message's length, as 8 decimal digits
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT)
+
+
+def send(connection: socket.socket, message: dict, fds=()) -> None:
+    body = json.dumps(message).encode()
+    data = b"%08d" % len(body) + body
+    if fds:
+        socket.send_fds(connection, [data], list(fds))
+    else:
+        connection.sendall(data)
+
+
+def receive(connection: socket.socket, with_fds: bool = False):
+    """One message, and with `with_fds` the descriptors sent with it; EOFError when the peer has gone."""
+    fds = []
+    if with_fds:
+        data, fds, _, _ = socket.recv_fds(connection, 65536, 3)
+    else:
+        data = connection.recv(_HEADER)
+    if not data:
+        raise EOFError
+    while len(data) < _HEADER:
+        data += _more(connection, _HEADER - len(data))
+    length = int(data[:_HEADER])
+    body = data[_HEADER:]
+    while len(body) < length:
+        body += _more(connection, length - len(body))
+    message = json.loads(body)
+    return (message, fds) if with_fds else message
+
+
+def _more(connection: socket.socket, count: int) -> bytes:
+    chunk = connection.recv(count)
+    if not chunk:
+        raise EOFError
+    return chunk
+
+
+def network_namespace() -> str:
+    return os.readlink("/proc/self/ns/net")
+
+
+def _interpreter(args: list[str]) -> None:
+    """Becomes `python ARGS`, the real interpreter."""
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def main(args: list[str]) -> None:
+    path = os.environ.get(SOCKET_VARIABLE)
+    if not path or not os.path.exists(path):
+        _interpreter(args)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except OSError:  # the zygote has gone
+        _interpreter(args)
+    request = {"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "python": sys.executable,
+               "network": network_namespace()}
+    send(connection, request, [0, 1, 2])
+    reply = receive(connection)
+    if "refused" in reply:
+        connection.close()
+        _interpreter(args)
+    child = reply["pid"]
+    for number in FORWARDED:
+        signal.signal(number, lambda number, _: send(connection, {"signal": number}))
+    try:
+        returncode = receive(connection)["returncode"]
+    except EOFError:
+        sys.exit(f"tfdist test zygote: the zygote ended before its child {child} did")
+    if returncode < 0:  # die of the child's signal, as its parent would see it
+        if -returncode not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    sys.exit(returncode)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
