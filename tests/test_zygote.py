@@ -80,7 +80,7 @@ def test_a_child_is_signalled_killed_and_fails_as_the_process_would():
     sleeper = zygote.Popen([sys.executable, "-c", code, marker], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     assert sleeper.stdout.readline() == "up\n"
     child = zygote.forked_child(sleeper.pid)
-    assert child not in (None, sleeper.pid)
+    assert child not in (None, sleeper.pid), zygote.refusals()
     zygote.send_signal(sleeper, signal.SIGSTOP)  # the child itself stops
     assert _state(child) == "T" and _state(sleeper.pid) != "T"
     zygote.send_signal(sleeper, signal.SIGKILL)

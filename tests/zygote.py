@@ -82,6 +82,7 @@ def _serve(listener: socket.socket) -> None:
     clients: dict[socket.socket, int] = {}  # a client's connection -> its child
     children: dict[int, socket.socket | None] = {}
     child_of: dict[int, int] = {}  # a client's pid -> its child's
+    refusals: list[str] = []  # why, for the clients that became the real interpreter
     while True:
         ready = select.select([listener, wake_reader, *clients], [], [])[0]
         if wake_reader in ready:
@@ -108,15 +109,20 @@ def _serve(listener: socket.socket) -> None:
         if listener not in ready:
             continue
         connection, _ = listener.accept()
-        request, fds = receive(connection, with_fds=True)
+        try:
+            request, fds = receive(connection, with_fds=True)
+        except (EOFError, OSError):  # a client killed before it asked
+            connection.close()
+            continue
         if "child_of" in request:  # a test asks which child stands for a client
             for fd in fds:
                 os.close(fd)
-            _send_quietly(connection, {"pid": child_of.get(request["child_of"])})
+            _send_quietly(connection, {"pid": child_of.get(request["child_of"]), "refusals": refusals[-5:]})
             connection.close()
             continue
         refusal = _refusal(request)
         if refusal:
+            refusals.append(refusal)
             _send_quietly(connection, {"refused": refusal})
             connection.close()
             for fd in fds:
@@ -281,14 +287,23 @@ def python() -> list[str]:
 
 def forked_child(pid: int) -> int | None:
     """The pid of the child that stands for client `pid`, or None (`pid` is a real process, or has ended)."""
+    return _ask(pid)["pid"]
+
+
+def refusals() -> list[str]:
+    """Why the zygote's last few refusals were made (a test's message, when a command was not forked)."""
+    return _ask(0)["refusals"]
+
+
+def _ask(pid: int) -> dict:
     path = os.environ[SOCKET_VARIABLE]
     if _zygote is None or not os.path.exists(path):
-        return None
+        return {"pid": None, "refusals": ["this test process started no zygote"]}
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with connection:
         connection.connect(path)
         send(connection, {"child_of": pid})
-        return receive(connection)["pid"]
+        return receive(connection)
 
 
 def send_signal(process: subprocess.Popen, number: int) -> None:
