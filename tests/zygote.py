@@ -279,12 +279,6 @@ def command(args):
     return [sys.executable, "-I", "-S", CLIENT, *map(str, args[1:])]
 
 
-def python() -> list[str]:
-    """The interpreter command that runs through the zygote, for a command line another program runs
-    (horovodrun's ranks): `[python, -I, -S, zygote_client.py]`."""
-    return command([sys.executable, "-c", ""])[:4]
-
-
 def forked_child(pid: int) -> int | None:
     """The pid of the child that stands for client `pid`, or None (`pid` is a real process, or has ended)."""
     return _ask(pid)["pid"]

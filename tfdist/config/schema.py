@@ -416,8 +416,8 @@ class DataConfig:
 
     Attributes:
       dataset: where the examples come from: `digits` (the UCI handwritten
-        8x8 digits that tfdist ships, `tfdist.data.load_digits`), `synthetic` (random images and
-        labels, for benchmarks), `npz:PATH` (arrays `x` and `y`, optionally
+        8x8 digits that tfdist ships, `tfdist.data.load_digits`), `synthetic`
+        (random images and labels, for benchmarks), `npz:PATH` (arrays `x` and `y`, optionally
         `x_val` and `y_val`), `tfrecord:GLOB` (`tf.train.Example` records
         described by `features`), `images:DIR` (one folder of images per
         class), or `MODULE:FUNCTION` (a function of yours returning the

@@ -1,8 +1,9 @@
 """Where `tfdist train`'s examples come from: `data.dataset` and `data.validation`.
 
-Built in, needing no download: the handwritten digits tfdist ships and synthetic images. The
-user's own: `npz:PATH` arrays, `tfrecord:GLOB` records and `images:DIR` folders
-(`tfdist.data.files`), or `MODULE:FUNCTION` returning `tf.data.Dataset`s. Each
+Built in, needing no download: the handwritten digits tfdist ships and synthetic
+images. The user's own: `npz:PATH` arrays, `tfrecord:GLOB` records and
+`images:DIR` folders (`tfdist.data.files`), or `MODULE:FUNCTION` returning
+`tf.data.Dataset`s. Each
 becomes a `Source` of unbatched examples for `tfdist.data.input_pipeline`, and
 `shard` decides how a multi-process job splits them: by file where there are at
 least as many files as workers, else by record.
