@@ -96,14 +96,71 @@ def test_a_child_is_signalled_killed_and_fails_as_the_process_would():
     assert killed_self.returncode == -signal.SIGKILL
 
 
-def test_what_the_zygote_cannot_stand_in_for_runs_the_real_interpreter():
-    code = "import os; print(os.getppid())"  # a forked child's parent is the zygote; the interpreter's, this test
-    assert zygote.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True).stdout != f"{os.getpid()}\n"
-    for env in ({**ENV, "TF_ENABLE_ONEDNN_OPTS": "0"}, {**ENV, "PYTHONPATH": "/nowhere"}):  # read at import
-        done = zygote.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert done.stdout == f"{os.getpid()}\n", done.stderr
+def _parent(args, **kwargs):
+    """The pid of the process that started `python ARGS` (run through the zygote where it can be)."""
+    code = "import os; print(os.getppid())"
+    done = zygote.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, **kwargs)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout)
+
+
+def _environment(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+
+
+@pytest.mark.timeout(300)
+def test_other_import_time_values_fork_from_a_sibling_and_what_none_can_stand_in_for_runs_for_real():
+    the_zygote = _parent([], env=ENV)
+    assert the_zygote != os.getpid()
+    without_onednn = {**ENV, "TF_ENABLE_ONEDNN_OPTS": "0"}  # read at import
+    sibling = _parent([], env=without_onednn)
+    assert sibling not in (os.getpid(), the_zygote)
+    assert _environment(sibling)["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    assert _parent([], env=without_onednn) == sibling  # one sibling for those values
+    assert _parent([], env={**ENV, "PYTHONPATH": "/nowhere"}) not in (os.getpid(), the_zygote, sibling)
     assert not _forked([sys.executable, "-X", "importtime", "-c", "pass"])  # interpreter options
     assert not _forked(["/bin/echo", "x"])
+
+
+_STARTS_PYTHON = """
+import json, subprocess, sys
+from tfdist.bench.jobs import on_core
+report = "import json, os; print(json.dumps([os.getppid(), sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0)]))"
+started = {}
+for name, command in (("module", ["nice", "-n", "7", *on_core(1), sys.executable, "-m", "report"]),
+                      ("snippet", [sys.executable, "-c", report])):
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=sys.argv[1])
+    started[name] = json.loads(done.stdout)
+print(json.dumps(started))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_childs_python_processes_fork_from_the_zygote_pinned_and_niced_as_started(tmp_path):
+    """A benchmark pins its jobs (`on_core`) and may nice them; a launcher's tasks are `python -m`."""
+    (tmp_path / "report.py").write_text("import json, os; print(json.dumps([os.getppid(), "
+                                        "sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0)]))")
+    done = zygote.run([sys.executable, "-c", _STARTS_PYTHON, str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
+                      text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = json.loads(done.stdout)
+    the_zygote = _parent([], env=ENV)
+    assert started["module"] == [the_zygote, [1], 7]
+    assert started["snippet"][0] != the_zygote  # a child's `python -c` is a real process
+
+
+@pytest.mark.timeout(120)
+def test_a_child_ends_as_the_interpreter_does():
+    code = ("import atexit, sys, threading, time; atexit.register(lambda: print('atexit', flush=True)); "
+            "threading.Thread(target=lambda: (time.sleep(1), print('thread'))).start(); print('main', end='')")
+    done = zygote.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "mainthread\natexit\n")  # joined, handlers run, flushed
+    done = zygote.run([sys.executable, "-c", "raise KeyboardInterrupt"], env=ENV, capture_output=True, text=True,
+                      timeout=60)
+    assert done.returncode == -signal.SIGINT and "KeyboardInterrupt" in done.stderr
+    done = zygote.run([sys.executable, "-c", "import sys; sys.exit(300)"], env=ENV, timeout=60)
+    assert done.returncode == 300 & 0xFF
 
 
 @pytest.mark.multiprocess

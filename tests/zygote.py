@@ -6,12 +6,16 @@ suite's CPU. The zygote imports them once, before any TensorFlow runtime exists 
 no thread pool, no session), and forks a child per command. A test runs `python ARGS` as
 `python -I -S zygote_client.py ARGS` (`command` rewrites it; `run` and `Popen` are
 `subprocess`'s with that done): the client is a real process that hands the zygote its
-arguments, directory, environment and standard streams, and the child, set up as a new
-interpreter would be, runs the module, script or code as `__main__` and exits through the
-interpreter's own shutdown (atexit, thread joins). Because the client is what the test holds,
-its pid, command line and environment in /proc, its exit code and its pipes are those of the
-process it stands for; signals it receives go to the child (SIGKILL kills the child through the
-zygote; SIGSTOP stops only the client, so a test that stops a process runs a real one).
+arguments, directory, environment, CPU affinity, niceness and standard streams, and the child,
+set up as a new interpreter would be, runs the module, script or code as `__main__`. It ends as
+the interpreter does (threads joined, atexit handlers run, streams flushed) but without freeing
+its modules one by one, which in a child copies most of the heap (about 1 CPU-second). Because
+the client is what the test holds, its pid, command line and environment in /proc, its exit code
+and its pipes are those of the process it stands for; signals it receives go to the child
+(SIGKILL kills the child through the zygote; SIGSTOP stops only the client, so a test that stops
+a process, or a launcher that looks for stopped tasks, runs real ones). The Python processes a
+child starts (a launcher's tasks, a benchmark's jobs, horovodrun's ranks) fork from the zygote
+the same way; its `python -c` snippets do not (a local server's own pid must hold its port).
 
 Forking a process that has threads is safe only if no thread holds a lock the child needs.
 After these imports the only other threads are OpenBLAS's idle workers (numpy's), which
@@ -19,10 +23,11 @@ OpenBLAS stops around fork() itself (pthread_atfork). tests/test_zygote.py check
 children train with collectives and give a fresh process's weights, many in a row.
 
 What a process reads while it imports TensorFlow, Keras and Python (oneDNN on or off, the log
-level, the path: `IMPORT_TIME_VARIABLES`) is fixed in the zygote, and so is its network
-namespace: a client whose values differ becomes the real interpreter instead. So does a command
-with interpreter options. A script that sets such a variable itself before importing TensorFlow
-must not be run through the zygote.
+level, the path: `IMPORT_TIME_VARIABLES`) is fixed in a zygote, and so is its network namespace.
+A client with other values of those variables is forked from a sibling zygote that imported with
+them (started on first use, at most `MAX_SIBLINGS`); one in another network namespace, or with
+interpreter options, becomes the real interpreter. A script that sets such a variable itself
+before importing TensorFlow must not be run through the zygote.
 
     import zygote
     done = zygote.run([sys.executable, "-m", "tfdist.cli", "train"], capture_output=True, text=True, timeout=300)
@@ -32,8 +37,10 @@ from __future__ import annotations
 
 import atexit
 import io
+import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -42,6 +49,8 @@ import sys
 import tempfile
 
 from zygote_client import SOCKET_VARIABLE, network_namespace, receive, send
+
+OFF_VARIABLE = "TFDIST_TEST_ZYGOTE_OFF"  # =1: every process starts for real
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_client.py")
 # What a process reads once while it imports TensorFlow, Keras and Python: a child must share them.
@@ -58,23 +67,62 @@ def _import_time_values(env: dict) -> dict:
 # ----------------------------------------------------------------------------- the zygote's side
 
 def _refusal(request: dict) -> str | None:
-    """Why the zygote cannot stand in for this request's interpreter, or None."""
+    """Why no zygote can stand in for this request's interpreter, or None."""
     if request["python"] != sys.executable:
         return f"another interpreter ({request['python']})"
     if request["network"] != network_namespace():
         return "another network namespace"
-    differing = {k: v for k, v in _import_time_values(request["env"]).items() if v != os.environ.get(k)}
-    if differing:
-        return f"variables read at import differ: {differing}"
     argv = request["argv"]
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c")):
         return "interpreter options"
     return None
 
 
-def _serve(listener: socket.socket) -> None:
+MAX_SIBLINGS = 4  # zygotes of other import-time values; each holds a few hundred MB
+
+
+class _Siblings:
+    """Zygotes that imported with other values of the variables read at import (a benchmark's jobs run with
+    OMP_NUM_THREADS=1, a scenario without oneDNN): the first request with such values starts one, and later
+    requests with them are sent to it. Started only by the test's own zygote, which they die with."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.paths: dict[str, str] = {}  # import-time values (JSON) -> that zygote's socket
+
+    def path_for(self, values: dict) -> str | None:
+        """The socket of the zygote that imported with `values`, started now if need be; None past the limit."""
+        key = json.dumps(values, sort_keys=True)
+        if key not in self.paths and len(self.paths) < MAX_SIBLINGS:
+            path = os.path.join(self.directory, f"sibling-{len(self.paths)}")
+            listener = _listening(path)  # bound before the import: clients queue on it meanwhile
+            env = {k: v for k, v in os.environ.items() if k not in values}
+            env.update({k: v for k, v in values.items() if v is not None})
+            subprocess.Popen([sys.executable, os.path.abspath(__file__), "--listener", str(listener.fileno())],
+                             pass_fds=[listener.fileno()], env=env, stdin=subprocess.DEVNULL)
+            listener.close()  # the sibling's now: if it dies at start-up, its queued clients see the socket close
+            self.paths[key] = path
+        return self.paths.get(key)
+
+    def child_of(self, client: int) -> int | None:
+        for path in self.paths.values():
+            pid = _ask_at(path, client).get("pid")
+            if pid:
+                return pid
+        return None
+
+
+def _listening(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    return listener
+
+
+def _serve(listener: socket.socket, siblings: _Siblings | None) -> None:
     """Forks a child per client until told to stop; reports each child's exit to its client, and kills a child
-    whose client has gone."""
+    whose client has gone. A request with other import-time values goes to a sibling (`siblings`), or is
+    refused where there are none (in a sibling)."""
     wake_reader, wake_writer = os.pipe()
     os.set_blocking(wake_writer, False)
     signal.set_wakeup_fd(wake_writer)
@@ -117,10 +165,26 @@ def _serve(listener: socket.socket) -> None:
         if "child_of" in request:  # a test asks which child stands for a client
             for fd in fds:
                 os.close(fd)
-            _send_quietly(connection, {"pid": child_of.get(request["child_of"]), "refusals": refusals[-5:]})
+            pid = child_of.get(request["child_of"])
+            if pid is None and siblings and request["child_of"]:
+                pid = siblings.child_of(request["child_of"])
+            _send_quietly(connection, {"pid": pid, "refusals": refusals[-5:]})
             connection.close()
             continue
         refusal = _refusal(request)
+        values = _import_time_values(request["env"])
+        unset = [k for k, v in values.items() if v is None and k in os.environ]
+        if not refusal and unset:  # the program may choose them itself (tfdist's entry points: the log level)
+            refusal = f"variables read at import are unset: {unset}"
+        if not refusal and values != _import_time_values(os.environ):
+            sibling = siblings.path_for(values) if siblings else None
+            if sibling:
+                _send_quietly(connection, {"redirect": sibling})
+                connection.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
+            refusal = f"variables read at import differ, and no sibling zygote has them: {values}"
         if refusal:
             refusals.append(refusal)
             _send_quietly(connection, {"refused": refusal})
@@ -170,11 +234,31 @@ def _become(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.sched_setaffinity(0, request["affinity"])  # a new process has its parent's (a bench pins its jobs)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, request["nice"])  # and its niceness (Bazel's tests run at 19)
+    except PermissionError:  # a higher priority than the zygote's, without the privilege
+        pass
+    _route_subprocesses()
     _standard_streams(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
     import numpy as np
-    import runpy
 
     np.random.seed()  # as a new process would be; `random` reseeds itself after fork()
+    try:
+        _run_main(request)
+        code = 0
+    except SystemExit as exit_:
+        code = _exit_code(exit_.code)
+    except BaseException as error:  # noqa: BLE001  (what the interpreter does with an uncaught exception)
+        sys.excepthook(type(error), error, error.__traceback__)
+        code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
+    _shut_down(code)
+
+
+def _run_main(request: dict) -> None:
+    """Runs the module, code or script of `python ARGV` as `__main__`."""
+    import runpy
+
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
@@ -189,7 +273,47 @@ def _become(request: dict, fds: list[int]) -> None:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
-    sys.exit(0)
+
+
+def _exit_code(code) -> int:
+    """The exit status of `sys.exit(code)`: a message is printed and exits 1."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _shut_down(code: int) -> None:
+    """The interpreter's shutdown as a program sees it (other threads joined, atexit handlers run, streams
+    flushed), then the end, without freeing every module one by one: in a child that would write to, and so
+    copy, most of the heap the zygote imported (about 1 CPU-second a process)."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # noqa: SLF001  (what Py_Finalize calls first: joins the non-daemon threads)
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 120  # as the interpreter exits when it cannot flush
+    if code < 0:  # died of the signal, as the interpreter does after an uncaught KeyboardInterrupt
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def _route_subprocesses() -> None:
+    """In a child: the Python processes it starts (a launcher's tasks, a benchmark's jobs, horovodrun's ranks)
+    fork from the zygote too, by the same rewriting as a test's commands."""
+    start = subprocess.Popen.__init__
+
+    def routed_start(self, args, *more, **kwargs):
+        if isinstance(args, (list, tuple)) and (kwargs.get("env") or os.environ).get(OFF_VARIABLE) != "1":
+            args = _routed(args, snippets=False)
+        start(self, args, *more, **kwargs)
+
+    subprocess.Popen.__init__ = routed_start
 
 
 def _standard_streams(unbuffered: bool) -> None:
@@ -210,8 +334,8 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _zygote_main(path: str, ready_fd: int) -> None:
-    _die_with_parent()  # the test process
+def _zygote_main(listener: socket.socket, ready_fd: int | None, siblings: _Siblings | None) -> None:
+    _die_with_parent()  # the test process (a sibling's: the test's zygote)
     from tfdist.tf_startup import import_tensorflow
 
     import_tensorflow()  # TensorFlow's start-up lines dropped, as tfdist's processes drop them
@@ -220,14 +344,12 @@ def _zygote_main(path: str, ready_fd: int) -> None:
     import tfdist  # noqa: F401
     import tfdist.training  # noqa: F401  (not tfdist.cli: run as __main__, it would define its flags again)
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(ready_fd, b"ready")
-    os.close(ready_fd)
-    _serve(listener)
+    if ready_fd is not None:
+        os.write(ready_fd, b"ready")
+        os.close(ready_fd)
+    _serve(listener, siblings)
 
 
 # ----------------------------------------------------------------------------- the test's side
@@ -236,9 +358,13 @@ _zygote: subprocess.Popen | None = None
 # The socket is named in the environment from the start (tests/conftest.py imports this module), so that
 # every environment a test copies from os.environ has it; the zygote starts when a command first needs it.
 # A socket's path has at most 107 characters: not under Bazel's long temporary directories.
-# A process started by a test (which may import this module too) keeps its test's zygote.
-if __name__ != "__main__" and SOCKET_VARIABLE not in os.environ:
+# A process started by a test (which may import this module too) keeps its test's zygote; each pytest-xdist
+# worker has its own (the workers inherit the environment of the controller, which imports this module too).
+_WORKER_VARIABLE = "TFDIST_TEST_ZYGOTE_WORKER"  # the xdist worker whose zygote the socket is
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if __name__ != "__main__" and (SOCKET_VARIABLE not in os.environ or os.environ.get(_WORKER_VARIABLE) != _worker):
     os.environ[SOCKET_VARIABLE] = os.path.join(tempfile.mkdtemp(prefix="tfdist-zygote-", dir="/tmp"), "socket")
+    os.environ[_WORKER_VARIABLE] = _worker
     atexit.register(lambda: _stop(os.environ[SOCKET_VARIABLE]))
 
 
@@ -260,23 +386,37 @@ def _start() -> None:
 
 def _stop(path: str) -> None:
     if _zygote is not None:
-        _zygote.kill()  # and with it any child still running (PR_SET_PDEATHSIG)
+        _zygote.kill()  # and with it its siblings and any child still running (PR_SET_PDEATHSIG)
         _zygote.wait()
-    if os.path.exists(path):
-        os.remove(path)
-    os.rmdir(os.path.dirname(path))
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def command(args):
     """`args` as it runs through the zygote: `[python, ARGS...]` -> `[python, -I, -S, zygote_client.py, ARGS...]`;
     other commands unchanged. Starts the zygote the first time."""
-    if not (isinstance(args, (list, tuple)) and len(args) >= 2 and args[0] == sys.executable
-            and (args[1] in ("-m", "-c") or not str(args[1]).startswith("-"))  # no interpreter options
-            and os.environ.get("TFDIST_TEST_ZYGOTE_OFF") != "1"):
+    if not (isinstance(args, (list, tuple)) and args and args[0] == sys.executable
+            and os.environ.get(OFF_VARIABLE) != "1"):
         return args
-    if _zygote is None and not os.path.exists(os.environ[SOCKET_VARIABLE]):
+    routed = _routed(args, snippets=True)
+    if routed != list(args) and _zygote is None and not os.path.exists(os.environ[SOCKET_VARIABLE]):
         _start()
-    return [sys.executable, "-I", "-S", CLIENT, *map(str, args[1:])]
+    return routed
+
+
+def _routed(args, snippets: bool) -> list:
+    """`args` with each `python -m MODULE`, `python SCRIPT` and, with `snippets`, `python -c CODE` in it (also
+    after a launcher such as horovodrun or a pinning wrapper) run by the client instead. In a child, `python -c`
+    snippets stay real processes: tfdist's local servers are such snippets, and a server's own pid is the one its
+    starter checks for the listening port."""
+    runnable = ("-m", "-c") if snippets else ("-m",)
+    routed = []
+    for i, word in enumerate(args):
+        following = str(args[i + 1]) if i + 1 < len(args) else "-"
+        if word == sys.executable and (following in runnable or not following.startswith("-")):
+            routed += [sys.executable, "-I", "-S", CLIENT]  # no interpreter options: those stay real
+        else:
+            routed.append(str(word) if word == sys.executable else word)
+    return routed
 
 
 def forked_child(pid: int) -> int | None:
@@ -293,6 +433,10 @@ def _ask(pid: int) -> dict:
     path = os.environ[SOCKET_VARIABLE]
     if _zygote is None or not os.path.exists(path):
         return {"pid": None, "refusals": ["this test process started no zygote"]}
+    return _ask_at(path, pid)
+
+
+def _ask_at(path: str, pid: int) -> dict:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with connection:
         connection.connect(path)
@@ -324,4 +468,7 @@ def _with_socket(kwargs: dict) -> dict:
 
 
 if __name__ == "__main__":
-    _zygote_main(sys.argv[1], int(sys.argv[2]))
+    if sys.argv[1] == "--listener":  # a sibling, on the socket its zygote bound
+        _zygote_main(socket.socket(fileno=int(sys.argv[2])), None, None)
+    else:
+        _zygote_main(_listening(sys.argv[1]), int(sys.argv[2]), _Siblings(os.path.dirname(sys.argv[1])))

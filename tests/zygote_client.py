@@ -6,8 +6,8 @@ its arguments, working directory, environment and standard streams; the zygote
 forks a child that runs `python ARGS` on them. The client passes on the signals
 it gets (TERM, INT, HUP, QUIT, USR1, USR2, CONT), exits with the child's code (or
 dies of the child's signal), and if the client is killed the zygote kills the
-child. Where the zygote cannot stand in (no zygote, another network namespace,
-another value of a variable read at import: see tests/zygote.py), the client
+child. Where no zygote can stand in (none runs, another network namespace,
+interpreter options: see tests/zygote.py), the client
 becomes the real interpreter (exec) and nothing else changes.
 """
 
@@ -67,23 +67,36 @@ def _interpreter(args: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *args])
 
 
+def _forked(path: str, args: list[str]):
+    """(connection, the child's pid) of the zygote at `path` that forked `python ARGS`, following its redirect to
+    a sibling; None where neither stands in (refused, gone, or a sibling that died starting)."""
+    request = {"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "python": sys.executable,
+               "network": network_namespace(), "affinity": sorted(os.sched_getaffinity(0)),
+               "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+    for _ in range(2):  # the zygote, then the sibling it names
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(path)
+            send(connection, request, [0, 1, 2])
+            reply = receive(connection)
+        except (OSError, EOFError):
+            connection.close()
+            return None
+        if "pid" in reply:
+            return connection, reply["pid"]
+        connection.close()
+        if "redirect" not in reply:
+            return None
+        path = reply["redirect"]
+    return None
+
+
 def main(args: list[str]) -> None:
     path = os.environ.get(SOCKET_VARIABLE)
-    if not path or not os.path.exists(path):
+    forked = _forked(path, args) if path and os.path.exists(path) else None
+    if forked is None:
         _interpreter(args)
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        connection.connect(path)
-    except OSError:  # the zygote has gone
-        _interpreter(args)
-    request = {"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "python": sys.executable,
-               "network": network_namespace()}
-    send(connection, request, [0, 1, 2])
-    reply = receive(connection)
-    if "refused" in reply:
-        connection.close()
-        _interpreter(args)
-    child = reply["pid"]
+    connection, child = forked
     for number in FORWARDED:
         signal.signal(number, lambda number, _: send(connection, {"signal": number}))
     try:
