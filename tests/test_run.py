@@ -1,5 +1,6 @@
 """`tfdist.training.run` in-process: results, summary, JSON and TensorBoard logs."""
 
+import contextlib
 import io
 import json
 
@@ -21,7 +22,8 @@ def test_run_returns_and_writes_the_results(tmp_path):
     )
     out = io.StringIO()
     metrics = tmp_path / "m.json"
-    result = run(config, metrics_out=str(metrics), out=out)
+    with contextlib.redirect_stdout(out):  # the summary goes to sys.stdout as it is when printed
+        result = run(config, metrics_out=str(metrics))
 
     assert json.loads(metrics.read_text()) == json.loads(json.dumps(result))
     assert result["strategy"] == "mirrored"

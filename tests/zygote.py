@@ -240,7 +240,7 @@ def _become(request: dict, fds: list[int]) -> None:
     except PermissionError:  # a higher priority than the zygote's, without the privilege
         pass
     _route_subprocesses()
-    _standard_streams(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
+    zygotes_streams = _standard_streams(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
     import numpy as np
 
     np.random.seed()  # as a new process would be; `random` reseeds itself after fork()
@@ -252,7 +252,7 @@ def _become(request: dict, fds: list[int]) -> None:
     except BaseException as error:  # noqa: BLE001  (what the interpreter does with an uncaught exception)
         sys.excepthook(type(error), error, error.__traceback__)
         code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
-    _shut_down(code)
+    _shut_down(code, zygotes_streams)
 
 
 def _run_main(request: dict) -> None:
@@ -283,16 +283,19 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _shut_down(code: int) -> None:
-    """The interpreter's shutdown as a program sees it (other threads joined, atexit handlers run, streams
-    flushed), then the end, without freeing every module one by one: in a child that would write to, and so
-    copy, most of the heap the zygote imported (about 1 CPU-second a process)."""
+def _shut_down(code: int, zygotes_streams: list) -> None:
+    """The interpreter's shutdown as a program sees it (other threads joined, atexit handlers run, standard
+    streams flushed), then the end, without freeing every module one by one: in a child that would write to,
+    and so copy, most of the heap the zygote imported (about 1 CPU-second a process). So a file the program
+    left open unflushed is not flushed, as after os._exit. The zygote's own standard streams are flushed too:
+    a module imported in the zygote may hold them (a default argument `out=sys.stdout`), now on the child's
+    descriptors."""
     import atexit
     import threading
 
     threading._shutdown()  # noqa: SLF001  (what Py_Finalize calls first: joins the non-daemon threads)
     atexit._run_exitfuncs()  # noqa: SLF001
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, *(s for s in zygotes_streams if not s.closed)):
         try:
             stream.flush()
         except (OSError, ValueError):
@@ -316,9 +319,11 @@ def _route_subprocesses() -> None:
     subprocess.Popen.__init__ = routed_start
 
 
-def _standard_streams(unbuffered: bool) -> None:
+def _standard_streams(unbuffered: bool) -> list:
     """sys.stdout and sys.stderr on the new descriptors 1 and 2, buffered as Python buffers them at start-up:
-    stdout by line on a terminal and by block elsewhere, stderr by line, both written through if unbuffered."""
+    stdout by line on a terminal and by block elsewhere, stderr by line, both written through if unbuffered.
+    Returns the zygote's."""
+    zygotes = [sys.stdout, sys.stderr]
     for fd, name in ((1, "stdout"), (2, "stderr")):
         old = getattr(sys, name)
         binary = io.open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
@@ -326,6 +331,7 @@ def _standard_streams(unbuffered: bool) -> None:
                                   line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)))
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+    return zygotes
 
 
 def _die_with_parent() -> None:

@@ -160,14 +160,15 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Ch
 
 
 def run(
-    config: Config, *, metrics_out: Optional[str] = None, out: TextIO = sys.stdout
+    config: Config, *, metrics_out: Optional[str] = None, out: Optional[TextIO] = None
 ) -> dict[str, Any]:
     """Trains from config, prints the summary and returns (and saves) the results.
 
     Args:
       config: the job.
       metrics_out: write the results here as JSON (chief only).
-      out: where the summary goes.
+      out: where the summary goes (default: `sys.stdout` when the summary is printed, so that a redirection
+        such as `contextlib.redirect_stdout` takes it).
 
     Returns:
       `strategy`, `devices`, `num_replicas`, `global_batch_size`, `precision`,
@@ -238,7 +239,7 @@ def run(
     # What the strategy adds: its cluster, partition, device groups, placement.
     result.update(answers.job_report(job.model))
     if chief:
-        print(format_summary(result), file=out)
+        print(format_summary(result), file=out or sys.stdout)
         if metrics_out:
             write_json(metrics_out, result)
     return result
