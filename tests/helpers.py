@@ -60,8 +60,8 @@ def user_lines(stderr):
 def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
     """`horovodrun -np NP -H localhost:NP --gloo COMMAND` from the repository root; each rank forked from the
     test zygote where it can be."""
-    return subprocess.run(
-        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *zygote.command(command)],
+    return zygote.run(
+        [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *command],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
@@ -106,14 +106,17 @@ def run_tfdist(*args, timeout=120, env=None):
     )
 
 
-def launch_job(metrics, *flags, terminal=False):
-    """`tfdist launch FLAGS --metrics_out METRICS`; with `terminal`, its stdout is a pseudo-terminal."""
+def launch_job(metrics, *flags, terminal=False, real_tasks=False):
+    """`tfdist launch FLAGS --metrics_out METRICS`, forked from the test zygote with its tasks; with `terminal`,
+    its stdout is a pseudo-terminal; with `real_tasks`, the launcher and its tasks are real processes (the
+    launcher finds a task stopped by SIGSTOP among its own descendants, which a forked task is not)."""
     command = tfdist_command("launch", *flags, "--metrics_out", str(metrics))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = subprocess.Popen if real_tasks else zygote.Popen
     if not terminal:
-        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return start(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     reader, writer = pty.openpty()
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, env=env)
+    proc = start(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, env=env)
     os.close(writer)
     proc.terminal = reader
     return proc
@@ -220,7 +223,8 @@ def horovod_rank_pid(horovodrun_pid, rank):
 
 def _task_among(pids, variable, value, exact=False):
     """The `tfdist train` process of `pids` (not a shell that runs it) whose environment's VARIABLE
-    holds VALUE (or is it, `exact`)."""
+    holds VALUE (or is it, `exact`): the zygote's child where the process found is its client, so that
+    a signal, SIGSTOP too, reaches the task itself."""
     for pid in pids:
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -232,5 +236,5 @@ def _task_among(pids, variable, value, exact=False):
         found = env.get(variable.encode())
         if found is not None and (found == value.encode() if exact else value.encode() in found) \
                 and b"tfdist.cli\0train\0" in command:
-            return pid
+            return zygote.forked_child(pid) or pid
     raise AssertionError(f"no task with {variable}={value} among {list(pids)}")

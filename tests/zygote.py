@@ -398,10 +398,10 @@ def _stop(path: str) -> None:
 
 
 def command(args):
-    """`args` as it runs through the zygote: `[python, ARGS...]` -> `[python, -I, -S, zygote_client.py, ARGS...]`;
-    other commands unchanged. Starts the zygote the first time."""
-    if not (isinstance(args, (list, tuple)) and args and args[0] == sys.executable
-            and os.environ.get(OFF_VARIABLE) != "1"):
+    """`args` as it runs through the zygote: `[python, ARGS...]` -> `[python, -I, -S, zygote_client.py, ARGS...]`,
+    also after a launcher (`[horovodrun, ..., python, ARGS...]`); other commands unchanged. Starts the zygote the
+    first time."""
+    if not isinstance(args, (list, tuple)) or os.environ.get(OFF_VARIABLE) == "1":
         return args
     routed = _routed(args, snippets=True)
     if routed != list(args) and _zygote is None and not os.path.exists(os.environ[SOCKET_VARIABLE]):

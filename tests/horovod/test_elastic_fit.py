@@ -13,6 +13,7 @@ import time
 import pytest
 
 from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, horovod_rank_pid, run_tfdist, tfdist_command
+import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
 
@@ -40,8 +41,8 @@ def _elastic_job(tmp_path, command):
     discover.chmod(0o755)
     command = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
                "--host-discovery-script", str(discover), *command]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return zygote.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 @pytest.mark.timeout(400)

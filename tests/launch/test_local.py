@@ -109,7 +109,7 @@ def test_the_task_that_failed_stalled_or_was_preempted_is_named_in_one_line(
     checkpoint_dir = ["--set", f"checkpoint.dir={tmp_path / 'checkpoints'}"] * checkpoints
     stall = ["--stalled_seconds", "6"] if fault == _SIGSTOP else []
     proc = launch_job(metrics, "--workers", "2", *stall, *flags, "--set", "train.epochs=100", "--set",
-                      "train.verbose=2", *checkpoint_dir)
+                      "train.verbose=2", *checkpoint_dir, real_tasks=fault == _SIGSTOP)
     try:
         read_until(proc, "Epoch 3/")
         os.kill(task_pid(str(metrics), variable, value), fault)

@@ -75,7 +75,7 @@ def test_multi_worker_matches_one_device(tmp_path):
 @pytest.mark.timeout(300)
 def test_horovod_matches_one_device(tmp_path):
     out = tmp_path / "results.npz"
-    proc = subprocess.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, JOB, "horovod",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = zygote.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, JOB, "horovod",
+                       str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     _assert_as_on_one_device(load(out), run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense))

@@ -41,7 +41,7 @@ def _run(backend, layout, out, *shard):
     if backend == "one_device":
         procs = [zygote.Popen([sys.executable, *arguments], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
     elif backend == "horovod":
-        procs = [subprocess.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *arguments],
+        procs = [zygote.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *arguments],
                                   cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
     else:
         ports = free_ports(2)
