@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 
+from tfdist.tf_startup import QUIET_LOG_LEVEL
 from zygote_client import SOCKET_VARIABLE, network_namespace, receive, send
 
 OFF_VARIABLE = "TFDIST_TEST_ZYGOTE_OFF"  # =1: every process starts for real
@@ -62,6 +63,15 @@ IMPORT_TIME_VARIABLES = ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS", "KERAS
 
 def _import_time_values(env: dict) -> dict:
     return {name: env.get(name) for name in IMPORT_TIME_VARIABLES}
+
+
+def _values_at_import(request: dict) -> dict:
+    """The values of `IMPORT_TIME_VARIABLES` when the request's program imports TensorFlow: its environment's,
+    but tfdist's command line sets the log level itself where it is unset (`quiet_tensorflow_log`)."""
+    values = _import_time_values(request["env"])
+    if values["TF_CPP_MIN_LOG_LEVEL"] is None and request["argv"][:2] == ["-m", "tfdist.cli"]:
+        values["TF_CPP_MIN_LOG_LEVEL"] = QUIET_LOG_LEVEL
+    return values
 
 
 # ----------------------------------------------------------------------------- the zygote's side
@@ -172,7 +182,7 @@ def _serve(listener: socket.socket, siblings: _Siblings | None) -> None:
             connection.close()
             continue
         refusal = _refusal(request)
-        values = _import_time_values(request["env"])
+        values = _values_at_import(request)
         unset = [k for k, v in values.items() if v is None and k in os.environ]
         if not refusal and unset:  # the program may choose them itself (tfdist's entry points: the log level)
             refusal = f"variables read at import are unset: {unset}"
