@@ -91,6 +91,15 @@ def _forked(path: str, args: list[str]):
     return None
 
 
+def _forward(connection: socket.socket, number: int) -> None:
+    """Passes signal `number` on to the child; once the zygote has closed the connection the child has ended,
+    and its exit status is what the client reports (a launcher's SIGTERM to every rank often comes then)."""
+    try:
+        send(connection, {"signal": number})
+    except OSError:
+        pass
+
+
 def main(args: list[str]) -> None:
     path = os.environ.get(SOCKET_VARIABLE)
     forked = _forked(path, args) if path and os.path.exists(path) else None
@@ -98,7 +107,7 @@ def main(args: list[str]) -> None:
         _interpreter(args)
     connection, child = forked
     for number in FORWARDED:
-        signal.signal(number, lambda number, _: send(connection, {"signal": number}))
+        signal.signal(number, lambda number, _: _forward(connection, number))
     try:
         returncode = receive(connection)["returncode"]
     except EOFError:
