@@ -76,8 +76,8 @@ def _values_at_import(request: dict) -> dict:
 
 # ----------------------------------------------------------------------------- the zygote's side
 
-def _refusal(request: dict) -> str | None:
-    """Why no zygote can stand in for this request's interpreter, or None."""
+def _refusal(request: dict, values: dict) -> str | None:
+    """Why no zygote can stand in for this request's interpreter (`values`: its import-time values), or None."""
     if request["python"] != sys.executable:
         return f"another interpreter ({request['python']})"
     if request["network"] != network_namespace():
@@ -85,6 +85,9 @@ def _refusal(request: dict) -> str | None:
     argv = request["argv"]
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c")):
         return "interpreter options"
+    unset = [k for k, v in values.items() if v is None and k in os.environ]
+    if unset:  # the program may choose them itself before it imports TensorFlow
+        return f"variables read at import are unset: {unset}"
     return None
 
 
@@ -181,23 +184,20 @@ def _serve(listener: socket.socket, siblings: _Siblings | None) -> None:
             _send_quietly(connection, {"pid": pid, "refusals": refusals[-5:]})
             connection.close()
             continue
-        refusal = _refusal(request)
         values = _values_at_import(request)
-        unset = [k for k, v in values.items() if v is None and k in os.environ]
-        if not refusal and unset:  # the program may choose them itself (tfdist's entry points: the log level)
-            refusal = f"variables read at import are unset: {unset}"
+        refusal = _refusal(request, values)
+        elsewhere = None  # where the request goes instead of a child of this zygote
         if not refusal and values != _import_time_values(os.environ):
             sibling = siblings.path_for(values) if siblings else None
             if sibling:
-                _send_quietly(connection, {"redirect": sibling})
-                connection.close()
-                for fd in fds:
-                    os.close(fd)
-                continue
-            refusal = f"variables read at import differ, and no sibling zygote has them: {values}"
+                elsewhere = {"redirect": sibling}
+            else:
+                refusal = f"variables read at import differ, and no sibling zygote has them: {values}"
         if refusal:
             refusals.append(refusal)
-            _send_quietly(connection, {"refused": refusal})
+            elsewhere = {"refused": refusal}
+        if elsewhere:
+            _send_quietly(connection, elsewhere)
             connection.close()
             for fd in fds:
                 os.close(fd)
@@ -431,7 +431,7 @@ def _routed(args, snippets: bool) -> list:
         if word == sys.executable and (following in runnable or not following.startswith("-")):
             routed += [sys.executable, "-I", "-S", CLIENT]  # no interpreter options: those stay real
         else:
-            routed.append(str(word) if word == sys.executable else word)
+            routed.append(word)
     return routed
 
 
