@@ -15,7 +15,7 @@ and its pipes are those of the process it stands for; signals it receives go to 
 (SIGKILL kills the child through the zygote; SIGSTOP stops only the client, so a test that stops
 a process, or a launcher that looks for stopped tasks, runs real ones). The Python processes a
 child starts (a launcher's tasks, a benchmark's jobs, horovodrun's ranks) fork from the zygote
-the same way; its `python -c` snippets do not (a local server's own pid must hold its port).
+the same way.
 
 Forking a process that has threads is safe only if no thread holds a lock the child needs.
 After these imports the only other threads are OpenBLAS's idle workers (numpy's), which
@@ -317,16 +317,38 @@ def _shut_down(code: int, zygotes_streams: list) -> None:
 
 
 def _route_subprocesses() -> None:
-    """In a child: the Python processes it starts (a launcher's tasks, a benchmark's jobs, horovodrun's ranks)
-    fork from the zygote too, by the same rewriting as a test's commands."""
-    start = subprocess.Popen.__init__
+    """In a child: the Python processes it starts (a launcher's tasks, a benchmark's jobs, horovodrun's ranks, a
+    local cluster's servers) fork from the zygote too, by the same rewriting as a test's commands. The signals
+    the child sends them go to the forked children themselves, so that a killed server is gone before its
+    starter sees it end (a supervisor that restarts a server on its port must find the port free); and the
+    check that a server's own pid holds its port is shown the forked child's pid."""
+    start, signal_process = subprocess.Popen.__init__, subprocess.Popen.send_signal
 
     def routed_start(self, args, *more, **kwargs):
         if isinstance(args, (list, tuple)) and (kwargs.get("env") or os.environ).get(OFF_VARIABLE) != "1":
-            args = _routed(args, snippets=False)
+            routed = _routed(args)
+            self._forked = routed != list(args)
+            args = routed
         start(self, args, *more, **kwargs)
 
-    subprocess.Popen.__init__ = routed_start
+    def signal_forked_child(self, number):
+        self.poll()
+        child = _child_of(self.pid) if getattr(self, "_forked", False) and self.returncode is None else None
+        if child is None:
+            signal_process(self, number)
+        else:
+            _kill(child, number)
+
+    subprocess.Popen.__init__, subprocess.Popen.send_signal = routed_start, signal_forked_child
+    from tfdist.cluster import servers
+
+    listens = servers.listens
+    servers.listens = lambda pid, port: listens(_child_of(pid) or pid, port)
+
+
+def _child_of(client: int) -> int | None:
+    """In a child: the pid of the forked child that stands for `client`, or None."""
+    return _ask_at(os.environ[SOCKET_VARIABLE], client)["pid"]
 
 
 def _standard_streams(unbuffered: bool) -> list:
@@ -413,22 +435,19 @@ def command(args):
     first time."""
     if not isinstance(args, (list, tuple)) or os.environ.get(OFF_VARIABLE) == "1":
         return args
-    routed = _routed(args, snippets=True)
+    routed = _routed(args)
     if routed != list(args) and _zygote is None and not os.path.exists(os.environ[SOCKET_VARIABLE]):
         _start()
     return routed
 
 
-def _routed(args, snippets: bool) -> list:
-    """`args` with each `python -m MODULE`, `python SCRIPT` and, with `snippets`, `python -c CODE` in it (also
-    after a launcher such as horovodrun or a pinning wrapper) run by the client instead. In a child, `python -c`
-    snippets stay real processes: tfdist's local servers are such snippets, and a server's own pid is the one its
-    starter checks for the listening port."""
-    runnable = ("-m", "-c") if snippets else ("-m",)
+def _routed(args) -> list:
+    """`args` with each `python -m MODULE`, `python -c CODE` and `python SCRIPT` in it (also after a launcher
+    such as horovodrun or a pinning wrapper) run by the client instead."""
     routed = []
     for i, word in enumerate(args):
         following = str(args[i + 1]) if i + 1 < len(args) else "-"
-        if word == sys.executable and (following in runnable or not following.startswith("-")):
+        if word == sys.executable and (following in ("-m", "-c") or not following.startswith("-")):
             routed += [sys.executable, "-I", "-S", CLIENT]  # no interpreter options: those stay real
         else:
             routed.append(word)
