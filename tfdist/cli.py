@@ -112,9 +112,13 @@ def _fail(message: str) -> None:
 
 
 def _load():
+    """The config of the `tfdist train` job a command runs, launches or plans: its model and data checked too."""
     from tfdist.config import load_config
+    from tfdist.config.validation import check_job
 
-    return load_config(_CONFIG.value, _SET.value)
+    config = load_config(_CONFIG.value, _SET.value)
+    check_job(config)
+    return config
 
 
 def _config_command(args) -> None:

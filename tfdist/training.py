@@ -29,6 +29,7 @@ from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption
                               weights_digest)
 from tfdist.config.environment import HOST_INTERFACE_ENV
 from tfdist.config.schema import Config
+from tfdist.config.validation import check_job, check_transformer_split
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies.base import contract
@@ -68,8 +69,11 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
       ConfigError: the data or model the config names cannot be read, imported
         or built, or do not fit each other.
     """
+    check_job(config)
     strategy = strategy or make_strategy(config)
     answers = contract(strategy)
+    if answers.tensor_parallel_group is not None:
+        check_transformer_split(config, answers.tensor_parallel_group.size)
     train = config.train
     keras.utils.set_random_seed(train.seed)
     source = data.load_source(config.data, seed=train.seed, steps_per_epoch_set=bool(train.steps_per_epoch))

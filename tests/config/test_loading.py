@@ -9,6 +9,7 @@ import yaml
 
 from tfdist import ConfigError
 from tfdist.config import Config, StrategyKind, from_dict, load_config, to_dict
+from tfdist.config.validation import check_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,8 +138,6 @@ BAD_OVERRIDES = [
         "strategy.all_reduce",
         "auto, ring, nccl",
     ),
-    (["strategy.kind=tensor_parallel"], "model.name", "must be transformer with strategy.kind=tensor_parallel"),
-    (["model.name=transformer", "model.width=30", "model.heads=4"], "model.width", "must divide by model.heads"),
     (["placement.balance_by_memory=true"], "placement", "only applies with strategy.kind=tensor_parallel"),
     (["strategy.kind=tensor_parallel", "model.name=transformer", "placement.layers=[embed]"],
      "placement.layers[0]", "must be `layer_name=device`"),
@@ -206,6 +205,16 @@ def test_bad_override_names_key_rule_and_value(overrides, key, rule):
     assert message.startswith(f"`{key}`")
     assert "Received:" in message
     assert info.value.key == key
+
+
+@pytest.mark.parametrize("overrides,key,rule", [
+    (["strategy.kind=tensor_parallel"], "model.name", "must be transformer with strategy.kind=tensor_parallel"),
+    (["model.name=transformer", "model.width=30", "model.heads=4"], "model.width", "must divide by model.heads"),
+])
+def test_the_model_of_tfdist_train_is_checked_for_its_job_not_for_a_strategy(overrides, key, rule):
+    config = load_config(None, overrides)  # a user's own script under tensor_parallel builds its own model
+    with pytest.raises(ConfigError, match=f"^`{key}` {rule}"):
+        check_job(config)
 
 
 BAD_FILES = [

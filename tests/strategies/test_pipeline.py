@@ -110,6 +110,21 @@ def test_evaluate_and_predict_match_the_reference():
     np.testing.assert_allclose(model.predict(X, verbose=0), reference.predict(X, verbose=0), atol=1e-5)
 
 
+def test_fit_evaluate_and_predict_inside_the_scope_match_one_device():
+    """Keras's distributed-training guide calls fit inside `strategy.scope()`: the stages are timed (balance_by
+    time) while the scope is open, on variables the strategy distributes."""
+    start, reference, ref_logs = _train(_sequential)
+    strategy = PipelineStrategy(2, 4, devices=FOUR, balance_by="time", verbose=False)
+    with strategy.scope():
+        _, model, logs = _train(_sequential, strategy, start)
+        evaluated = model.evaluate(X, Y, verbose=0)
+        predicted = model.predict(X, verbose=0)
+    _assert_same(reference, model)
+    assert logs["loss"][0] == pytest.approx(ref_logs["loss"][0], abs=1e-5)
+    np.testing.assert_allclose(evaluated, reference.evaluate(X, Y, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(predicted, reference.predict(X, verbose=0), atol=1e-5)
+
+
 def test_save_and_load_on_one_device(tmp_path):
     strategy = PipelineStrategy(2, 4, devices=FOUR, verbose=False)
     _, model, _ = _train(_sequential, strategy)

@@ -9,7 +9,7 @@ import tensorflow as tf
 from helpers import ops_per_device, train_with_metrics
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
 from tfdist.parallel import DeviceGroup
-from tfdist import ConfigError, load_config, make_strategy
+from tfdist import ConfigError, load_config, make_strategy, training
 from tfdist.strategies import TensorParallelStrategy
 
 
@@ -172,6 +172,35 @@ def test_groups_train_data_parallel_and_match_one_device():
         assert _component_devices(variable) == ([1, 3] if "_shard_1" in variable.path else [0, 2]), variable.path
 
 
+def test_a_users_own_model_without_tfdist_layers_trains_as_one_device_and_says_nothing_is_split(capfd):
+    """The one-line change from a Keras guide: the user's model, a strategy from a config that names no model."""
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, 64)
+
+    def plain():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)],
+                                 name="users_model")
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    strategy = make_strategy(load_config(None, ["strategy.kind=tensor_parallel", "strategy.logical_devices=4",
+                                                "strategy.tensor_parallel_size=2", *SHARED_THREADS]))
+    with strategy.scope():
+        model = plain()
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    single = plain()
+    single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    model.evaluate(x, y, verbose=0)
+    said = [line for line in capfd.readouterr().err.splitlines() if "nothing is split" in line]
+    assert said == ["tfdist: tensor_parallel: the users_model model has no tensor-parallel layers (tfdist.layers) and "
+                    "no placed layers, so nothing is split: each group of 2 devices trains it whole on its first "
+                    "device, data parallel over 2 group(s)"]  # once, not again for evaluate
+
+
 def test_each_group_computes_its_replica_on_its_own_devices():
     strategy = TensorParallelStrategy(FOUR, group_size=2)
     with strategy.scope():
@@ -212,9 +241,6 @@ def test_config_makes_mirrored_groups():
 @pytest.mark.parametrize("path, overrides, key, rule", [
     ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=3"],
      "strategy.tensor_parallel_size", "must divide the 4 devices into whole groups"),
-    ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=4", "model.heads=2",
-                                      "model.width=32"],
-     "strategy.tensor_parallel_size", r"devices per group that divides model.heads \(2\). This config gives 4"),
     ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=2",
                                       "placement.layers=[classifier=/cpu:2]"],
      r"placement.layers\[0\]", r"must place on a device of the first group \['/cpu:0', '/cpu:1'\]"),
@@ -230,12 +256,22 @@ def test_config_errors_of_groups(path, overrides, key, rule):
 @pytest.mark.parametrize("path, overrides, key, rule", [
     ("configs/default.yaml", ["strategy.tensor_parallel_size=2"],
      "strategy.tensor_parallel_size", "only applies with strategy.kind=tensor_parallel or pipeline"),
-    ("configs/pipeline.yaml", ["strategy.tensor_parallel_size=2"],
-     "model.name", "must be transformer with strategy.kind=pipeline and strategy.tensor_parallel_size > 1"),
 ])
 def test_config_errors_found_at_load(path, overrides, key, rule):
     with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):
         load_config(path, overrides)
+
+
+@pytest.mark.parametrize("path, overrides, key, rule", [
+    ("configs/pipeline.yaml", ["strategy.tensor_parallel_size=2"],
+     "model.name", "must be transformer with strategy.kind=pipeline and strategy.tensor_parallel_size > 1"),
+    ("configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=4", "model.heads=2",
+                                      "model.width=32"],
+     "strategy.tensor_parallel_size", r"devices per group that divides model.heads \(2\). This config gives 4"),
+])
+def test_the_transformer_of_tfdist_train_must_split_over_the_groups(path, overrides, key, rule):
+    with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):
+        training.prepare(load_config(path, [*overrides, *SHARED_THREADS]))
 
 
 @pytest.mark.slow

@@ -73,7 +73,8 @@ def _values(kinds) -> str:
 
 
 def check(config: Config) -> None:
-    """Raises ConfigError for contradictions inside the config itself."""
+    """Raises ConfigError for contradictions inside the config itself, in the keys a strategy and its runtime
+    read (`check_job` adds the model and data of `tfdist train`)."""
     _check_strategy(config)
     _check_pipeline(config)
     _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
@@ -93,7 +94,24 @@ def check(config: Config) -> None:
         raise ConfigError("checkpoint.dir", "and callbacks.backup_dir both resume a job; keep one (checkpoint.dir "
                           "resumes mid-epoch and exactly).", config.checkpoint.dir)
     _check_callbacks(config)
+
+
+def check_job(config: Config) -> None:
+    """Raises ConfigError where the model and data `tfdist train` builds from `model.*` and `data.*` do not
+    parse or do not fit the strategy. A user's own script, which builds its own, is not checked for them."""
     _check_sources(config)
+    m, s = config.model, config.strategy
+    splits = s.kind == StrategyKind.TENSOR_PARALLEL or s.tensor_parallel_size > 1
+    if splits and m.name != ModelName.TRANSFORMER:
+        raise ConfigError(
+            "model.name",
+            f"must be transformer with strategy.kind={s.kind.value}"
+            f"{'' if s.kind == StrategyKind.TENSOR_PARALLEL else ' and strategy.tensor_parallel_size > 1'}: "
+            "the other models have no tensor-parallel layers, so nothing would be split.",
+            m.name,
+        )
+    if m.name == ModelName.TRANSFORMER and m.width % m.heads:
+        raise ConfigError("model.width", f"must divide by model.heads ({m.heads}) for transformer.", m.width)
 
 
 def _check_strategy(config: Config) -> None:
@@ -238,24 +256,13 @@ def _check_callbacks(config: Config) -> None:
 
 
 def _check_tensor_parallel(config: Config) -> None:
-    m, s = config.model, config.strategy
+    s = config.strategy
     if s.tensor_parallel_size and s.kind not in (StrategyKind.TENSOR_PARALLEL, StrategyKind.PIPELINE):
         raise ConfigError(
             "strategy.tensor_parallel_size",
             f"only applies with strategy.kind=tensor_parallel or pipeline; strategy.kind is {s.kind.value}.",
             s.tensor_parallel_size,
         )
-    splits = s.kind == StrategyKind.TENSOR_PARALLEL or s.tensor_parallel_size > 1
-    if splits and m.name != ModelName.TRANSFORMER:
-        raise ConfigError(
-            "model.name",
-            f"must be transformer with strategy.kind={s.kind.value}"
-            f"{'' if s.kind == StrategyKind.TENSOR_PARALLEL else ' and strategy.tensor_parallel_size > 1'}: "
-            "the other models have no tensor-parallel layers, so nothing would be split.",
-            m.name,
-        )
-    if m.name == ModelName.TRANSFORMER and m.width % m.heads:
-        raise ConfigError("model.width", f"must divide by model.heads ({m.heads}) for transformer.", m.width)
 
 
 def _check_placement(config: Config) -> None:
@@ -282,9 +289,9 @@ def tensor_parallel_size(config: Config, devices: int) -> int:
 
 
 def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
-    """Raises ConfigError unless `devices` form whole tensor-parallel groups over which the
-    transformer's heads and MLP split, and every placed layer goes to the first group."""
-    m, s = config.model, config.strategy
+    """Raises ConfigError unless `devices` form whole tensor-parallel groups and every placed layer goes to
+    the first group."""
+    s = config.strategy
     key = "strategy.devices" if s.devices else "strategy.logical_devices"
     size = tensor_parallel_size(config, len(devices))
     if len(devices) % size:
@@ -293,19 +300,25 @@ def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
             f"must divide the {len(devices)} devices into whole groups.",
             s.tensor_parallel_size,
         )
-    for name, value in (("model.heads", m.heads), ("4 x model.width (MLP units)", 4 * m.width)):
-        if value % size:
-            raise ConfigError(
-                "strategy.tensor_parallel_size" if s.tensor_parallel_size else key,
-                f"must give a number of devices{' per group' if s.tensor_parallel_size else ''} that divides "
-                f"{name} ({value}). This config gives {size}.",
-                s.tensor_parallel_size or list(s.devices) or s.logical_devices,
-            )
     first = devices[:size]
     local = {parse_device(d, key) for d in first}
     for i, device in enumerate(placement_pairs(config).values()):
         if parse_device(device, f"placement.layers[{i}]") not in local:
             raise ConfigError(f"placement.layers[{i}]", f"must place on a device of the first group {first}.", device)
+
+
+def check_transformer_split(config: Config, size: int) -> None:
+    """Raises ConfigError unless the transformer's heads and MLP split over tensor-parallel groups of `size`."""
+    m, s = config.model, config.strategy
+    for name, value in (("model.heads", m.heads), ("4 x model.width (MLP units)", 4 * m.width)):
+        if value % size:
+            raise ConfigError(
+                "strategy.tensor_parallel_size" if s.tensor_parallel_size else
+                "strategy.devices" if s.devices else "strategy.logical_devices",
+                f"must give a number of devices{' per group' if s.tensor_parallel_size else ''} that divides "
+                f"{name} ({value}). This config gives {size}.",
+                s.tensor_parallel_size or list(s.devices) or s.logical_devices,
+            )
 
 
 def _check_data_parallel(config: Config) -> None:

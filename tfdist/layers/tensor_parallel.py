@@ -38,7 +38,13 @@ import tensorflow as tf
 from tfdist.parallel.device_group import DeviceGroup, current_group
 from tfdist.parallel.placement import on_device
 
-__all__ = ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense"]
+__all__ = ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense", "split_layers"]
+
+
+def split_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """The layers of `model`, nested ones too, whose weights split over a device group of more than one device."""
+    return [layer for layer in model._flatten_layers()  # noqa: SLF001  (Keras's own walk, nested models included)
+            if isinstance(layer, _TensorParallelLayer) and layer.group.size > 1]
 
 
 class _TensorParallelLayer(keras.layers.Layer):

@@ -314,14 +314,18 @@ def random_inputs(tensors, batch: int) -> Optional[list]:
 
 def forward_backward(model: keras.Model, sample: list) -> list:
     """One training-mode forward and backward of `model` on `sample`: the gradients of its outputs' sum
-    with respect to the sample's floating-point tensors and the model's trainable variables (what a
-    stage sends back and what it updates), those that exist."""
+    with respect to the sample's floating-point tensors and the model's trainable weights (what a stage
+    sends back and what it updates), those that exist. The call is stateless, on the weights' values read
+    once: it moves no BatchNormalization statistic, and works on a model whose variables a strategy
+    distributes (built inside `strategy.scope()`), whose variables a tape outside a replica cannot watch."""
     floats = [x for x in sample if x.dtype.is_floating]
+    trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
+    non_trainable = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
     with tf.GradientTape() as tape:
-        tape.watch(floats)
-        outputs = tf.nest.flatten(model(sample, training=True))
-        total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outputs])
-    return [g for g in tape.gradient(total, floats + model.trainable_variables) if g is not None]
+        tape.watch(floats + trainable)
+        outputs, _ = model.stateless_call(trainable, non_trainable, sample, training=True)
+        total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs)])
+    return [g for g in tape.gradient(total, floats + trainable) if g is not None]
 
 
 def _time_ms(fn_model: keras.Model, input_tensors, batch: int, repeats: int = 3) -> Optional[float]:

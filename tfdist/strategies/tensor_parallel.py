@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import keras
@@ -38,6 +39,7 @@ import tensorflow as tf
 from tfdist._compat.tf_distribute import ops
 
 from tfdist.errors import ConfigError
+from tfdist.layers.tensor_parallel import split_layers
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.placement import balance_by_memory, device_for_scope, place_computation, unknown_layers
 from tfdist.strategies.devices import default_devices, split_cpu
@@ -99,6 +101,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         self.placement: dict[str, str] = {}
         self.place(placement or {})
         self.balance_by_memory = balance_by_memory
+        self._said_unsplit: set[str] = set()  # the models it has said so of
 
     @property
     def tensor_parallel_group(self) -> DeviceGroup:
@@ -146,6 +149,13 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
         return {**report, **super().job_report(model)}  # the optimizer's split, if any
 
     def local_keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """Places the named layers' computation before Keras makes its step functions."""
+        """Places the named layers' computation before Keras makes its step functions; says once if nothing of
+        the model spreads over a group."""
         place_computation(model, self.placement, resolve=self.local_device)
+        size = self.groups[0].size
+        if size > 1 and not self.placement and model.name not in self._said_unsplit and not split_layers(model):
+            self._said_unsplit.add(model.name)
+            print(f"tfdist: tensor_parallel: the {model.name} model has no tensor-parallel layers (tfdist.layers) "
+                  f"and no placed layers, so nothing is split: each group of {size} devices trains it whole on its "
+                  f"first device, data parallel over {len(self.groups)} group(s)", file=sys.stderr, flush=True)
         return super().local_keras_hooks(model)
