@@ -110,6 +110,33 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
     assert _digest(tmp_path / "metrics.json") == (uninterrupted, stopped_at)
 
 
+@uninterrupted_once
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+@pytest.mark.timeout(600)
+def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_resumes_exactly(tmp_path, uninterrupted):
+    disk = tmp_path / "disk"  # room for one checkpoint of the digits CNN and its Adam slots (about 460 KB), not two
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=720k", "tfdist-test-full-disk", str(disk)], check=True)
+    try:
+        store = CheckpointStore(str(disk))
+        process = _start(disk, tmp_path / "metrics.json", "checkpoint.every_steps=20", "checkpoint.keep=1")
+        _, err = process.communicate(timeout=300)
+        saved = store.steps()
+        assert process.returncode == 1 and saved, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert re.fullmatch(rf"tfdist: error: could not write the checkpoint of step {saved[0] + 20} to {disk} "
+                            rf"\(.*No space left on device.*\); a rerun resumes from step {saved[0]}\.", last), err
+        assert "Traceback" not in err
+        assert not [name for name in os.listdir(disk) if name.startswith(".tmp-")]  # the failed save freed its room
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        process = _start(disk, tmp_path / "metrics.json", "checkpoint.every_steps=20", "checkpoint.keep=1")
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        assert _digest(tmp_path / "metrics.json") == (uninterrupted, saved[0])
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
 def _launch(directory, metrics, *flags, tmpdir=None):
     args = ["launch", "--workers", "2", *flags, "--set", "train.epochs=2", "--set", "train.verbose=0",
             "--set", "checkpoint.every_steps=5", "--set", f"checkpoint.dir={directory}", "--metrics_out", str(metrics)]

@@ -19,6 +19,8 @@ import shutil
 import warnings
 from typing import Any, Callable, Optional
 
+from tfdist.errors import CheckpointWriteError, error_reason
+
 __all__ = ["CheckpointMismatch", "CheckpointStore", "EXIT_PREEMPTED", "EXIT_TERMINATED", "SIGTERM_RECEIVED"]
 
 # The line a process prints when a scheduler's SIGTERM reaches it (the launcher names those tasks).
@@ -68,11 +70,21 @@ class CheckpointStore:
             if name.startswith(_TMP_PREFIX):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         staging = os.path.join(self.directory, f"{_TMP_PREFIX}{step}-{os.getpid()}")
-        os.makedirs(staging)
-        write(os.path.join(staging, PREFIX))
-        with open(os.path.join(staging, "meta.json"), "w") as f:
-            json.dump({"step": step, **meta}, f, indent=1)
-        _sync_tree(staging)
+        try:
+            os.makedirs(staging)
+            write(os.path.join(staging, PREFIX))
+            with open(os.path.join(staging, "meta.json"), "w") as f:
+                json.dump({"step": step, **meta}, f, indent=1)
+            _sync_tree(staging)
+        except Exception as error:  # noqa: BLE001  (only a failure to write files is turned into one line)
+            if not _write_failure(error):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # frees what it took; the earlier checkpoints stay
+            earlier = self.steps()
+            resumes = f"a rerun resumes from step {earlier[0]}" if earlier else "there is no earlier checkpoint"
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error_reason(str(error))
+            raise CheckpointWriteError(f"could not write the checkpoint of step {step} to {self.directory} "
+                                       f"({reason}); {resumes}.") from None
         final = self.path(step)
         if os.path.exists(final):  # saved again at the same step (the end of training after a periodic save)
             shutil.rmtree(staging)
@@ -103,6 +115,15 @@ class CheckpointStore:
                 warnings.warn(f"checkpoint {path} cannot be read ({reason[:200]}); trying the one before it",
                               stacklevel=2)
         return None
+
+
+def _write_failure(error: Exception) -> bool:
+    """An error of writing files: the OS's, or TensorFlow's (a full disk is its ResourceExhaustedError)."""
+    if isinstance(error, OSError):
+        return True
+    import tensorflow as tf  # only here: the launchers import this module, and must not load TensorFlow
+
+    return isinstance(error, tf.errors.OpError)
 
 
 def _sync(path: str) -> None:

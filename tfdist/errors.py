@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ClusterError", "ConfigError", "error_reason"]
+__all__ = ["CheckpointWriteError", "ClusterError", "ConfigError", "error_reason"]
 
 _MISSING = object()
 
@@ -34,6 +34,13 @@ class ClusterError(RuntimeError):
     """A multi-process job lost, or never found, one of its tasks.
 
     The message names the tasks and the timeout that ran out.
+    """
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a lost mount); the ones written before it are intact.
+
+    The message names the step, the directory and the reason, and says which checkpoint a rerun resumes from.
     """
 
 
