@@ -118,12 +118,14 @@ class CheckpointStore:
 
 
 def _write_failure(error: Exception) -> bool:
-    """An error of writing files: the OS's, or TensorFlow's (a full disk is its ResourceExhaustedError)."""
+    """An error of writing the files: the OS's, or TensorFlow's for a full disk (ResourceExhaustedError) or a
+    directory it may not write. Not TensorFlow's other errors: reading the state may fail otherwise (a lost
+    parameter server), which the job reports as such."""
     if isinstance(error, OSError):
         return True
     import tensorflow as tf  # only here: the launchers import this module, and must not load TensorFlow
 
-    return isinstance(error, tf.errors.OpError)
+    return isinstance(error, (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError))
 
 
 def _sync(path: str) -> None:
