@@ -288,11 +288,16 @@ def tensor_parallel_size(config: Config, devices: int) -> int:
     return s.tensor_parallel_size or (devices if s.kind == StrategyKind.TENSOR_PARALLEL else 1)
 
 
+def devices_key(config: Config) -> str:
+    """The key that gives this process its devices: `strategy.devices` when set, else `strategy.logical_devices`."""
+    return "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
+
+
 def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
     """Raises ConfigError unless `devices` form whole tensor-parallel groups and every placed layer goes to
     the first group."""
     s = config.strategy
-    key = "strategy.devices" if s.devices else "strategy.logical_devices"
+    key = devices_key(config)
     size = tensor_parallel_size(config, len(devices))
     if len(devices) % size:
         raise ConfigError(
@@ -313,8 +318,7 @@ def check_transformer_split(config: Config, size: int) -> None:
     for name, value in (("model.heads", m.heads), ("4 x model.width (MLP units)", 4 * m.width)):
         if value % size:
             raise ConfigError(
-                "strategy.tensor_parallel_size" if s.tensor_parallel_size else
-                "strategy.devices" if s.devices else "strategy.logical_devices",
+                "strategy.tensor_parallel_size" if s.tensor_parallel_size else devices_key(config),
                 f"must give a number of devices{' per group' if s.tensor_parallel_size else ''} that divides "
                 f"{name} ({value}). This config gives {size}.",
                 s.tensor_parallel_size or list(s.devices) or s.logical_devices,
@@ -492,7 +496,7 @@ def check_pipeline_devices(config: Config, devices: list[str]) -> None:
     stages = config.pipeline.num_stages
     size = tensor_parallel_size(config, len(devices))
     if len(devices) < stages * size or len(devices) % (stages * size):
-        key = "strategy.devices" if config.strategy.devices else "strategy.logical_devices"
+        key = devices_key(config)
         per_stage = f" x strategy.tensor_parallel_size ({size})" if size > 1 else ""
         raise ConfigError(
             key,

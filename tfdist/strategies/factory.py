@@ -29,6 +29,7 @@ from tfdist.config.validation import (
     check_batch_split,
     check_pipeline_devices,
     check_tensor_parallel_devices,
+    devices_key,
     placement_pairs,
     tensor_parallel_size,
 )
@@ -259,6 +260,5 @@ def _same_layout_in_every_process(config: Config):
         yield
     except ProcessLayoutError as error:
         s = config.strategy
-        key = "strategy.devices" if s.devices else "strategy.logical_devices"
-        raise ConfigError(key, f"must give every process as many devices: {error}",
+        raise ConfigError(devices_key(config), f"must give every process as many devices: {error}",
                           list(s.devices) or s.logical_devices) from None
