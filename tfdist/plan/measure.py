@@ -35,7 +35,7 @@ from tfdist.errors import ConfigError
 
 __all__ = ["MeasuredTimes", "one_device_config", "shared_cores"]
 
-ROUNDS = 5  # alternated timed rounds, each a median's sample
+ROUNDS = 5  # alternated timed rounds: a training step's median, a compiled call's fastest
 STEPS = 10  # training steps, or compiled calls, a round
 EMPTY = "empty call"
 
@@ -134,9 +134,11 @@ class MeasuredTimes:
 
     def _timed(self, rounds: dict[str, Callable[[], float]],
                calls: dict[str, Any]) -> dict[str, tuple[float, float]]:
-        """For `rounds` and the compiled `calls`, all in the same alternated rounds: the median ms (a call's
-        less an empty compiled call's, which a step pays once) and the median cores kept busy (the
-        process's CPU time over the round's wall time)."""
+        """For `rounds` and the compiled `calls`, all in the same alternated rounds: the median ms of a
+        round, and the median cores kept busy (the process's CPU time over the round's wall time). A call's
+        ms is its fastest round less an empty compiled call's fastest (which a step pays once): a stage
+        can cost a fraction of a millisecond more than the empty call, and other work on the machine only
+        adds time, so medians of a loaded machine can put it at or below nothing."""
         import tensorflow as tf
 
         from tfdist.bench.timing import alternate
@@ -144,10 +146,10 @@ class MeasuredTimes:
         timed = {**rounds, **{name: _call_round(call) for name, call in calls.items()},
                  EMPTY: _call_round(tf.function(lambda: tf.constant(0.0)))}
         samples = alternate({name: _with_cores(one_round) for name, one_round in timed.items()}, repeats=self._rounds)
-        medians = {name: (statistics.median(ms for ms, _ in values), statistics.median(cores for _, cores in values))
-                   for name, values in samples.items()}
-        empty, _ = medians.pop(EMPTY)
-        return {name: (max(0.0, ms - empty) if name in calls else ms, cores) for name, (ms, cores) in medians.items()}
+        times = {name: ((min if name in calls or name == EMPTY else statistics.median)(ms for ms, _ in values),
+                        statistics.median(cores for _, cores in values)) for name, values in samples.items()}
+        empty, _ = times.pop(EMPTY)
+        return {name: (max(0.0, ms - empty) if name in calls else ms, cores) for name, (ms, cores) in times.items()}
 
 
 def _forward_backward(model, inputs, batch: int):
