@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import xml.etree.ElementTree as ElementTree
 
+from tfdist.bench.machine import describe
+
 HEAVY_CPU_SECONDS = 2.0
 
 
@@ -61,6 +63,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"=== make test: {_clock(args.total_seconds)} in all; pytest {_clock(args.pytest_seconds)}, "
           f"Bazel's unit tests {_clock(args.bazel_seconds)} beside it ===")
+    machine = describe()  # the suite's time differs 2x between the machine kinds CI runs on
+    flags = ", ".join(machine["cpu_flags"]) or "no AVX2, AVX-512 or AMX"
+    print(f"Machine: {machine['cpu_model']}, {machine['cpu_count']} cores ({flags})")
     if os.path.exists(args.junit):
         print("The 10 slowest tests under pytest:")
         for seconds, test in slowest_tests(args.junit):
