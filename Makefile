@@ -60,12 +60,14 @@ test: setup
 	( nice -n 19 bazel --batch test --test_timeout=3600 //... > $(BAZEL_LOG) 2>&1; status=$$?; \
 	  echo $$(( $$(date +%s) - start )) > $(RESULTS)/bazel_seconds; exit $$status ) & bazel_pid=$$!; \
 	trap 'kill $$bazel_pid 2>/dev/null; accton off >/dev/null 2>&1' INT TERM; \
+	export TFDIST_TEST_ZYGOTE_REFUSALS=$(abspath $(RESULTS))/zygote-refusals.jsonl; \
 	$(MAKE) pytest PYTEST_ARGS="--junitxml=$(RESULTS)/pytest.xml $(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"; \
 	pytest_status=$$?; pytest_seconds=$$(( $$(date +%s) - start )); \
 	wait $$bazel_pid; bazel_status=$$?; accton off >/dev/null 2>&1; \
 	echo "=== bazel test //... (ran beside pytest) ==="; cat $(BAZEL_LOG); \
 	python tools/test_summary.py --pytest_seconds $$pytest_seconds --bazel_seconds $$(cat $(RESULTS)/bazel_seconds) \
-	    --total_seconds $$(( $$(date +%s) - start )) --junit $(RESULTS)/pytest.xml --accounting $(RESULTS)/pacct; \
+	    --total_seconds $$(( $$(date +%s) - start )) --junit $(RESULTS)/pytest.xml --accounting $(RESULTS)/pacct \
+	    --refusals $(RESULTS)/zygote-refusals.jsonl; \
 	[ $$pytest_status -eq 0 ] && [ $$bazel_status -eq 0 ]
 
 # Two pytest-xdist workers: most of a multi-process test's time is its processes starting,

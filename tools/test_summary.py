@@ -11,6 +11,8 @@ counted: pytest's and Bazel's test processes, the jobs' tasks and ranks, and the
 """
 
 import argparse
+import collections
+import json
 import os
 import shutil
 import subprocess
@@ -53,6 +55,14 @@ def heavy_processes(accounting: str) -> dict:
     return counts
 
 
+def refusals(path: str) -> collections.Counter:
+    """(why, the program's first arguments) -> how many processes the test zygote did not fork for it."""
+    if not os.path.exists(path):  # none refused
+        return collections.Counter()
+    with open(path, encoding="utf-8") as log:
+        return collections.Counter((r["refusal"], tuple(r["argv"])) for r in map(json.loads, log))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pytest_seconds", type=float, required=True)
@@ -60,6 +70,7 @@ def main() -> None:
     parser.add_argument("--total_seconds", type=float, required=True)
     parser.add_argument("--junit", required=True)
     parser.add_argument("--accounting")
+    parser.add_argument("--refusals", help="the test zygote's refusals (tests/zygote.py, REFUSALS_VARIABLE)")
     args = parser.parse_args()
     print(f"=== make test: {_clock(args.total_seconds)} in all; pytest {_clock(args.pytest_seconds)}, "
           f"Bazel's unit tests {_clock(args.bazel_seconds)} beside it ===")
@@ -78,6 +89,11 @@ def main() -> None:
               f"all {counts['all'][0]} processes: {counts['all'][1]:.0f} CPU-s")
     else:
         print("Processes: not counted (process accounting needs root and Debian's acct)")
+    if args.refusals:
+        refused = refusals(args.refusals)
+        print(f"Python processes the test zygote could not fork (real interpreters): {sum(refused.values())}")
+        for (why, program), count in refused.most_common(8):
+            print(f"  {count:4d}  {' '.join(program)}: {why[:160]}")
 
 
 if __name__ == "__main__":
