@@ -222,7 +222,7 @@ def horovod_rank_pid(horovodrun_pid, rank):
 
 
 def _task_among(pids, variable, value, exact=False):
-    """The `tfdist train` process of `pids` (not a shell that runs it) whose environment's VARIABLE
+    """The `tfdist train` process of `pids` (not a shell or the launcher's guard that runs it) whose environment's VARIABLE
     holds VALUE (or is it, `exact`): the zygote's child where the process found is its client, so that
     a signal, SIGSTOP too, reaches the task itself."""
     for pid in pids:
@@ -235,6 +235,6 @@ def _task_among(pids, variable, value, exact=False):
             continue
         found = env.get(variable.encode())
         if found is not None and (found == value.encode() if exact else value.encode() in found) \
-                and b"tfdist.cli\0train\0" in command:
+                and b"tfdist.cli\0train\0" in command and b"tfdist.launch.guard" not in command:
             return zygote.forked_child(pid) or pid
     raise AssertionError(f"no task with {variable}={value} among {list(pids)}")

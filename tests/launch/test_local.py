@@ -4,10 +4,13 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 
+import numpy as np
 import pytest
 
+import zygote
 from helpers import ROOT, launch_job, launch_output, launch_output_after, processes_with, read_until, run_tfdist, task_pid
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -138,6 +141,60 @@ def test_sigterm_to_the_launcher_reaches_every_task(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == "tfdist launch: stopped by SIGTERM; stopped every task"
     assert processes_with(str(metrics)) == []
+
+
+GUIDE = [sys.executable, "examples/guide_multi_worker_keras.py", "--epochs", "2", "--steps_per_epoch", "5"]
+
+
+def _weights(path):
+    import keras
+
+    return keras.models.load_model(path).get_weights()
+
+
+def test_a_users_own_script_runs_as_every_task_and_trains_as_on_one_device(tmp_path):
+    """TensorFlow's multi-worker guide, its strategy line changed, launched as `tfdist launch -- python ...`."""
+    one = run_tfdist("launch", "--set", "strategy.kind=one_device", "--", *GUIDE, "--set", "strategy.kind=one_device",
+                     "--per_worker_batch", "128", "--model_path", str(tmp_path / "one.keras"),
+                     "--backup_dir", str(tmp_path / "backup-one"), timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    kind = "strategy.kind=multi_worker_mirrored"
+    two = run_tfdist("launch", "--workers", "2", "--set", kind, "--", *GUIDE, "--set", kind,
+                     "--model_path", str(tmp_path / "two.keras"), "--backup_dir", str(tmp_path / "backup"), timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "[worker 1] Epoch 2/2" in two.stdout and "\nEpoch 2/2" in two.stdout  # worker 0 reports unprefixed
+    # The same global batch of 128 on one device and on two workers of 64: the same weights.
+    for one_device, two_workers in zip(_weights(tmp_path / "one.keras"), _weights(tmp_path / "two.keras")):
+        np.testing.assert_allclose(two_workers, one_device, atol=1e-5)
+    # Worker 1 saved to a scratch copy it deleted; the chief deleted the backup once done (BackupAndRestore
+    # writes from the chief alone: two workers writing one file failed on h5py's lock).
+    assert sorted(os.listdir(tmp_path)) == ["one.keras", "two.keras"]
+
+
+@pytest.mark.parametrize("flags", [pytest.param(MULTI_WORKER, id="multi_worker"),
+                                   pytest.param(HOROVOD, id="horovod", marks=pytest.mark.horovod)])
+def test_a_launcher_killed_outright_takes_every_task_with_it(tmp_path, flags):
+    from tfdist.launch.guard import GRACE_SECONDS
+
+    metrics, checkpoints = tmp_path / "metrics.json", tmp_path / "checkpoints"
+    # Silent tasks: a task that writes to the dead launcher's pipe dies of it, one that does not trains on.
+    proc = launch_job(metrics, "--workers", "2", *flags, "--set", "train.epochs=100", "--set", "train.verbose=0",
+                      "--set", f"checkpoint.dir={checkpoints}")
+    try:
+        started = time.monotonic()
+        while not (checkpoints.exists() and any(checkpoints.iterdir())):  # an epoch trained
+            assert proc.poll() is None and time.monotonic() - started < 240, launch_output(proc)
+            time.sleep(0.5)
+        assert processes_with(str(metrics))  # the tasks (and under Horovod, horovodrun and its ranks) run
+        zygote.send_signal(proc, signal.SIGKILL)  # no cleanup of its own
+        killed = time.monotonic()
+        while processes_with(str(metrics)) and time.monotonic() - killed < 3 * GRACE_SECONDS:
+            time.sleep(0.5)
+        assert processes_with(str(metrics)) == [], f"left running {time.monotonic() - killed:.0f} s after"
+        assert time.monotonic() - killed < GRACE_SECONDS + 3
+    finally:
+        proc.kill()
+    assert not metrics.exists()  # no task trained on to the end
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -9,16 +9,20 @@ With `--hosts`, the tasks run on network-namespace hosts of this machine
 (`tfdist.launch.hosts`): parameter servers each on a host of their own, the
 other tasks spread over the rest; horovodrun reaches its hosts with ssh.
 
-Each task is `tfdist train` with the same config and its own `TF_CONFIG`
-(ports on 127.0.0.1 chosen free: `tfdist.cluster.loopback`); Horovod jobs
-are one `horovodrun -np N --gloo`. The reporting task's output (the chief,
+Each task is `tfdist train` with the same config, or the user's own command
+(`tfdist launch ... -- python train.py`), with its own `TF_CONFIG` (ports on
+127.0.0.1 chosen free: `tfdist.cluster.loopback`); Horovod jobs are one
+`horovodrun -np N --gloo`. Under parameter servers the user's command runs
+on the chief, and the workers and servers are `tfdist serve` (or the command
+too, with `every_task`). The reporting task's output (the chief,
 else worker 0, else rank 0) passes through as it is, so Keras's progress bar
 keeps working; every other line is prefixed with its task (`[worker 1] ...`). The first task that fails
 stops the others: the launcher prints one line naming it and exits with its
 code (128 + N for a signal N), or, with `--max_restarts N`, says why and runs
 the whole job again, up to N times (with `checkpoint.dir` it resumes from its
 last checkpoint). SIGINT and SIGTERM reach every task. Nothing is left running
-when it returns.
+when it returns, and a launcher killed outright (SIGKILL) takes its tasks
+with it within seconds (`tfdist.launch.guard`).
 """
 
 from __future__ import annotations
@@ -34,14 +38,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 from tfdist.checkpoint_store import EXIT_PREEMPTED, EXIT_TERMINATED, SIGTERM_RECEIVED
+from tfdist.config.loading import CLUSTER_VARIABLE
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import PEER_LOST_UNDER_HOROVOD, ConfigError
 from tfdist.cluster.loopback import free_loopback_ports
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS, cluster_of
-from tfdist.launch import process_tree
+from tfdist.launch import guard, process_tree
 from tfdist.launch.hosts import NamespaceHosts
 
 __all__ = ["Task", "plan", "run"]
@@ -88,7 +93,7 @@ class Task:
 
 
 def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, chief: bool = False,
-         hosts: Optional[NamespaceHosts] = None) -> list[Task]:
+         hosts: Optional[NamespaceHosts] = None, command: Sequence[str] = (), every_task: bool = False) -> list[Task]:
     """The tasks that run `config` on this machine.
 
     Args:
@@ -98,6 +103,9 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
       ps: parameter servers (parameter_server kind; 0 takes `parameter_server.num_ps`).
       chief: add a chief to a multi-worker job (the parameter_server kind always has one).
       hosts: run the tasks on these namespace hosts instead of loopback (Horovod: starts their sshd).
+      command: a command of the user's that the tasks run instead of `tfdist train` (under parameter
+        servers only the chief, the others being `tfdist serve`, unless `every_task`).
+      every_task: run `command` on a parameter-server job's workers and servers too.
 
     Raises:
       ConfigError: the counts do not fit the kind, or the config already names a cluster.
@@ -110,8 +118,11 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
                           list(config.cluster.workers))
     if ps and kind != StrategyKind.PARAMETER_SERVER:
         raise ConfigError("--ps", f"only applies with strategy.kind=parameter_server, not {kind.value}.", ps)
-    train = [sys.executable, "-m", "tfdist.cli", "train", *train_args]
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    tfdist = [sys.executable, "-m", "tfdist.cli"]
+    train = list(command) or [*tfdist, "train", *train_args]
+    # A parameter-server job's workers and servers serve what the chief's script schedules.
+    serve = train if every_task or not command else [*tfdist, "serve", *train_args]
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", CLUSTER_VARIABLE)}
     env.update(hosts.environment() if hosts else {})
     if kind == StrategyKind.HOROVOD:
         if chief:
@@ -146,8 +157,9 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
         reports = role == "chief" or (not chief and role == "worker" and index == 0)
         # Under a parameter-server chief, workers and parameter servers serve until stopped.
         finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
-        command = hosts.command(host, train) if hosts else train
-        tasks.append(Task(role, index, command, {**env, "TF_CONFIG": tf_config}, reports, finishes))
+        runs = train if finishes else serve
+        tasks.append(Task(role, index, hosts.command(host, runs) if hosts else runs, {**env, "TF_CONFIG": tf_config},
+                          reports, finishes))
     return tasks
 
 
@@ -262,9 +274,10 @@ class _Job:
         terminal = task.reports and task.role != "horovodrun" and _isatty(self.out)
         reader, writer = pty.openpty() if terminal else (None, subprocess.PIPE)
         # Its own session, so a signal meant for the launcher reaches each task once, from here,
-        # and stopping a task stops what it started (horovodrun's ranks).
-        process = subprocess.Popen(task.command, env=task.env, stdin=subprocess.DEVNULL, stdout=writer,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+        # and stopping a task stops what it started (horovodrun's ranks). Its guard ends it if the
+        # launcher dies without stopping it (SIGKILL).
+        process = subprocess.Popen(guard.command(task.command), env=task.env, stdin=subprocess.DEVNULL,
+                                   stdout=writer, stderr=subprocess.PIPE, start_new_session=True)
         if terminal:
             os.close(writer)
         self.processes.append(process)
