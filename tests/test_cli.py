@@ -18,12 +18,13 @@ COMMAND_FLAGS = {
     "config": JOB,
     "bench": ["--json", *JOB, "--repeats", "--plot", "--model", "--image_size", "--batch_per_device", "--links",
               "--kinds"],
-    "launch": ["--workers", "--ps", "--chief", "--hosts", "--link", "--max_restarts", "--stalled_seconds", *JOB,
-               "--metrics_out"],
-    "slurm": ["--tasks", "--nodes", "--gpus-per-node", "--partition", "--time", "--overcommit", "--requeue", *JOB,
-              "--metrics_out"],
+    "launch": ["--workers", "--ps", "--chief", "--hosts", "--link", "--max_restarts", "--stalled_seconds",
+               "--every_task", *JOB, "--metrics_out"],
+    "slurm": ["--tasks", "--nodes", "--gpus-per-node", "--partition", "--time", "--overcommit", "--requeue",
+              "--every_task", *JOB, "--metrics_out"],
     "k8s": ["--image", "--workers", "--ps", "--out", "--flavor", "--gpus-per-worker", "--cpu", "--memory", "--queue",
-            "--namespace", "--priority-class", "--name", *JOB, "--metrics_out"],
+            "--namespace", "--priority-class", "--name", "--every_task", *JOB, "--metrics_out"],
+    "serve": JOB,
 }
 
 
@@ -61,6 +62,15 @@ def test_config_prints_resolved_yaml():
         (["config", "--workers", "2", "--image", "foo"], "`config` does not take --image, --workers; its flags are"),
         (["train", "--tasks", "2"], "`train` does not take --tasks"),
         (["slurm", "--tasks", "2", "--verbosity", "1"], "`slurm` does not take --verbosity"),
+        # A command of the user's goes after --, and takes none of tfdist train's own flags.
+        (["launch", "--workers", "2", "python", "train.py"], "`launch` takes no arguments; a command of your own "
+         "goes after --: `tfdist launch [flags] -- python train.py`. Received: python train.py"),
+        (["launch", "--"], "`launch` needs a command after --"),
+        (["train", "--", "python", "train.py"], "`train` takes no arguments"),
+        (["slurm", "--tasks", "2", "--metrics_out", "m.json", "--", "python", "train.py"],
+         "--metrics_out is tfdist train's; a command of your own writes its own results"),
+        (["launch", "--every_task"], "--every_task runs a command of your own on every task: give one after --"),
+        (["serve"], "`serve` runs a worker or parameter server of a parameter-server job"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

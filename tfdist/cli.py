@@ -5,12 +5,14 @@
     tfdist bench overhead --json overhead.json
     tfdist bench synthetic --model keras.applications.MobileNetV2 --image_size 64 --json s.json --plot s.png
     tfdist launch --workers 2 [--ps 1] [--chief] --config configs/horovod.yaml [--set ...]
+    tfdist launch --workers 2 --config my.yaml -- python train.py --my_flag 3   # a script of your own
     tfdist slurm --tasks 4 --config configs/parameter_server.yaml | sbatch --wait
     tfdist k8s --image REPO/tfdist:0.1 --workers 2 --config configs/parameter_server.yaml --out k8s/
     tfdist plan --config configs/tensor_parallel.yaml --cluster 2x8-a100-80g-ib --out plan.yaml
 
 `tfdist --help` lists the commands, `tfdist COMMAND --help` (or -h) the
-command's own flags. A bad config, a bad flag value or a flag the command does
+command's own flags. launch, slurm and k8s run `tfdist train` on every task,
+or the command after `--`. A bad config, a bad flag value or a flag the command does
 not take prints one line, `tfdist: error: ...`, and exits 2; a cluster that
 loses or never finds a task prints one line and exits 1.
 """
@@ -79,6 +81,9 @@ _CLUSTER = flags.DEFINE_string("cluster", None, "plan: a preset cluster: 1x8-a10
                                "is printed).")
 _MEASURE = flags.DEFINE_bool("measure", False, "plan: time the model's training step on one device of this "
                              "machine for the device rate, and a pipeline's stages on their micro-batches.")
+_EVERY_TASK = flags.DEFINE_bool("every_task", False, "With a command after --, under parameter servers: run it on "
+                                 "every task (a script that serves on its workers and parameter servers itself); by "
+                                 "default the chief runs it and the others are tfdist's servers (tfdist serve).")
 _STALLED_SECONDS = flags.DEFINE_integer("stalled_seconds", 20, "launch: how long a task may stay stopped "
                                          "(SIGSTOP) before the job ends, naming it.", lower_bound=1)
 _TASKS = flags.DEFINE_integer("tasks", None, "Slurm tasks (processes) of the job; required.")
@@ -111,14 +116,32 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
-def _load():
-    """The config of the `tfdist train` job a command runs, launches or plans: its model and data checked too."""
+def _load(command: tuple = ()):
+    """The config of the job a command runs, launches or plans: for `tfdist train` (no `command` of the
+    user's), its model and data are checked too."""
     from tfdist.config import load_config
     from tfdist.config.validation import check_job
 
     config = load_config(_CONFIG.value, _SET.value)
-    check_job(config)
+    if not command:
+        check_job(config)
     return config
+
+
+def _user_command(name: str, args: list[str]) -> list[str]:
+    """The command after `--` that launch, slurm and k8s run on the tasks instead of `tfdist train`; []
+    without one."""
+    if args[:1] != ["--"]:
+        if args:
+            _fail(f"`{name}` takes no arguments; a command of your own goes after --: "
+                  f"`tfdist {name} [flags] -- python train.py`. Received: {' '.join(args)}")
+        return []
+    if len(args) == 1:
+        _fail(f"`{name}` needs a command after --, e.g. `tfdist {name} [flags] -- python train.py`.")
+    if _METRICS_OUT.value:
+        _fail(f"--metrics_out is tfdist train's; a command of your own writes its own results. "
+              f"Received: {_METRICS_OUT.value}")
+    return args[1:]
 
 
 def _config_command(args) -> None:
@@ -163,26 +186,40 @@ def _bench_command(args) -> None:
 
 
 def _train_args() -> list[str]:
-    """The flags that make `tfdist train` in another process run this job."""
+    """The flags that make `tfdist train` (or `tfdist serve`) in another process run this job."""
     config = ["--config", os.path.abspath(_CONFIG.value)] if _CONFIG.value else []
     metrics = [f"--metrics_out={os.path.abspath(_METRICS_OUT.value)}"] if _METRICS_OUT.value else []
     return [*config, *(f"--set={s}" for s in _SET.value), *metrics]
+
+
+def _serve_command(args) -> None:
+    if args:
+        _fail(f"`serve` takes no arguments. Received: {' '.join(args)}")
+    config = _load(command=("serve",))  # the servers of a user's script: no model or data of tfdist's
+    import_tensorflow()
+    from tfdist.strategies.factory import serves_only
+
+    if not serves_only(config):
+        _fail("`serve` runs a worker or parameter server of a parameter-server job: it needs "
+              "strategy.kind=parameter_server and a cluster (TF_CONFIG, the cluster section or cluster.resolver) "
+              f"whose task for this process is a worker or ps. Received: strategy.kind={config.strategy.kind.value}")
 
 
 def _launch_command(args) -> None:
     from tfdist.launch import local as launch
     from tfdist.launch.hosts import NamespaceHosts
 
-    if args:
-        _fail(f"`launch` takes no arguments. Received: {' '.join(args)}")
-    config = _load()
+    command = _user_command("launch", args)
+    config = _load(command)
     if _LINK.value and not _HOSTS.value:
         _fail("--link shapes the links of --hosts: give --hosts N too.")
+    if _EVERY_TASK.value and not command:
+        _fail("--every_task runs a command of your own on every task: give one after --.")
     hosts = NamespaceHosts(_HOSTS.value, _LINK.value) if _HOSTS.value else None
 
     def plan():
         return launch.plan(config, _train_args(), workers=_WORKERS.value, ps=_PS.value, chief=_CHIEF.value,
-                           hosts=hosts)
+                           hosts=hosts, command=command, every_task=_EVERY_TASK.value)
 
     try:
         code = launch.run(plan(), max_restarts=_MAX_RESTARTS.value, replan=plan, hosts=hosts,
@@ -196,13 +233,13 @@ def _launch_command(args) -> None:
 def _slurm_command(args) -> None:
     from tfdist.launch import slurm
 
-    if args:
-        _fail(f"`slurm` takes no arguments. Received: {' '.join(args)}")
+    command = _user_command("slurm", args)
     if _TASKS.value is None:
         _fail("`slurm` needs --tasks, the number of Slurm tasks (processes).")
     script = slurm.sbatch_script(
-        _load(), _train_args(), tasks=_TASKS.value, nodes=_NODES.value, gpus_per_node=_GPUS_PER_NODE.value,
+        _load(command), _train_args(), tasks=_TASKS.value, nodes=_NODES.value, gpus_per_node=_GPUS_PER_NODE.value,
         partition=_PARTITION.value, time_limit=_TIME.value, overcommit=_OVERCOMMIT.value, requeue=_REQUEUE.value,
+        command=command, every_task=_EVERY_TASK.value,
     )
     print(script, end="")
 
@@ -211,8 +248,7 @@ def _k8s_command(args) -> None:
     from tfdist.launch import k8s
     from tfdist.launch.k8s_validation import KUBERNETES_VERSION, missing_packages, validate
 
-    if args:
-        _fail(f"`k8s` takes no arguments. Received: {' '.join(args)}")
+    command = _user_command("k8s", args)
     if missing_packages():
         _fail(f"`k8s` validates what it writes with {', '.join(missing_packages())}: pip install 'tfdist[k8s]'.")
     if not _OUT.value:
@@ -221,9 +257,9 @@ def _k8s_command(args) -> None:
         name=_NAME.value, image=_IMAGE.value or "", workers=_WORKERS.value, ps=_PS.value,
         gpus_per_worker=_GPUS_PER_WORKER.value, cpu=_CPU.value, memory=_MEMORY.value, flavor=_FLAVOR.value,
         queue=_QUEUE.value, namespace=_NAMESPACE.value, priority_class=_PRIORITY_CLASS.value,
-        metrics_out=_METRICS_OUT.value,
+        metrics_out=_METRICS_OUT.value, command=tuple(command), every_task=_EVERY_TASK.value,
     )
-    objects = k8s.manifests(_load(), job)
+    objects = k8s.manifests(_load(command), job)
     for obj in objects:  # all of them before any file is written
         validate(obj)
     for path in k8s.write(objects, _OUT.value):
@@ -301,6 +337,7 @@ class _Command:
     flags: tuple
     run: Callable[[list[str]], None]
     positional: str = ""
+    runs_a_command: bool = False  # takes `-- COMMAND` to run instead of `tfdist train`
 
 
 _JOB = (_CONFIG, _SET)
@@ -313,15 +350,18 @@ _COMMANDS = {
                      (*_JOB, _DEVICES, _HOSTS, _DEVICE_MEMORY, _DEVICE_TFLOPS, _LINK, _INTRA_LINK, _LINK_LATENCY,
                       _HOST_RATE, _VARIABLE_LATENCY, _CLUSTER, _MEASURE, _JSON, _OUT), _plan_command),
     "launch": _Command("run every task of a multi-process job on this machine",
-                       (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, _STALLED_SECONDS, *_JOB,
+                       (_WORKERS, _PS, _CHIEF, _HOSTS, _LINK, _MAX_RESTARTS, _STALLED_SECONDS, _EVERY_TASK, *_JOB,
                         _METRICS_OUT),
-                       _launch_command),
+                       _launch_command, runs_a_command=True),
     "slurm": _Command("print an sbatch script for the job: tfdist slurm ... | sbatch",
-                      (_TASKS, _NODES, _GPUS_PER_NODE, _PARTITION, _TIME, _OVERCOMMIT, _REQUEUE, *_JOB,
-                       _METRICS_OUT), _slurm_command),
+                      (_TASKS, _NODES, _GPUS_PER_NODE, _PARTITION, _TIME, _OVERCOMMIT, _REQUEUE, _EVERY_TASK, *_JOB,
+                       _METRICS_OUT), _slurm_command, runs_a_command=True),
     "k8s": _Command("write validated Kubernetes manifests for the job",
                     (_IMAGE, _WORKERS, _PS, _OUT, _FLAVOR, _GPUS_PER_WORKER, _CPU, _MEMORY, _QUEUE, _NAMESPACE,
-                     _PRIORITY_CLASS, _NAME, *_JOB, _METRICS_OUT), _k8s_command),
+                     _PRIORITY_CLASS, _NAME, _EVERY_TASK, *_JOB, _METRICS_OUT), _k8s_command,
+                    runs_a_command=True),
+    "serve": _Command("serve a parameter-server job's worker or ps task (its cluster from TF_CONFIG) until "
+                      "the chief is done", _JOB, _serve_command),
 }
 _HELP = ("-h", "--help", "--helpshort", "--helpfull", "help")
 
@@ -335,8 +375,11 @@ def _usage() -> str:
 
 def _command_help(name: str) -> str:
     command = _COMMANDS[name]
-    lines = [f"usage: tfdist {name} {command.positional + ' ' if command.positional else ''}[flags]", "",
-             command.summary + "."]
+    usage = f"tfdist {name} {command.positional + ' ' if command.positional else ''}[flags]"
+    lines = [f"usage: {usage}{' [-- COMMAND [ARGS...]]' if command.runs_a_command else ''}", "", command.summary + "."]
+    if command.runs_a_command:
+        lines.append("Every task runs `tfdist train`, or COMMAND: a script of your own, which finds its cluster as "
+                     "tfdist.make_strategy does (TF_CONFIG, or the launcher's cluster.resolver).")
     if name == "bench":
         from tfdist.bench import BENCHMARKS
 
@@ -368,11 +411,14 @@ def _parse(argv: list[str]) -> list[str]:
     if name not in _COMMANDS:
         print(_usage(), file=sys.stderr)
         _fail(f"the command must be one of {', '.join(_COMMANDS)}. Received: {name}")
-    if any(arg in _HELP[:-1] for arg in argv[2:]):
+    own, command = argv[2:], []  # the command after `--` is the user's, flags and all
+    if "--" in own:
+        own, command = own[:own.index("--")], own[own.index("--"):]
+    if any(arg in _HELP[:-1] for arg in own):
         print(_command_help(name))
         sys.exit(0)
     try:
-        rest = flags.FLAGS([argv[0], *argv[2:]])
+        rest = flags.FLAGS([argv[0], *own])
     except flags.Error as e:
         _fail(f"{e}. See `tfdist {name} --help`.")
     taken = {holder.name for holder in _COMMANDS[name].flags}
@@ -380,7 +426,7 @@ def _parse(argv: list[str]) -> list[str]:
     if given:
         _fail(f"`{name}` does not take --{', --'.join(given)}; its flags are --{', --'.join(sorted(taken))} "
               f"(see `tfdist {name} --help`). Received: --{given[0]}")
-    return [argv[0], name, *rest[1:]]
+    return [argv[0], name, *rest[1:], *command]
 
 
 def main(argv: list[str]) -> None:

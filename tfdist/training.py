@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import data, models, precision
-from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption, RestoreOnlyBackup, Throughput,
+from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption, Throughput,
                               weights_digest)
 from tfdist.config.environment import HOST_INTERFACE_ENV
 from tfdist.config.schema import Config
@@ -149,9 +149,8 @@ def _callbacks(job: Job) -> tuple[Throughput, Optional[InputStalls], Optional[Ch
         callbacks.append(stalls)
     if cfg.tensorboard_dir and chief:
         callbacks.append(keras.callbacks.TensorBoard(cfg.tensorboard_dir))
-    if cfg.backup_dir:  # every process resumes from the backup; only the chief writes it
-        backup = keras.callbacks.BackupAndRestore if chief else RestoreOnlyBackup
-        callbacks.append(backup(cfg.backup_dir))
+    if cfg.backup_dir:  # every process resumes from the backup; only the chief writes it (`_compat.patches`)
+        callbacks.append(keras.callbacks.BackupAndRestore(cfg.backup_dir))
     checkpoint = None
     c = job.config.checkpoint
     if c.dir:  # every process resumes; only the chief writes

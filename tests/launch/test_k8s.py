@@ -24,8 +24,8 @@ MULTI_WORKER = ("configs/default.yaml", "strategy.kind=multi_worker_mirrored")
 
 def _write(tmp_path, config, *flags, sets=()):
     out = tmp_path / "manifests"
-    args = ["k8s", "--config", config, "--image", "repo/tfdist:0.1", "--out", str(out), *flags]
-    proc = run_tfdist(*args, *(f"--set={s}" for s in sets))
+    args = ["k8s", "--config", config, "--image", "repo/tfdist:0.1", "--out", str(out), *(f"--set={s}" for s in sets)]
+    proc = run_tfdist(*args, *flags)  # last: a command of the user's after --
     assert proc.returncode == 0, proc.stderr
     return [yaml.safe_load(open(path)) for path in proc.stdout.split()]
 
@@ -279,6 +279,37 @@ def test_the_pods_train_digits_when_run_as_local_processes(tmp_path, config, fla
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
     assert result["num_replicas"] == 2 or result["strategy"] == "parameter_server"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_users_own_script_runs_in_the_pods(tmp_path):
+    """TensorFlow's multi-worker guide as the pods' command: it finds the pods' cluster as `tfdist train` does."""
+    model = tmp_path / "model.keras"
+    guide = ["python", "examples/guide_multi_worker_keras.py", "--set", MULTI_WORKER[1], "--epochs", "1",
+             "--steps_per_epoch", "3", "--model_path", str(model), "--backup_dir", str(tmp_path / "backup")]
+    objects = _write(tmp_path, MULTI_WORKER[0], "--workers", "2", "--flavor", "jobset", "--", *guide,
+                     sets=[MULTI_WORKER[1]])
+    container = _pods(objects)[0][3]
+    assert container["command"] == guide
+    assert {"name": "TFDIST_CLUSTER", "value": '{"resolver": "kubernetes", "allow_non_loopback": true, '
+            '"port_base": 29000}'} in container["env"]
+    assert _run_pods(tmp_path, objects) == {"tfdist-worker-0-0", "tfdist-worker-0-1"}
+    assert model.exists()
+
+
+def test_a_parameter_server_jobs_workers_and_servers_serve_the_users_script(tmp_path):
+    script = ["python", "train.py"]
+    containers = _containers(_by_kind(_write(tmp_path, "configs/parameter_server.yaml", "--workers", "2", "--",
+                                             *script))["Job", "tfdist-chief"])
+    assert containers["chief"]["command"] == script
+    for role in ("worker", "ps"):
+        served = _containers(_by_kind(_write(tmp_path / role, "configs/parameter_server.yaml", "--", *script))[
+            "Job", f"tfdist-{role}"])[role]
+        assert served["command"] == ["python", "-m", "tfdist.cli", "serve", "--config", k8s.CONFIG_FILE]
+    everywhere = _by_kind(_write(tmp_path / "every", "configs/parameter_server.yaml", "--every_task", "--", *script))
+    assert _containers(everywhere["Job", "tfdist-worker"])["worker"]["command"] == script
 
 
 def test_the_docs_k8s_commands_write_valid_manifests(tmp_path):

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -111,6 +112,26 @@ def test_a_job_trains_digits_through_sbatch(slurm, tmp_path, tasks, flags):
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
     assert output.count("tfdist summary") == 1  # only the chief (or worker 0) reports
+
+
+@slurm_cluster
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_users_own_script_runs_through_sbatch_on_the_chief_and_tfdist_serves_it(slurm, tmp_path):
+    """TensorFlow's multi-worker guide under parameter servers: the chief's task runs it, the others are
+    `tfdist serve`; the script finds the job step's cluster as `tfdist train` does (cluster.resolver: slurm)."""
+    model = tmp_path / "model.keras"
+    kind = "strategy.kind=parameter_server"
+    script = run_tfdist("slurm", "--tasks", "3", "--overcommit", "--set", kind, "--set",
+                        f"cluster.port_base={free_port_block(3)}", "--",
+                        sys.executable, os.path.join(ROOT, "examples", "guide_multi_worker_keras.py"), "--set", kind,
+                        "--epochs", "1", "--steps_per_epoch", "3", "--model_path", str(model),
+                        "--backup_dir", str(tmp_path / "backup")).stdout
+    assert 'if [ $SLURM_PROCID -eq 1 ]; then exec' in script and "-m tfdist.cli serve" in script
+    code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=540)
+    assert code == 0, output[-4000:] + slurm.log()
+    assert model.exists() and "3/3 - " in output  # the chief's three steps
 
 
 def _wait_until(condition, what, timeout):

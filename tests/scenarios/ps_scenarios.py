@@ -313,6 +313,8 @@ def _feature_cases():
         "batch_norm": (batch_norm, dict(optimizer=sgd(), loss=cce), fit()),
         "custom_train_step": (custom_train_step, dict(optimizer=sgd(), loss=cce), fit()),
         "clipnorm": (_model, dict(optimizer=sgd(clipnorm=0.05), loss=cce), fit()),
+        "gradient_accumulation": (_model, dict(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=4),
+                                               loss=cce), fit()),
         "lr_schedule": (_model, dict(optimizer=keras.optimizers.SGD(
             keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=8, decay_rate=0.5)), loss=cce), fit()),
     }

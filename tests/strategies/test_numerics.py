@@ -102,3 +102,38 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas"])
+def test_gradient_accumulation_matches_one_device(kind):
+    """Keras accumulates gradients under a conditional whose branches enter the cross-replica context, which fails
+    under every TensorFlow strategy at the first step (keras-team/keras#20582); tfdist's kinds accumulate as one
+    device does. The tensor-parallel model has no tfdist layers: each group of 2 devices trains it whole."""
+    import keras
+    import tensorflow as tf
+
+    from tfdist import MirroredStrategy, PipelineStrategy, TensorParallelStrategy
+
+    x, y = _regression_data()
+    strategies = {
+        "mirrored": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"]),
+        "mirrored_4_replicas": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)]),
+        "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False),
+        "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
+    }
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((8,))
+            model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs)))
+            model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.05, gradient_accumulation_steps=4))
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+        return model, history
+
+    reference, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    model, history = train(strategies[kind]())
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 2 * 8 // 4
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)

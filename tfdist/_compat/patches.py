@@ -1,5 +1,7 @@
 """The patches tfdist makes to Keras: step functions a strategy supplies, resumable epoch iterators, gradient
-clipping after the all-reduce, gradient weights by batch share, atomic parameter-server updates.
+clipping after the all-reduce, gradient weights by batch share, atomic parameter-server updates, callbacks that
+write from the chief alone, optimizer slots built outside a custom loop's traced step, gradient accumulation
+under a strategy.
 
 They are installed together, once (`install_patches`), and each falls back to
 Keras's own behaviour for a strategy that asks for nothing. How a patch asks a
@@ -25,7 +27,7 @@ _ASK: dict[str, Callable] = {}
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
                     gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable,
-                    before_save: Callable) -> None:
+                    before_save: Callable, is_chief: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
@@ -39,6 +41,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
         optimizer's state does it then, before Keras builds the optimizer).
       before_save: `(strategy, model)`, run before `model.save` or `model.save_weights` opens its file;
         it raises when the model cannot be saved that way.
+      is_chief: `(strategy)` -> whether this process writes the job's files (the chief, or rank 0).
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
@@ -46,12 +49,16 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     _ASK.setdefault("gradients_sent_as", gradients_sent_as)
     _ASK.setdefault("after_compile", after_compile)
     _ASK.setdefault("before_save", before_save)
+    _ASK.setdefault("is_chief", is_chief)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
     _install_gradient_all_reduce()
     _install_atomic_parameter_server_updates()
     _install_save_check()
     _install_loss_scaling_agreement()
+    _install_chief_only_callback_writes()
+    _install_optimizer_build_outside_the_step()
+    _install_gradient_accumulation_under_strategies()
 
 _STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 
@@ -273,6 +280,7 @@ def _install_clipping_after_all_reduce() -> None:
         return [None if g is None else g / replicas for g in keras_clip(self, summed)]
 
     BaseOptimizer._clip_gradients = _clip_gradients
+    BaseOptimizer._tfdist_keras_clip = keras_clip
     BaseOptimizer._tfdist_clips_after_all_reduce = True
 
 def _install_gradient_all_reduce() -> None:
@@ -355,6 +363,142 @@ def _install_loss_scaling_agreement() -> None:
 
     LossScaleOptimizer.check_finite = check_finite
     LossScaleOptimizer._tfdist_agreed_check = True
+
+
+def _install_chief_only_callback_writes() -> None:
+    """Keras's BackupAndRestore and ModelCheckpoint write their files from the chief alone in a multi-process job.
+
+    Every process of a job runs its `fit`'s callbacks, and Keras 3's write one path from each (tf.keras's
+    knew the workers apart): two processes saving one `.weights.h5` fail on h5py's file lock ("unable to
+    lock file"), two writing one `.keras` archive can leave it torn. Every process still restores from the
+    backup; saving it, deleting it and ModelCheckpoint's saves are the chief's (a strategy's `is_chief`).
+    Idempotent.
+    """
+    import functools
+
+    from keras.src.callbacks.backup_and_restore import BackupAndRestore
+    from keras.src.callbacks.model_checkpoint import ModelCheckpoint
+
+    if getattr(BackupAndRestore, "_tfdist_chief_writes", False):
+        return
+
+    def on_the_chief(write):
+        @functools.wraps(write)
+        def write_on_the_chief(self, *args, **kwargs):
+            strategy = getattr(self.model, "distribute_strategy", None)
+            if strategy is None or _ASK["is_chief"](strategy):
+                return write(self, *args, **kwargs)
+            return None
+
+        return write_on_the_chief
+
+    BackupAndRestore._save_model = on_the_chief(BackupAndRestore._save_model)
+    BackupAndRestore.on_train_end = on_the_chief(BackupAndRestore.on_train_end)  # deletes the backup
+    ModelCheckpoint._save_model = on_the_chief(ModelCheckpoint._save_model)
+    BackupAndRestore._tfdist_chief_writes = True
+
+
+def _install_optimizer_build_outside_the_step() -> None:
+    """Builds a Keras optimizer's slots outside the traced step when its first `apply` runs inside one.
+
+    TensorFlow's custom-loop guide calls `optimizer.apply_gradients` inside `strategy.run` inside a
+    `tf.function`, and a Keras 3 optimizer creates its slots on that first call. The function then lifts
+    the mirrored slots' initializers into a conditional that reads one replica's initial value from
+    another's, and the first step fails: "You must feed a value for placeholder tensor
+    'cond/else/_1/cond/Placeholder'" (keras-team/keras#19246), under tfdist's strategies and TensorFlow's
+    own alike. Here the slots are made once, eagerly (`tf.init_scope`), from the step's cross-replica
+    context (`merge_call`), as an optimizer built before the loop would have them. Idempotent.
+    """
+    import tensorflow as tf
+    from keras.src import backend
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    if getattr(BaseOptimizer, "_tfdist_builds_outside_the_step", False):
+        return
+    keras_apply = BaseOptimizer.apply
+
+    def apply(self, grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        if (not self.built and trainable_variables is not None and tf.inside_function()
+                and tf.distribute.has_strategy() and context is not None):
+            trainable_variables = list(trainable_variables)
+
+            def build(_):
+                with tf.init_scope(), backend.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+
+            context.merge_call(build)
+            self.built = True
+        return keras_apply(self, grads, trainable_variables)
+
+    BaseOptimizer.apply = apply
+    BaseOptimizer._tfdist_builds_outside_the_step = True
+
+
+def _install_gradient_accumulation_under_strategies() -> None:
+    """Makes Keras's gradient accumulation (`gradient_accumulation_steps`) work under a tf.distribute strategy.
+
+    Keras 3 chooses between updating and accumulating with a conditional inside the replica's step,
+    and both branches enter the strategy's cross-replica context (`merge_call`), which a conditional
+    cannot hold: the first step fails ("Exception encountered when calling Cond.call()",
+    keras-team/keras#20582). Here the replica does, every step, what needs no condition: weights the
+    gradients by its batch share, all-reduces them (tfdist's all-reduce where the strategy asks for it)
+    and averages them with the accumulated sum, clipped as on one device. It then enters the
+    cross-replica context once, unconditionally, and each variable's update runs the condition per
+    device: on every `gradient_accumulation_steps`-th step weight decay and the optimizer's update with
+    the average, and the accumulator zeroed; on the others the gradient added to the accumulator. The
+    same steps as one device's, on the same global gradients. An optimizer whose state a strategy
+    splits (`shard_optimizer`) is refused in one line. Idempotent.
+    """
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer, "_tfdist_accumulates_under_strategies", False):
+        return
+    keras_apply = TFOptimizer._backend_apply_gradients
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        context = tf.distribute.get_replica_context()
+        if not self.gradient_accumulation_steps or context is None or not tf.distribute.has_strategy():
+            return keras_apply(self, grads, trainable_variables)
+        if "_backend_update_step" in vars(self):
+            raise ValueError("`gradient_accumulation_steps` cannot accumulate into an optimizer whose state the "
+                             "strategy splits (strategy.shard_optimizer); use shard_optimizer: 0 with it.")
+        steps = self.gradient_accumulation_steps
+        weight = getattr(_GRADIENT_WEIGHT, "value", None)
+        if weight is not None:
+            grads = [_scaled(g, weight) for g in grads]
+        grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
+        sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+        averages = self._tfdist_keras_clip([(g + total) / steps for g, total in zip(grads, sums)])
+        is_update_step = (self._iterations + 1) % steps == 0
+        learning_rate = self.learning_rate
+
+        def update_or_accumulate(variable, total, gradient, average):
+            def update():
+                if self.weight_decay is not None and self._use_weight_decay(variable):
+                    decay = tf.cast(self.weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
+                    variable.assign_sub(variable * decay)
+                self.update_step(average, variable, learning_rate)
+                total.assign(tf.zeros_like(total))
+                return tf.constant(True)
+
+            def accumulate():
+                total.assign_add(tf.cast(gradient, total.dtype))
+                return tf.constant(False)
+
+            return tf.cond(is_update_step, update, accumulate)
+
+        def in_cross_replica_context(distribution, grads, averages):
+            for variable, total, gradient, average in zip(trainable_variables, sums, grads, averages):
+                distribution.extended.update(variable.value, update_or_accumulate,
+                                             args=(total.value, gradient, average), group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(in_cross_replica_context, self._distribution_strategy,
+                                                            grads, averages)
+
+    TFOptimizer._backend_apply_gradients = _backend_apply_gradients
+    TFOptimizer._tfdist_accumulates_under_strategies = True
 
 
 def _install_save_check() -> None:

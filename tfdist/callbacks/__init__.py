@@ -1,6 +1,5 @@
 """Keras callbacks tfdist adds to training."""
 
-from tfdist.callbacks.backup import RestoreOnlyBackup
 from tfdist.callbacks.checkpoint import EXIT_PREEMPTED, Checkpoint, weights_digest
 from tfdist.callbacks.device_metrics import DeviceMetrics
 from tfdist.callbacks.input_stalls import InputStalls
@@ -8,4 +7,4 @@ from tfdist.callbacks.preemption import EXIT_TERMINATED, Preemption
 from tfdist.callbacks.throughput import Throughput
 
 __all__ = ["Checkpoint", "DeviceMetrics", "EXIT_PREEMPTED", "EXIT_TERMINATED", "InputStalls", "Preemption",
-           "RestoreOnlyBackup", "Throughput", "weights_digest"]
+           "Throughput", "weights_digest"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import json
 import math
 import os
 import types
@@ -28,11 +29,17 @@ from tfdist.config import schema
 from tfdist.config import validation
 from tfdist.errors import ConfigError
 
-__all__ = ["from_dict", "load_config", "parse_override", "to_dict"]
+__all__ = ["CLUSTER_VARIABLE", "from_dict", "load_config", "parse_override", "to_dict"]
+
+# Where the cluster is, for the tasks of a user's own command that `tfdist slurm` or `tfdist k8s` runs: a JSON
+# mapping of `cluster` keys (resolver, allow_non_loopback, port_base) for those the config leaves out.
+CLUSTER_VARIABLE = "TFDIST_CLUSTER"
 
 
 def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> schema.Config:
-    """Loads a config file, applies `key=value` overrides and validates it.
+    """Loads a config file, applies `key=value` overrides and validates it. Where the file leaves
+    cluster keys out, the environment's CLUSTER_VARIABLE gives them (a launcher's, for a user's own
+    script).
 
     Args:
       path: a YAML file, or None for the built-in defaults.
@@ -46,10 +53,26 @@ def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> schema.Co
         keys, or a value breaks the schema.
     """
     raw = {} if path is None else read_yaml(path)
+    _fill_in_the_launchers_cluster(raw)
     for override in overrides:
         key, value = parse_override(override)
         _set_dotted(raw, key, value)
     return from_dict(raw)
+
+
+def _fill_in_the_launchers_cluster(raw: dict) -> None:
+    """The `cluster` keys of CLUSTER_VARIABLE that `raw` leaves out."""
+    given = os.environ.get(CLUSTER_VARIABLE)
+    if not given or not isinstance(raw.setdefault("cluster", {}), dict):
+        return
+    try:
+        keys = json.loads(given)
+    except json.JSONDecodeError:
+        keys = None
+    if not isinstance(keys, dict):
+        raise ConfigError(CLUSTER_VARIABLE, "must be a JSON mapping of cluster keys (a launcher sets it).", given)
+    for key, value in keys.items():
+        raw["cluster"].setdefault(key, value)
 
 
 def read_yaml(path: str) -> dict:

@@ -8,11 +8,16 @@ Each pod runs `tfdist train` with `cluster.resolver: kubernetes` and finds its
 cluster from the environment written here (`tfdist.cluster.kubernetes`). A Horovod job is an
 MPIJob (kubeflow.org/v2beta1) whose launcher runs horovodrun over the worker
 pods; `--flavor tfjob` writes the training operator's TFJob (kubeflow.org/v1),
-which sets TF_CONFIG itself.
+which sets TF_CONFIG itself. With a command of the user's (`tfdist k8s ... --
+python train.py`) the containers run it instead, and find the cluster as the
+pods' config says (`CLUSTER_VARIABLE`); under parameter servers only the
+chief runs it and the workers and servers are `tfdist serve`, unless
+`every_task`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -21,6 +26,7 @@ from typing import Optional
 import yaml
 
 from tfdist.config import to_dict
+from tfdist.config.loading import CLUSTER_VARIABLE
 from tfdist.config.schema import ClusterResolverKind, Config, StrategyKind
 from tfdist.cluster.kubernetes import HOST_ENV, ROLE_ENV, TASKS_ENV
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS
@@ -54,6 +60,8 @@ class Job:
       namespace: where the objects go (None: kubectl's current namespace).
       priority_class: the pods' PriorityClass (Kueue takes the workload's priority from it).
       metrics_out: the chief's `--metrics_out` path inside its pod.
+      command: a command of the user's for the containers to run instead of `tfdist train`.
+      every_task: run `command` on a parameter-server job's workers and servers too.
     """
 
     name: str = "tfdist"
@@ -68,6 +76,8 @@ class Job:
     namespace: Optional[str] = None
     priority_class: Optional[str] = None
     metrics_out: Optional[str] = None
+    command: tuple[str, ...] = ()
+    every_task: bool = False
 
 
 def roles(config: Config, job: Job) -> dict[str, int]:
@@ -86,7 +96,8 @@ def manifests(config: Config, job: Job) -> list[dict]:
     """
     _check(config, job)
     if config.strategy.launched_as == StrategyKind.HOROVOD:
-        return [_config_map(config, job), _mpi_job(job, rank_per_gpu=config.strategy.kind == StrategyKind.HOROVOD)]
+        rank_per_gpu = config.strategy.kind == StrategyKind.HOROVOD
+        return [_config_map(config, job), _mpi_job(config, job, rank_per_gpu=rank_per_gpu)]
     if job.flavor == "tfjob":
         return [_config_map(config, job), _tf_job(config, job)]
     if job.flavor == "jobset":
@@ -175,9 +186,24 @@ def _metadata(job: Job, name: str, *, workload: bool = False, role: Optional[str
     return {"name": name, **({"namespace": job.namespace} if job.namespace else {}), "labels": labels}
 
 
-def _train_command(job: Job) -> list[str]:
-    metrics = [f"--metrics_out={job.metrics_out}"] if job.metrics_out else []  # only the chief writes it
-    return ["python", "-m", "tfdist.cli", "train", "--config", CONFIG_FILE, *metrics]
+def _task_command(config: Config, job: Job, role: str = "worker") -> list[str]:
+    """What a container of `role` runs: `tfdist train`, or the user's command (a parameter-server job's
+    workers and servers serve it, unless `every_task`)."""
+    tfdist = ["python", "-m", "tfdist.cli"]
+    if not job.command:
+        metrics = [f"--metrics_out={job.metrics_out}"] if job.metrics_out else []  # only the chief writes it
+        return [*tfdist, "train", "--config", CONFIG_FILE, *metrics]
+    if config.strategy.kind == StrategyKind.PARAMETER_SERVER and role != "chief" and not job.every_task:
+        return [*tfdist, "serve", "--config", CONFIG_FILE]
+    return list(job.command)
+
+
+def _command_env(config: Config, job: Job) -> list[dict]:
+    """For the user's command: the pods' cluster keys (`tfdist train` reads them from the ConfigMap)."""
+    if not job.command:
+        return []
+    cluster = {key: _pod_config(config, job)["cluster"][key] for key in ("resolver", "allow_non_loopback", "port_base")}
+    return [{"name": CLUSTER_VARIABLE, "value": json.dumps(cluster)}]
 
 
 def _container(config: Config, job: Job, role: str, command: list[str], env: list[dict]) -> dict:
@@ -214,9 +240,9 @@ def _job_spec(config: Config, job: Job, role: str, count: int, host: str, subdom
     """An Indexed Job's spec: `count` pods of `role`, each told the job's shape."""
     shape = ",".join(f"{r}={n}" for r, n in roles(config, job).items())
     env = [{"name": ROLE_ENV, "value": role}, {"name": TASKS_ENV, "value": shape}, {"name": HOST_ENV, "value": host},
-           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+           {"name": "PYTHONUNBUFFERED", "value": "1"}, *_command_env(config, job)]
     restart = _restart_policy(config, role)
-    container = _container(config, job, role, _train_command(job), env)
+    container = _container(config, job, role, _task_command(config, job, role), env)
     return {
         "completionMode": "Indexed", "completions": count, "parallelism": count,
         "backoffLimit": 6 if restart == "OnFailure" else 0,
@@ -269,8 +295,8 @@ def _tf_job(config: Config, job: Job) -> dict:
     replica_specs = {}
     for role, count in roles(config, job).items():
         restart = _restart_policy(config, role)
-        container = _container(config, job, role, _train_command(job),
-                               [{"name": "PYTHONUNBUFFERED", "value": "1"}])
+        container = _container(config, job, role, _task_command(config, job, role),
+                               [{"name": "PYTHONUNBUFFERED", "value": "1"}, *_command_env(config, job)])
         replica_specs["PS" if role == "ps" else role.capitalize()] = {
             "replicas": count, "restartPolicy": restart,
             "template": _pod_template(job, role, container, restart=restart),
@@ -279,14 +305,14 @@ def _tf_job(config: Config, job: Job) -> dict:
             "spec": {"runPolicy": _run_policy(job), "tfReplicaSpecs": replica_specs}}
 
 
-def _mpi_job(job: Job, *, rank_per_gpu: bool = True) -> dict:
+def _mpi_job(config: Config, job: Job, *, rank_per_gpu: bool = True) -> dict:
     """horovodrun on the launcher reaches the workers by ssh (the MPI operator gives it their hostfile and
     keys), so the image runs sshd on the workers. One rank per GPU, or (a pipeline or tensor-parallel job,
     whose process spans its pod's GPUs) one per pod."""
     slots = max(1, job.gpus_per_worker) if rank_per_gpu else 1
     ranks = job.workers * slots
     launch = ["horovodrun", "-np", str(ranks), "--hostfile", "/etc/mpi/hostfile", "--gloo",
-              *_train_command(job)]
+              *_task_command(config, job)]
     env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
     launcher = {"name": CONTAINER, "image": job.image, "command": launch, "env": env,
                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},

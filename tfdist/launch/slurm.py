@@ -3,18 +3,24 @@
 One `srun` of `tfdist train` over every task (each finds its cluster with
 `cluster.resolver: slurm`, see `tfdist.cluster.slurm`), or, for Horovod,
 `horovodrun` over the job's nodes (Gloo; it reaches other nodes by ssh).
+With a command of the user's (`tfdist slurm ... -- python train.py`) the
+tasks run it instead, told `cluster.resolver: slurm` (and the job's port
+and loopback keys) by the environment (`CLUSTER_VARIABLE`); under parameter servers only the chief's task runs it
+and the others are `tfdist serve`, unless `every_task`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from tfdist.checkpoint_store import EXIT_PREEMPTED
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS, roles
+from tfdist.config.loading import CLUSTER_VARIABLE
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 
@@ -37,6 +43,8 @@ def sbatch_script(
     overcommit: bool = False,
     requeue: bool = False,
     workdir: Optional[str] = None,
+    command: Sequence[str] = (),
+    every_task: bool = False,
 ) -> str:
     """The sbatch script that trains `config` with `tasks` tasks.
 
@@ -49,6 +57,8 @@ def sbatch_script(
       requeue: when the job is preempted (its tasks exit 75 after SIGTERM),
         `scontrol requeue` it, so it runs again and resumes from checkpoint.dir.
       workdir: where the tasks run (default: the current directory).
+      command: a command of the user's for the tasks to run instead of `tfdist train`.
+      every_task: run `command` on a parameter-server job's workers and servers too.
 
     Raises:
       ConfigError: a kind that does not run on several processes, or counts that do not fit it.
@@ -67,9 +77,14 @@ def sbatch_script(
     options += [f"--time={time_limit}"] if time_limit else []
     options += ["--overcommit"] if overcommit else []
     options += ["--requeue", "--open-mode=append"] if requeue else []  # one output file across runs
-    train = [sys.executable, "-m", "tfdist.cli", "train", *train_args]
+    tfdist = [sys.executable, "-m", "tfdist.cli"]
+    train = list(command) or [*tfdist, "train", *train_args]
     lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "set -euo pipefail",
              f"cd {shlex.quote(workdir or os.getcwd())}"]
+    if command and kind != StrategyKind.HOROVOD:  # how the command's tfdist.make_strategy finds its cluster
+        cluster = {"resolver": "slurm", "port_base": config.cluster.port_base,
+                   "allow_non_loopback": config.cluster.allow_non_loopback}
+        lines.append(f"export {CLUSTER_VARIABLE}={shlex.quote(json.dumps(cluster))}")
     if kind == StrategyKind.HOROVOD:
         if nodes and tasks % nodes:
             raise ConfigError("--tasks", f"must divide evenly over the {nodes} nodes for horovodrun's host list.",
@@ -89,8 +104,17 @@ def sbatch_script(
         # --kill-on-bad-exit: on a preemption every task saves and exits 75, and the first to exit
         # would have the others killed mid-save (srun then returns 143, not 75, and no requeue).
         wait = math.ceil(config.checkpoint.grace_seconds) + SRUN_WAIT_MARGIN_SECONDS
-        srun = ["srun", "--kill-on-bad-exit=0", f"--wait={wait}", *train, "--set=cluster.resolver=slurm"]
-        lines.append(shlex.join(srun))
+        srun = shlex.join(["srun", "--kill-on-bad-exit=0", f"--wait={wait}"])
+        if not command:
+            lines.append(f"{srun} {shlex.join([*train, '--set=cluster.resolver=slurm'])}")
+        elif kind == StrategyKind.PARAMETER_SERVER and not every_task:
+            # The chief's task (after the parameter servers, `roles`) runs the command; the others serve it.
+            serve = shlex.join([*tfdist, "serve", *train_args])
+            chief_or_server = f"if [ $SLURM_PROCID -eq {config.parameter_server.num_ps} ]; " \
+                              f"then exec {shlex.join(train)}; else exec {serve}; fi"
+            lines.append(f"{srun} bash -c {shlex.quote(chief_or_server)}")
+        else:
+            lines.append(f"{srun} {shlex.join(train)}")
     if requeue:
         lines[-1] += " || code=$?"
         lines += [f'if [ "${{code:-0}}" -eq {EXIT_PREEMPTED} ]; then',

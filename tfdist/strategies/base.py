@@ -153,7 +153,8 @@ def install_patches() -> None:
                      gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce,
                      gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
                      after_compile=lambda strategy, model: contract(strategy).after_compile(model),
-                     before_save=lambda strategy, model: contract(strategy).before_save(model))
+                     before_save=lambda strategy, model: contract(strategy).before_save(model),
+                     is_chief=lambda strategy: contract(strategy).is_chief)
 
 
 def contract(strategy) -> StrategyContract:
