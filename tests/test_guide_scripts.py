@@ -1,7 +1,9 @@
-"""The scripts of Keras's and TensorFlow's guides in examples/, their strategy line changed to tfdist's: each
-run under a kind equals its one-device run (the same global batch), and what it saves restores."""
+"""The scripts of Keras's and TensorFlow's guides in examples/, their strategy line changed to tfdist's: each run
+under a kind equals its one-device run with the same global batch, and what it saves restores. `MATRIX` is the
+table docs/own-script.md shows (`test_the_pages_table_is_this_matrix`)."""
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -12,35 +14,96 @@ import zygote
 
 pytestmark = pytest.mark.timeout(600)
 
+TWO_DEVICES = ["strategy.logical_devices=2"]
+KINDS = {  # the one-process kinds, each on 2 logical devices
+    "mirrored": ["strategy.kind=mirrored", *TWO_DEVICES],
+    "mirrored, shard_optimizer 1": ["strategy.kind=mirrored", "strategy.shard_optimizer=1", *TWO_DEVICES],
+    "mirrored, shard_optimizer 2": ["strategy.kind=mirrored", "strategy.shard_optimizer=2", *TWO_DEVICES],
+    "pipeline": ["strategy.kind=pipeline", *TWO_DEVICES],  # one replica of 2 stages
+    "tensor_parallel": ["strategy.kind=tensor_parallel", *TWO_DEVICES],  # one group of 2: the model is whole
+}
+# guide script -> kind -> what the cell says; every cell "equal" is a test below.
+MATRIX = {
+    "guide_keras_distributed.py": {kind: "equal" for kind in KINDS},
+    "guide_custom_training_loop.py": {
+        **{kind: "equal" for kind in KINDS},
+        "mirrored, shard_optimizer 1": "equal, optimizer not split",
+        "mirrored, shard_optimizer 2": "equal, optimizer not split",
+        "pipeline": "equal, not pipelined (says so)",
+        "tensor_parallel": "equal",
+    },
+}
 
-def _script(name, *args, cwd=ROOT):
-    proc = zygote.run([sys.executable, os.path.join(ROOT, "examples", name), *map(str, args)], capture_output=True,
-                      text=True, timeout=patient(300), cwd=cwd, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+def _script(name, sets, *args):
+    proc = zygote.run([sys.executable, os.path.join(ROOT, "examples", name), *(f"--set={s}" for s in sets),
+                       *map(str, args)], capture_output=True, text=True, timeout=patient(300), cwd=ROOT,
+                      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, why_it_failed(proc.stderr)
-    return proc.stdout
+    return proc
 
 
-def _checkpointed(directory):
-    """Every variable of the latest `tf.train.Checkpoint` in `directory`: the model's, and the optimizer's slots."""
+def _keras_distributed(directory, sets, replicas):
+    """Keras's guide: fit inside the scope, evaluate, ModelCheckpoint and load_model under a new strategy; the
+    final weights, and whether every checkpoint loaded and the last predicts as the model."""
+    del replicas  # the guide's batch is global
+    proc = _script("guide_keras_distributed.py", sets, "--checkpoint_dir", directory / "checkpoints",
+                   "--weights_out", directory / "weights.npz")
+    assert "Restoring from" in proc.stdout and proc.stdout.count(" loads: predictions (64, 10)") == 2, proc.stdout
+    assert "the last checkpoint predicts as the trained model: max difference 0.00e+00" in proc.stdout
+    weights = np.load(directory / "weights.npz")
+    return {key: weights[key] for key in weights}, proc.stderr
+
+
+def _custom_training_loop(directory, sets, replicas):
+    """TensorFlow's custom-loop guide: its optimizer built by the first step inside `strategy.run` in a
+    `tf.function` (keras-team/keras#19246 failed there); the checkpoint's variables, restored without a strategy."""
     import tensorflow as tf
 
+    proc = _script("guide_custom_training_loop.py", sets, "--batch_per_replica", 128 // replicas, "--epochs", 1,
+                   "--checkpoint_dir", directory)
+    restored, trained = re.search(r"without strategy: (\S+) \(trained: (\S+)\)", proc.stdout).groups()
+    assert restored == trained, proc.stdout
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(directory)))
-    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if k.endswith("VARIABLE_VALUE")}
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if k.endswith("VARIABLE_VALUE")}, \
+        proc.stderr
 
 
-@pytest.mark.parametrize("kind", [pytest.param(["strategy.kind=mirrored", "strategy.logical_devices=2"],
-                                               id="mirrored")])
-def test_the_custom_loop_guide_equals_one_device_and_its_checkpoint_restores(tmp_path, kind):
-    """TensorFlow's "Custom training with tf.distribute.Strategy": its optimizer is built by the first step inside
-    `strategy.run` in a `tf.function`, which failed under every data-parallel strategy (keras-team/keras#19246)."""
-    one = _script("guide_custom_training_loop.py", "--set", "strategy.kind=one_device", "--batch_per_replica", 128,
-                  "--epochs", 1, "--checkpoint_dir", tmp_path / "one")
-    two = _script("guide_custom_training_loop.py", *(f"--set={s}" for s in kind), "--batch_per_replica", 64,
-                  "--epochs", 1, "--checkpoint_dir", tmp_path / "two")
-    for output in (one, two):  # the restored model scores as the trained one did
-        restored, trained = output.split("without strategy: ")[1].split(" (trained: ")
-        assert restored == trained.rstrip(")\n")
-    expected, got = _checkpointed(tmp_path / "one"), _checkpointed(tmp_path / "two")
-    assert expected.keys() == got.keys() and len(expected) > 10
+RUN = {"guide_keras_distributed.py": _keras_distributed, "guide_custom_training_loop.py": _custom_training_loop}
+
+
+_ONE_DEVICE: dict = {}  # guide -> its one-device run's weights, run once per test process
+
+
+def _one_device(guide, tmp_path_factory):
+    if guide not in _ONE_DEVICE:
+        _ONE_DEVICE[guide] = RUN[guide](tmp_path_factory.mktemp("one-device"), ["strategy.kind=one_device"], 1)[0]
+    return _ONE_DEVICE[guide]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide,kind", [(g, k) for g, row in MATRIX.items() for k in row])
+def test_a_guide_script_under_a_kind_equals_one_device(tmp_path_factory, guide, kind):
+    expected = _one_device(guide, tmp_path_factory)
+    replicas = 2 if kind.startswith("mirrored") else 1
+    got, stderr = RUN[guide](tmp_path_factory.mktemp(f"{guide}-{kind}".replace(" ", "").replace(",", "-")),
+                             KINDS[kind], replicas)
+    assert expected.keys() == got.keys() and len(expected) >= 6
     for key, value in expected.items():
         np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+    said = "runs a step of your own whole on each replica's first device, not in stages" in stderr
+    assert said == ("says so" in MATRIX[guide][kind]), stderr[-2000:]
+
+
+def test_the_pages_table_is_this_matrix():
+    page = open(os.path.join(ROOT, "docs", "own-script.md")).read()
+    rows = [line for line in page.splitlines() if line.startswith("| `examples/")]
+    table = {re.search(r"`examples/(\S+)`", row).group(1): [cell.strip() for cell in row.split("|")[2:-1]]
+             for row in rows}
+    header = next(line for line in page.splitlines() if line.startswith("| script |"))
+    kinds = [cell.strip() for cell in header.split("|")[2:-1]]
+    for guide, row in MATRIX.items():
+        assert guide in table, guide
+        cells = dict(zip(kinds, table[guide]))
+        for kind, outcome in row.items():
+            assert cells[kind].startswith(outcome), (guide, kind, cells[kind])

@@ -162,6 +162,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         self._verbose = verbose
         self._sequence = schedules.global_order(self._orders)
         self._partitions: dict[int, partition_lib.Partition] = {}
+        self._said_whole = False  # that a custom loop's step runs unpipelined (once)
         self._micro_batch_sizes: dict[int, int] = {}  # per model: the micro-batch its step was traced with
         super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)],
                          processes=processes, shard_optimizer=shard_optimizer)
@@ -196,6 +197,11 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             if step == "train_step":
                 pipelined = functools.partial(self._train_step, model, partition)
                 fn = weighted_by_batch_share(pipelined) if fn is not keras_step else pipelined
+        elif not getattr(keras_step, "__module__", "").startswith("keras.") and not self._said_whole:
+            self._said_whole = True  # a custom loop's step: the pipeline cannot schedule a step it did not build
+            print(f"tfdist: pipeline: strategy.run({step or 'fn'}) runs a step of your own whole on each replica's "
+                  "first device, not in stages: the pipeline schedules the steps Keras builds (model.fit, "
+                  "evaluate, predict)", file=sys.stderr, flush=True)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def local_keras_hooks(self, model: keras.Model) -> dict:
