@@ -12,6 +12,7 @@ answers), so this module imports nothing of tfdist's.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -27,7 +28,7 @@ _ASK: dict[str, Callable] = {}
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
                     gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable,
-                    before_save: Callable, is_chief: Callable) -> None:
+                    before_save: Callable, is_chief: Callable, splits_optimizers: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
@@ -42,6 +43,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
       before_save: `(strategy, model)`, run before `model.save` or `model.save_weights` opens its file;
         it raises when the model cannot be saved that way.
       is_chief: `(strategy)` -> whether this process writes the job's files (the chief, or rank 0).
+      splits_optimizers: `(strategy)` -> whether it splits the state of the optimizer `compile` gets.
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
@@ -50,6 +52,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     _ASK.setdefault("after_compile", after_compile)
     _ASK.setdefault("before_save", before_save)
     _ASK.setdefault("is_chief", is_chief)
+    _ASK.setdefault("splits_optimizers", splits_optimizers)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
     _install_gradient_all_reduce()
@@ -407,7 +410,8 @@ def _install_optimizer_build_outside_the_step() -> None:
     another's, and the first step fails: "You must feed a value for placeholder tensor
     'cond/else/_1/cond/Placeholder'" (keras-team/keras#19246), under tfdist's strategies and TensorFlow's
     own alike. Here the slots are made once, eagerly (`tf.init_scope`), from the step's cross-replica
-    context (`merge_call`), as an optimizer built before the loop would have them. Idempotent.
+    context (`merge_call`), as an optimizer built before the loop would have them. Under a strategy that
+    splits the optimizer `compile` gets (`shard_optimizer`), this one is whole, and it says so. Idempotent.
     """
     import tensorflow as tf
     from keras.src import backend
@@ -429,6 +433,10 @@ def _install_optimizer_build_outside_the_step() -> None:
 
             context.merge_call(build)
             self.built = True
+            if _ASK["splits_optimizers"](tf.distribute.get_strategy()):
+                print(f"tfdist: strategy.shard_optimizer splits the state of the optimizer model.compile gets; "
+                      f"{self.name}, first applied in a custom loop, keeps a whole copy on every device",
+                      file=sys.stderr, flush=True)
         return keras_apply(self, grads, trainable_variables)
 
     BaseOptimizer.apply = apply

@@ -154,7 +154,8 @@ def install_patches() -> None:
                      gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
                      after_compile=lambda strategy, model: contract(strategy).after_compile(model),
                      before_save=lambda strategy, model: contract(strategy).before_save(model),
-                     is_chief=lambda strategy: contract(strategy).is_chief)
+                     is_chief=lambda strategy: contract(strategy).is_chief,
+                     splits_optimizers=lambda strategy: bool(getattr(contract(strategy), "shard_optimizer", 0)))
 
 
 def contract(strategy) -> StrategyContract:
