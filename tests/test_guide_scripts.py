@@ -1,6 +1,6 @@
 """The scripts of Keras's and TensorFlow's guides in examples/, their strategy line changed to tfdist's: each run
-under a kind equals its one-device run with the same global batch, and what it saves restores. `MATRIX` is the
-table docs/own-script.md shows (`test_the_pages_table_is_this_matrix`)."""
+under a kind equals its one-device run with the same global batch, and what it saves restores. `MATRIX` and
+`LAUNCHED` are the tables docs/own-script.md shows (`test_the_pages_tables_are_these_matrices`)."""
 
 import os
 import re
@@ -32,6 +32,12 @@ MATRIX = {
         "pipeline": "equal, not pipelined (says so)",
         "tensor_parallel": "equal",
     },
+}
+
+# Scripts launched as several processes (`tfdist launch -- python ...`): guide script -> job -> the cell.
+LAUNCHED = {
+    "guide_multi_worker_keras.py": {"tfdist launch --workers 2 (multi-worker)": "equal"},  # tests/launch/test_local.py
+    "guide_parameter_server.py": {"tfdist launch --workers 1 --ps 1 (parameter servers)": "equal"},  # below
 }
 
 
@@ -97,15 +103,49 @@ def test_a_guide_script_under_a_kind_equals_one_device(tmp_path_factory, guide, 
     assert unsplit == ("not split" in MATRIX[guide][kind]), stderr[-2000:]
 
 
-def test_the_pages_table_is_this_matrix():
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_parameter_server_guide_launched_with_one_worker_equals_one_device(tmp_path):
+    """TensorFlow's parameter-server guide on the chief (the worker and server are `tfdist serve`): `fit`, and its
+    custom loop of `ClusterCoordinator.schedule` steps. One worker runs the steps in order, so both equal one
+    device; with more, the updates are asynchronous (docs/strategies/parameter-server.md)."""
+    script = [sys.executable, os.path.join(ROOT, "examples", "guide_parameter_server.py")]
+    one = zygote.run([*script, "--set", "strategy.kind=one_device", "--weights_out", tmp_path / "one.npz"],
+                     capture_output=True, text=True, timeout=patient(300), cwd=ROOT)
+    assert one.returncode == 0, why_it_failed(one.stderr)
+    kind = "strategy.kind=parameter_server"
+    launched = zygote.run([sys.executable, "-m", "tfdist.cli", "launch", "--workers", "1", "--ps", "1", "--set", kind,
+                           "--", *script, "--set", kind, "--weights_out", tmp_path / "ps.npz"],
+                          capture_output=True, text=True, timeout=patient(300), cwd=ROOT)
+    assert launched.returncode == 0, why_it_failed(launched.stderr)
+    assert launched.stdout.count("Finished epoch 1, accuracy is") == one.stdout.count("Finished epoch 1") == 1
+    for part in ("fit", "custom_loop"):
+        expected, got = np.load(tmp_path / f"one-{part}.npz"), np.load(tmp_path / f"ps-{part}.npz")
+        for key in expected:
+            np.testing.assert_allclose(got[key], expected[key], atol=1e-5, err_msg=part)
+
+
+def _table(page, first_header):
+    """script -> (header cell -> cell) of the page's table whose header starts `first_header`."""
+    lines = page.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first_header))
+    header = [cell.strip() for cell in lines[start].split("|")[2:-1]]
+    table = {}
+    for row in lines[start + 2:]:
+        if not row.startswith("| `examples/"):
+            break
+        cells = [cell.strip() for cell in row.split("|")[2:-1]]
+        table[re.search(r"`examples/(\S+)`", row).group(1)] = dict(zip(header, cells))
+    return table
+
+
+def test_the_pages_tables_are_these_matrices():
     page = open(os.path.join(ROOT, "docs", "own-script.md")).read()
-    rows = [line for line in page.splitlines() if line.startswith("| `examples/")]
-    table = {re.search(r"`examples/(\S+)`", row).group(1): [cell.strip() for cell in row.split("|")[2:-1]]
-             for row in rows}
-    header = next(line for line in page.splitlines() if line.startswith("| script |"))
-    kinds = [cell.strip() for cell in header.split("|")[2:-1]]
-    for guide, row in MATRIX.items():
-        assert guide in table, guide
-        cells = dict(zip(kinds, table[guide]))
-        for kind, outcome in row.items():
-            assert cells[kind].startswith(outcome), (guide, kind, cells[kind])
+    for matrix, header in ((MATRIX, "| script | mirrored |"), (LAUNCHED, "| script | launched as |")):
+        table = _table(page, header)
+        assert set(table) == set(matrix), (set(table), set(matrix))
+        for guide, row in matrix.items():
+            for kind, outcome in row.items():
+                cell = table[guide].get(kind) or (table[guide]["result"] if table[guide]["launched as"] == kind
+                                                  else None)
+                assert cell is not None and cell.startswith(outcome), (guide, kind, table[guide])
