@@ -116,14 +116,14 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
-def _load(command: tuple = ()):
-    """The config of the job a command runs, launches or plans: for `tfdist train` (no `command` of the
-    user's), its model and data are checked too."""
+def _load(tfdist_train: bool = True):
+    """The config of the job a command runs, launches or plans; for `tfdist train`'s, its model and data are
+    checked too (a user's own script, or its servers, read only the strategy's keys)."""
     from tfdist.config import load_config
     from tfdist.config.validation import check_job
 
     config = load_config(_CONFIG.value, _SET.value)
-    if not command:
+    if tfdist_train:
         check_job(config)
     return config
 
@@ -135,6 +135,8 @@ def _user_command(name: str, args: list[str]) -> list[str]:
         if args:
             _fail(f"`{name}` takes no arguments; a command of your own goes after --: "
                   f"`tfdist {name} [flags] -- python train.py`. Received: {' '.join(args)}")
+        if _EVERY_TASK.value:
+            _fail("--every_task runs a command of your own on every task: give one after --.")
         return []
     if len(args) == 1:
         _fail(f"`{name}` needs a command after --, e.g. `tfdist {name} [flags] -- python train.py`.")
@@ -195,7 +197,7 @@ def _train_args() -> list[str]:
 def _serve_command(args) -> None:
     if args:
         _fail(f"`serve` takes no arguments. Received: {' '.join(args)}")
-    config = _load(command=("serve",))  # the servers of a user's script: no model or data of tfdist's
+    config = _load(tfdist_train=False)  # the servers of a user's script
     import_tensorflow()
     from tfdist.strategies.factory import serves_only
 
@@ -210,11 +212,9 @@ def _launch_command(args) -> None:
     from tfdist.launch.hosts import NamespaceHosts
 
     command = _user_command("launch", args)
-    config = _load(command)
+    config = _load(tfdist_train=not command)
     if _LINK.value and not _HOSTS.value:
         _fail("--link shapes the links of --hosts: give --hosts N too.")
-    if _EVERY_TASK.value and not command:
-        _fail("--every_task runs a command of your own on every task: give one after --.")
     hosts = NamespaceHosts(_HOSTS.value, _LINK.value) if _HOSTS.value else None
 
     def plan():
@@ -237,9 +237,9 @@ def _slurm_command(args) -> None:
     if _TASKS.value is None:
         _fail("`slurm` needs --tasks, the number of Slurm tasks (processes).")
     script = slurm.sbatch_script(
-        _load(command), _train_args(), tasks=_TASKS.value, nodes=_NODES.value, gpus_per_node=_GPUS_PER_NODE.value,
-        partition=_PARTITION.value, time_limit=_TIME.value, overcommit=_OVERCOMMIT.value, requeue=_REQUEUE.value,
-        command=command, every_task=_EVERY_TASK.value,
+        _load(tfdist_train=not command), _train_args(), tasks=_TASKS.value, nodes=_NODES.value,
+        gpus_per_node=_GPUS_PER_NODE.value, partition=_PARTITION.value, time_limit=_TIME.value,
+        overcommit=_OVERCOMMIT.value, requeue=_REQUEUE.value, command=command, every_task=_EVERY_TASK.value,
     )
     print(script, end="")
 
@@ -259,7 +259,7 @@ def _k8s_command(args) -> None:
         queue=_QUEUE.value, namespace=_NAMESPACE.value, priority_class=_PRIORITY_CLASS.value,
         metrics_out=_METRICS_OUT.value, command=tuple(command), every_task=_EVERY_TASK.value,
     )
-    objects = k8s.manifests(_load(command), job)
+    objects = k8s.manifests(_load(tfdist_train=not command), job)
     for obj in objects:  # all of them before any file is written
         validate(obj)
     for path in k8s.write(objects, _OUT.value):
