@@ -218,6 +218,7 @@ def task_pid(marker, variable, value):
 def horovod_rank_pid(horovodrun_pid, rank):
     """The PID of rank `rank`'s `tfdist train` below `horovodrun_pid`: only this job's, when other
     tests run Horovod jobs at the same time."""
+    horovodrun_pid = zygote.forked_child(horovodrun_pid) or horovodrun_pid  # horovodrun forks from the zygote too
     return _task_among(descendants(horovodrun_pid), "HOROVOD_RANK", str(rank), exact=True)
 
 

@@ -15,7 +15,7 @@ and its pipes are those of the process it stands for; signals it receives go to 
 (SIGKILL kills the child through the zygote; SIGSTOP stops only the client, so a test that stops
 a process, or a launcher that looks for stopped tasks, runs real ones). The Python processes a
 child starts (a launcher's tasks, a benchmark's jobs, horovodrun's ranks) fork from the zygote
-the same way.
+the same way, and so does horovodrun, a Python script (`HOROVODRUN`).
 
 Forking a process that has threads is safe only if no thread holds a lock the child needs.
 After these imports the only other threads are OpenBLAS's idle workers (numpy's), which
@@ -451,14 +451,22 @@ def command(args):
     return routed
 
 
+# horovodrun is a Python script, and checks that Horovod was built with Gloo in a forked child that imports
+# TensorFlow (horovod.common.util._check_extension_lambda): 3-4 CPU-seconds a run, unless it runs forked from a
+# zygote, whose children have TensorFlow imported already.
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
 def _routed(args) -> list:
     """`args` with each `python -m MODULE`, `python -c CODE` and `python SCRIPT` in it (also after a launcher
-    such as horovodrun or a pinning wrapper) run by the client instead."""
+    such as horovodrun or a pinning wrapper), and horovodrun itself, run by the client instead."""
     routed = []
     for i, word in enumerate(args):
         following = str(args[i + 1]) if i + 1 < len(args) else "-"
         if word == sys.executable and (following in ("-m", "-c") or not following.startswith("-")):
             routed += [sys.executable, "-I", "-S", CLIENT]  # no interpreter options: those stay real
+        elif word == HOROVODRUN:
+            routed += [sys.executable, "-I", "-S", CLIENT, word]
         else:
             routed.append(word)
     return routed
