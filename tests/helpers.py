@@ -223,9 +223,9 @@ def horovod_rank_pid(horovodrun_pid, rank):
 
 
 def _task_among(pids, variable, value, exact=False):
-    """The `tfdist train` process of `pids` (not a shell or the launcher's guard that runs it) whose environment's VARIABLE
-    holds VALUE (or is it, `exact`): the zygote's child where the process found is its client, so that
-    a signal, SIGSTOP too, reaches the task itself."""
+    """The `tfdist train` process of `pids` (not a shell or the launcher's guard that runs it) whose
+    environment's VARIABLE holds VALUE (or is it, `exact`): the zygote's child where the process found is
+    its client, so that a signal, SIGSTOP too, reaches the task itself."""
     for pid in pids:
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:

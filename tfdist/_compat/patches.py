@@ -262,9 +262,7 @@ def _install_clipping_after_all_reduce() -> None:
     keras_clip = BaseOptimizer._clip_gradients
 
     def _clip_gradients(self, grads):
-        weight = getattr(_GRADIENT_WEIGHT, "value", None)
-        if weight is not None:
-            grads = [_scaled(g, weight) for g in grads]
+        grads = _weighted_by_batch_share(grads)
         context = tf.distribute.get_replica_context()
         clipping = self.clipnorm or self.global_clipnorm or self.clipvalue
         if (
@@ -473,9 +471,7 @@ def _install_gradient_accumulation_under_strategies() -> None:
             raise ValueError("`gradient_accumulation_steps` cannot accumulate into an optimizer whose state the "
                              "strategy splits (strategy.shard_optimizer); use shard_optimizer: 0 with it.")
         steps = self.gradient_accumulation_steps
-        weight = getattr(_GRADIENT_WEIGHT, "value", None)
-        if weight is not None:
-            grads = [_scaled(g, weight) for g in grads]
+        grads = _weighted_by_batch_share(grads)
         grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
         sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
         averages = self._tfdist_keras_clip([(g + total) / steps for g, total in zip(grads, sums)])
@@ -565,6 +561,12 @@ def gradient_weight(weight):
         yield
     finally:
         _GRADIENT_WEIGHT.value = previous
+
+def _weighted_by_batch_share(grads: list) -> list:
+    """`grads` times the weight `gradient_weight` set for this step (its replica's share of a short batch)."""
+    weight = getattr(_GRADIENT_WEIGHT, "value", None)
+    return grads if weight is None else [_scaled(g, weight) for g in grads]
+
 
 def _scaled(gradient, weight):
     import tensorflow as tf

@@ -29,7 +29,7 @@ from tfdist.config import schema
 from tfdist.config import validation
 from tfdist.errors import ConfigError
 
-__all__ = ["CLUSTER_VARIABLE", "from_dict", "load_config", "parse_override", "to_dict"]
+__all__ = ["CLUSTER_VARIABLE", "cluster_variable", "from_dict", "load_config", "parse_override", "to_dict"]
 
 # Where the cluster is, for the tasks of a user's own command that `tfdist slurm` or `tfdist k8s` runs: a JSON
 # mapping of `cluster` keys (resolver, allow_non_loopback, port_base) for those the config leaves out.
@@ -58,6 +58,11 @@ def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> schema.Co
         key, value = parse_override(override)
         _set_dotted(raw, key, value)
     return from_dict(raw)
+
+
+def cluster_variable(resolver: str, port_base: int, allow_non_loopback: bool) -> str:
+    """CLUSTER_VARIABLE's value for a launcher's tasks: where they find their cluster."""
+    return json.dumps({"resolver": resolver, "allow_non_loopback": allow_non_loopback, "port_base": port_base})
 
 
 def _fill_in_the_launchers_cluster(raw: dict) -> None:

@@ -17,7 +17,6 @@ chief runs it and the workers and servers are `tfdist serve`, unless
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Optional
 import yaml
 
 from tfdist.config import to_dict
-from tfdist.config.loading import CLUSTER_VARIABLE
+from tfdist.config.loading import CLUSTER_VARIABLE, cluster_variable
 from tfdist.config.schema import ClusterResolverKind, Config, StrategyKind
 from tfdist.cluster.kubernetes import HOST_ENV, ROLE_ENV, TASKS_ENV
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS
@@ -202,8 +201,9 @@ def _command_env(config: Config, job: Job) -> list[dict]:
     """For the user's command: the pods' cluster keys (`tfdist train` reads them from the ConfigMap)."""
     if not job.command:
         return []
-    cluster = {key: _pod_config(config, job)["cluster"][key] for key in ("resolver", "allow_non_loopback", "port_base")}
-    return [{"name": CLUSTER_VARIABLE, "value": json.dumps(cluster)}]
+    cluster = _pod_config(config, job)["cluster"]
+    value = cluster_variable(cluster["resolver"], cluster["port_base"], cluster["allow_non_loopback"])
+    return [{"name": CLUSTER_VARIABLE, "value": value}]
 
 
 def _container(config: Config, job: Job, role: str, command: list[str], env: list[dict]) -> dict:

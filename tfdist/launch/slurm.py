@@ -11,7 +11,6 @@ and the others are `tfdist serve`, unless `every_task`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
@@ -20,7 +19,7 @@ from typing import Optional, Sequence
 
 from tfdist.checkpoint_store import EXIT_PREEMPTED
 from tfdist.cluster.roles import MULTI_PROCESS_KINDS, roles
-from tfdist.config.loading import CLUSTER_VARIABLE
+from tfdist.config.loading import CLUSTER_VARIABLE, cluster_variable
 from tfdist.config.schema import Config, StrategyKind
 from tfdist.errors import ConfigError
 
@@ -82,9 +81,8 @@ def sbatch_script(
     lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "set -euo pipefail",
              f"cd {shlex.quote(workdir or os.getcwd())}"]
     if command and kind != StrategyKind.HOROVOD:  # how the command's tfdist.make_strategy finds its cluster
-        cluster = {"resolver": "slurm", "port_base": config.cluster.port_base,
-                   "allow_non_loopback": config.cluster.allow_non_loopback}
-        lines.append(f"export {CLUSTER_VARIABLE}={shlex.quote(json.dumps(cluster))}")
+        cluster = cluster_variable("slurm", config.cluster.port_base, config.cluster.allow_non_loopback)
+        lines.append(f"export {CLUSTER_VARIABLE}={shlex.quote(cluster)}")
     if kind == StrategyKind.HOROVOD:
         if nodes and tasks % nodes:
             raise ConfigError("--tasks", f"must divide evenly over the {nodes} nodes for horovodrun's host list.",
