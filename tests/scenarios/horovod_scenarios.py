@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -286,6 +287,21 @@ def adasum_matches_its_formula():
 
     return {"rank": strategy.rank, "max_abs_diff": max_diff(trained_with(adasum)),
             "diff_from_average": max_diff(trained_with(lambda g0, g1: (g0 + g1) / 2))}
+
+
+def agreement_with_a_stuck_rank():
+    """Rank 1 stops answering between steps while rank 0 waits in the ranks' agreement (`any_process`,
+    the all-reduce a SIGTERM stop or a checkpoint calls after a step): rank 0 ends with one line."""
+    import tensorflow as tf
+
+    strategy = HorovodStrategy(stall_shutdown_seconds=3)
+    if strategy.rank == 1:
+        time.sleep(120)  # alive but stuck; horovodrun stops it when rank 0 exits
+    try:
+        strategy.any_process(False)
+    except tf.errors.OpError as error:
+        raise SystemExit(f"tfdist: error: {strategy.job_error(error)}")
+    raise AssertionError("the agreement finished without rank 1")
 
 
 def _run(name, options):

@@ -205,6 +205,18 @@ def test_a_rank_killed_terminated_or_stopped_ends_the_job_with_one_line_on_the_o
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+def test_a_rank_stuck_between_steps_ends_the_other_waiting_in_the_agreement_with_one_line(tmp_path):
+    # The SIGSTOP above lands where it lands; here rank 0 waits in the collective between steps for sure.
+    started = time.monotonic()
+    proc, _ = _scenario(tmp_path, "agreement_with_a_stuck_rank", expect_ok=False)
+    rank0 = [line[12:].strip() for line in proc.stderr.splitlines() if line.startswith("[0]<stderr>:")]
+    errors = [line for line in rank0 if line.startswith("tfdist: error:")]
+    assert proc.returncode != 0 and time.monotonic() - started < 60, proc.stdout[-3000:]
+    assert len(errors) == 1 and "stuck" in errors[0], proc.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_adasum_on_gloo_is_refused_with_the_reason(tmp_path):
     _, results = _scenario(tmp_path, "adasum_is_refused", np=1)
     assert "adasum needs Horovod's MPI controller: launch with `horovodrun --mpi`" in results[0]["error"]

@@ -320,8 +320,8 @@ class HorovodConfig:
       timeline: write Horovod's timeline (Chrome trace JSON) here; null for none.
       stall_check_seconds: Horovod's stall inspector reports a rank that has
         not joined a collective within this time.
-      stall_shutdown_seconds: a step running longer than this ends the job
-        with an error (tfdist's step watchdog; Horovod's stall inspector
+      stall_shutdown_seconds: a step (or the ranks' agreement between
+        steps) running longer than this ends the job with an error (tfdist's step watchdog; Horovod's stall inspector
         shuts down after it too); 0 turns both off. A dead rank fails the
         others at once.
       elastic: train with Horovod's elastic mode (under `horovodrun

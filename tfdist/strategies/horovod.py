@@ -35,6 +35,7 @@ Example (under `horovodrun -np 2 -H localhost:2 --gloo python train.py`):
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Optional
 
@@ -156,8 +157,8 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
       timeline: write Horovod's timeline (Chrome trace JSON) to this file.
       stall_check_seconds: Horovod's stall inspector: report a rank missing
         from a collective after this long.
-      stall_shutdown_seconds: a step running longer than this ends the process
-        with a one-line error (tfdist's step watchdog; default 600 s), and
+      stall_shutdown_seconds: a step (or the ranks' agreement between steps)
+        running longer than this ends the process with a one-line error (tfdist's step watchdog; default 600 s), and
         Horovod's stall inspector shuts down after it too; 0 turns both off.
       device: this process's device; default: its GPU by local rank, else its CPU.
       backward_passes_per_step: batches whose gradients are accumulated before one all-reduce and update.
@@ -273,7 +274,9 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (an all-reduced maximum); every rank must call it, in step."""
-        agreed = self.hvd.allreduce(tf.constant(int(flag)), op=self.hvd.Max, name="tfdist_any_process")
+        # Watched like a step: a rank stuck before it leaves this one blocked in the all-reduce.
+        with self._watchdog.watching() if self._watchdog else contextlib.nullcontext():
+            agreed = self.hvd.allreduce(tf.constant(int(flag)), op=self.hvd.Max, name="tfdist_any_process")
         return bool(agreed.numpy())
 
     def job_error(self, error: tf.errors.OpError) -> Optional[ClusterError]:
@@ -286,8 +289,8 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         """
         if not collectives_are_down(self.hvd):
             return None
-        step = self._watchdog.last_step_seconds if self._watchdog else 0.0
-        if self.stall_shutdown_seconds and step >= self.stall_shutdown_seconds:
+        blocked = self._watchdog.last_watched_seconds if self._watchdog else 0.0
+        if self.stall_shutdown_seconds and blocked >= self.stall_shutdown_seconds:
             return ClusterError(
                 f"{PEER_LOST_UNDER_HOROVOD} stopped responding (alive but stuck, or paused): its "
                 f"collective did not start within {self.stall_shutdown_seconds:g} s "
