@@ -49,7 +49,8 @@ BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
 # several times its own time, hence Bazel's long timeout. Bazel's output is shown when pytest has
 # finished; either failing fails `make test`. The run ends with a summary (tools/test_summary.py):
 # the times, the slowest tests and, where process accounting can be switched on (root), how many
-# processes of TensorFlow's size were started and how many forked from the test zygote.
+# processes of TensorFlow's size were started and how many forked from the test zygote, and the
+# tests of most CPU (each test's own process logs its CPU; the zygote logs which test asked for each child).
 BAZEL_LOG := bazel-test.log
 RESULTS := .test-results
 test: setup
@@ -61,13 +62,16 @@ test: setup
 	  echo $$(( $$(date +%s) - start )) > $(RESULTS)/bazel_seconds; exit $$status ) & bazel_pid=$$!; \
 	trap 'kill $$bazel_pid 2>/dev/null; accton off >/dev/null 2>&1' INT TERM; \
 	export TFDIST_TEST_ZYGOTE_REFUSALS=$(abspath $(RESULTS))/zygote-refusals.jsonl; \
+	export TFDIST_TEST_ZYGOTE_FORKS=$(abspath $(RESULTS))/zygote-forks.jsonl; \
+	export TFDIST_TEST_CPU_LOG=$(abspath $(RESULTS))/test-cpu.jsonl; \
 	$(MAKE) pytest PYTEST_ARGS="--junitxml=$(RESULTS)/pytest.xml $(addprefix --ignore=,$(BAZEL_TESTS)) $(PYTEST_ARGS)"; \
 	pytest_status=$$?; pytest_seconds=$$(( $$(date +%s) - start )); \
 	wait $$bazel_pid; bazel_status=$$?; accton off >/dev/null 2>&1; \
 	echo "=== bazel test //... (ran beside pytest) ==="; cat $(BAZEL_LOG); \
 	python tools/test_summary.py --pytest_seconds $$pytest_seconds --bazel_seconds $$(cat $(RESULTS)/bazel_seconds) \
 	    --total_seconds $$(( $$(date +%s) - start )) --junit $(RESULTS)/pytest.xml --accounting $(RESULTS)/pacct \
-	    --refusals $(RESULTS)/zygote-refusals.jsonl; \
+	    --refusals $(RESULTS)/zygote-refusals.jsonl --forks $(RESULTS)/zygote-forks.jsonl \
+	    --cpu_log $(RESULTS)/test-cpu.jsonl; \
 	[ $$pytest_status -eq 0 ] && [ $$bazel_status -eq 0 ]
 
 # Two pytest-xdist workers: most of a multi-process test's time is its processes starting,

@@ -1,6 +1,8 @@
 """Shared fixtures. TensorFlow-free tests never import TensorFlow."""
 
+import json
 import os
+import resource
 import sys
 
 import pytest
@@ -31,6 +33,26 @@ def pytest_runtest_setup(item):
         if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
             pytest.fail(f"Horovod is required here and does not import: {error}")
         pytest.skip(f"needs Horovod, which does not import here ({error}); `make setup` builds it")
+
+
+CPU_LOG_VARIABLE = "TFDIST_TEST_CPU_LOG"  # a file: each test's CPU-seconds in its pytest process, a JSON line
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Logs the CPU the test spent in this process and the processes it waited for (the test zygote's children
+    are the zygote's: their CPU is in the process accounting, by the test its fork log names)."""
+    path = os.environ.get(CPU_LOG_VARIABLE)
+    before = _cpu_seconds()
+    yield
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(json.dumps({"test": item.nodeid, "cpu": round(_cpu_seconds() - before, 2)}) + "\n")
+
+
+def _cpu_seconds():
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -53,6 +53,7 @@ from zygote_client import SOCKET_VARIABLE, network_namespace, receive, send
 
 OFF_VARIABLE = "TFDIST_TEST_ZYGOTE_OFF"  # =1: every process starts for real
 REFUSALS_VARIABLE = "TFDIST_TEST_ZYGOTE_REFUSALS"  # a file: each refusal, a JSON line (why, and the program)
+FORKS_VARIABLE = "TFDIST_TEST_ZYGOTE_FORKS"  # a file: each child, a JSON line (its PID, test and program)
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_client.py")
 # What a process reads once while it imports TensorFlow, Keras and Python: a child must share them.
@@ -196,7 +197,7 @@ def _serve(listener: socket.socket, siblings: _Siblings | None) -> None:
                 refusal = f"variables read at import differ, and no sibling zygote has them: {values}"
         if refusal:
             refusals.append(refusal)
-            _log_refusal(refusal, request)
+            _log(REFUSALS_VARIABLE, {"refusal": refusal, "argv": request["argv"][:3]})
             elsewhere = {"refused": refusal}
         if elsewhere:
             _send_quietly(connection, elsewhere)
@@ -218,14 +219,16 @@ def _serve(listener: socket.socket, siblings: _Siblings | None) -> None:
         client_pid, _, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         child_of[client_pid] = pid
         _send_quietly(connection, {"pid": pid})
+        test = request["env"].get("PYTEST_CURRENT_TEST")  # "FILE::NAME (PHASE)", inherited from the test's process
+        _log(FORKS_VARIABLE, {"pid": pid, "test": test, "argv": [arg[:80] for arg in request["argv"][:3]]})
 
 
-def _log_refusal(refusal: str, request: dict) -> None:
-    """Appends the refusal to the file `REFUSALS_VARIABLE` names (`make test` counts them in its summary)."""
-    path = os.environ.get(REFUSALS_VARIABLE)
+def _log(variable: str, record: dict) -> None:
+    """Appends the record to the file `variable` names, if set (`make test`'s summary reads them)."""
+    path = os.environ.get(variable)
     if path:
         with open(path, "a", encoding="utf-8") as log:
-            log.write(json.dumps({"refusal": refusal, "argv": request["argv"][:3]}) + "\n")
+            log.write(json.dumps(record) + "\n")
 
 
 def _send_quietly(connection: socket.socket, message: dict) -> None:

@@ -35,24 +35,50 @@ def slowest_tests(junit: str, count: int = 10) -> list[tuple[float, str]]:
     return sorted(timed, reverse=True)[:count]
 
 
-def heavy_processes(accounting: str) -> dict:
-    """Counts and CPU-seconds of the processes of 2 CPU-seconds or more in a process-accounting file,
-    split into those that started a program and those forked from another that stayed its copy."""
+def accounted_processes(accounting: str) -> list[tuple[int, float, bool]]:
+    """(PID, CPU-seconds, forked and stayed its parent's copy) of each process in a process-accounting file."""
     dump = subprocess.run(["dump-acct", accounting], capture_output=True, text=True, check=True).stdout
-    counts = {"started": [0, 0.0], "forked": [0, 0.0], "all": [0, 0.0]}
     hertz = os.sysconf("SC_CLK_TCK")
+    processes = []
     for line in dump.splitlines():
         fields = [f.strip() for f in line.split("|")]
-        if len(fields) < 12:
-            continue
-        cpu = (float(fields[2]) + float(fields[3])) / hertz
+        if len(fields) >= 12:
+            processes.append((int(fields[9]), (float(fields[2]) + float(fields[3])) / hertz, "F" in fields[11]))
+    return processes
+
+
+def heavy_processes(processes: list) -> dict:
+    """Counts and CPU-seconds of the processes of 2 CPU-seconds or more, split into those that started a
+    program and those forked from another that stayed its copy."""
+    counts = {"started": [0, 0.0], "forked": [0, 0.0], "all": [0, 0.0]}
+    for _, cpu, forked in processes:
         counts["all"][0] += 1
         counts["all"][1] += cpu
         if cpu >= HEAVY_CPU_SECONDS:
-            kind = "forked" if "F" in fields[11] else "started"
+            kind = "forked" if forked else "started"
             counts[kind][0] += 1
             counts[kind][1] += cpu
     return counts
+
+
+def _json_lines(path: str) -> list[dict]:
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as log:
+        return [json.loads(line) for line in log]
+
+
+def cpu_by_test(cpu_log: str, forks_log: str, processes: list) -> dict[str, list[float]]:
+    """test id -> [CPU-seconds in its pytest process and the processes it waited for, CPU-seconds of the
+    test zygote's children it asked for] (a child's test is the one its environment named)."""
+    by_test = collections.defaultdict(lambda: [0.0, 0.0])
+    for record in _json_lines(cpu_log):
+        by_test[record["test"]][0] += record["cpu"]
+    cpu_of = {pid: cpu for pid, cpu, _ in processes}
+    for record in _json_lines(forks_log):
+        test = (record["test"] or "(no test)").rsplit(" (", 1)[0]  # without the phase: "(setup)", "(call)"
+        by_test[test][1] += cpu_of.get(record["pid"], 0.0)
+    return by_test
 
 
 def refusals(path: str) -> collections.Counter:
@@ -71,6 +97,8 @@ def main() -> None:
     parser.add_argument("--junit", required=True)
     parser.add_argument("--accounting")
     parser.add_argument("--refusals", help="the test zygote's refusals (tests/zygote.py, REFUSALS_VARIABLE)")
+    parser.add_argument("--forks", help="the test zygote's children (tests/zygote.py, FORKS_VARIABLE)")
+    parser.add_argument("--cpu_log", help="each test's CPU in its pytest process (tests/conftest.py, CPU_LOG_VARIABLE)")
     args = parser.parse_args()
     print(f"=== make test: {_clock(args.total_seconds)} in all; pytest {_clock(args.pytest_seconds)}, "
           f"Bazel's unit tests {_clock(args.bazel_seconds)} beside it ===")
@@ -82,11 +110,18 @@ def main() -> None:
         for seconds, test in slowest_tests(args.junit):
             print(f"  {seconds:7.1f} s  {test}")
     if args.accounting and os.path.getsize(args.accounting) and shutil.which("dump-acct"):
-        counts = heavy_processes(args.accounting)
+        processes = accounted_processes(args.accounting)
+        counts = heavy_processes(processes)
         (started, started_cpu), (forked, forked_cpu) = counts["started"], counts["forked"]
         print(f"Processes of {HEAVY_CPU_SECONDS:g} CPU-seconds or more: {started} started ({started_cpu:.0f} CPU-s), "
               f"{forked} forked from one (the test zygote's children: {forked_cpu:.0f} CPU-s); "
               f"all {counts['all'][0]} processes: {counts['all'][1]:.0f} CPU-s")
+        by_test = cpu_by_test(args.cpu_log, args.forks, processes)
+        if by_test:
+            print(f"CPU-seconds of pytest's tests: {sum(map(sum, by_test.values())):.0f}; the 10 largest "
+                  "(in pytest's process and what it waited for + the zygote's children):")
+            for test, (own, forked) in sorted(by_test.items(), key=lambda item: -sum(item[1]))[:10]:
+                print(f"  {own + forked:7.1f} = {own:6.1f} + {forked:6.1f}  {test}")
     else:
         print("Processes: not counted (process accounting needs root and Debian's acct)")
     if args.refusals:
