@@ -23,11 +23,12 @@ OpenBLAS stops around fork() itself (pthread_atfork). tests/test_zygote.py check
 children train with collectives and give a fresh process's weights, many in a row.
 
 What a process reads while it imports TensorFlow, Keras and Python (oneDNN on or off, the log
-level, the path: `IMPORT_TIME_VARIABLES`) is fixed in a zygote, and so is its network namespace.
-A client with other values of those variables is forked from a sibling zygote that imported with
-them (started on first use, at most `MAX_SIBLINGS`); one in another network namespace, or with
-interpreter options, becomes the real interpreter. A script that sets such a variable itself
-before importing TensorFlow must not be run through the zygote.
+level, the path: `IMPORT_TIME_VARIABLES`) is fixed in a zygote. A client with other values of
+those variables is forked from a sibling zygote that imported with them (started on first use, at
+most `MAX_SIBLINGS`); one with interpreter options becomes the real interpreter. A script that
+sets such a variable itself before importing TensorFlow must not be run through the zygote. A
+client in another network namespace (a task on a namespace host) sends it along with its mount
+namespace, and its child joins both (setns) before it runs: it is on that host as the client is.
 
     import zygote
     done = zygote.run([sys.executable, "-m", "tfdist.cli", "train"], capture_output=True, text=True, timeout=300)
@@ -82,8 +83,6 @@ def _refusal(request: dict, values: dict) -> str | None:
     """Why no zygote can stand in for this request's interpreter (`values`: its import-time values), or None."""
     if request["python"] != sys.executable:
         return f"another interpreter ({request['python']})"
-    if request["network"] != network_namespace():
-        return "another network namespace"
     argv = request["argv"]
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c")):
         return "interpreter options"
@@ -121,7 +120,10 @@ class _Siblings:
 
     def child_of(self, client: int) -> int | None:
         for path in self.paths.values():
-            pid = _ask_at(path, client).get("pid")
+            try:
+                pid = _ask_at(path, client).get("pid")
+            except (OSError, EOFError):  # a sibling that died starting: its clients have seen it
+                continue
             if pid:
                 return pid
         return None
@@ -251,8 +253,17 @@ def _become(request: dict, fds: list[int]) -> None:
     signal.set_wakeup_fd(-1)
     for number in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(number, signal.SIG_DFL)
-    for target, fd in enumerate(fds):
+    streams, namespaces = fds[:3], fds[3:]
+    for target, fd in enumerate(streams):
         os.dup2(fd, target)
+        os.close(fd)
+    try:
+        if request["network"] != network_namespace():
+            _join_namespaces(namespaces)
+    except OSError as error:  # the child must not go back to the zygote's loop
+        os.write(2, f"tfdist test zygote: {error}\n".encode())
+        os._exit(127)
+    for fd in namespaces:
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -276,6 +287,16 @@ def _become(request: dict, fds: list[int]) -> None:
         sys.excepthook(type(error), error, error.__traceback__)
         code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     _shut_down(code, zygotes_streams)
+
+
+def _join_namespaces(namespaces: list[int]) -> None:
+    """Moves this process (one thread, just forked) into the client's network and mount namespaces."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    for fd, kind in zip(namespaces, (0x40000000, 0x00020000)):  # CLONE_NEWNET, CLONE_NEWNS
+        if libc.setns(fd, kind) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the client's namespace failed")
 
 
 def _run_main(request: dict) -> None:

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from helpers import run_tfdist
-from tfdist.bench.network import _figures, algorithm_bytes, markdown_table, measure, overlap
+from helpers import measure_in_fresh_process, run_tfdist
+from tfdist.bench.network import _figures, algorithm_bytes, markdown_table, overlap
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespace hosts need root")
 
@@ -101,8 +101,8 @@ def _tcp_bytes(payload: float, payload_back: float) -> float:
 def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
     # The sparse-embedding model: its dense layers all-reduced (float16 too), and its table's rows
     # all-gathered or read and sent; the whole table (12.8 MB) crossing would be 100 x the count.
-    result = measure(model="sparse_embedding", links=["1gbit"], kinds=["multi_worker", "parameter_server"],
-                     repeats=1, steps=40)  # 30 measured steps: the bench's default
+    result = measure_in_fresh_process("tfdist.bench.network", "dict(model='sparse_embedding', links=['1gbit'], "
+                                      "kinds=['multi_worker', 'parameter_server'], repeats=1, steps=40)")  # 30 measured
     assert set(result["table"]) == {"multi_worker", "multi_worker_fp16", "multi_worker_packed", "parameter_server",
                                     "parameter_server_fp16"}
     rows, indices = result["sparse_gradient_bytes"]["rows"], result["sparse_gradient_bytes"]["indices"]

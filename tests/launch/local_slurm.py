@@ -1,7 +1,8 @@
 """A real one-node Slurm for tests: munged, slurmctld and slurmd, all state in one directory.
 
 Debian's slurm-wlm and munge (`make setup` installs them); the daemons run as
-root and are stopped by the PIDs in their pid files.
+root and are stopped by the PIDs in their pid files. The jobs' Python tasks
+fork from the test zygote (tests/startup/sitecustomize.py).
 """
 
 import os
@@ -37,6 +38,8 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 # The node is named as the usual one-node set-up names it, by its host name, so its tasks' addresses are
 # `HOSTNAME:PORT`; tfdist accepts them where the name resolves only to loopback (it does here, in /etc/hosts).
 NODE = socket.gethostname()
+# On the jobs' PYTHONPATH: its sitecustomize has the test zygote fork the tasks slurmd starts.
+ZYGOTE_STARTUP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "startup")
 
 
 class LocalSlurm:
@@ -44,7 +47,8 @@ class LocalSlurm:
 
     def __init__(self, directory, ctld_port, d_port):
         self.dir = str(directory)
-        self.env = {**os.environ, "SLURM_CONF": os.path.join(self.dir, "slurm.conf")}
+        python_path = os.pathsep.join(filter(None, [ZYGOTE_STARTUP, os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "SLURM_CONF": os.path.join(self.dir, "slurm.conf"), "PYTHONPATH": python_path}
         self.ports = (ctld_port, d_port)
 
     def __enter__(self):

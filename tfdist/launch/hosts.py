@@ -13,9 +13,11 @@ Everything is named after the job's subnet (`tfdK`): the bridge and each
 host's interface are both `tfdK` (so horovodrun's `--network-interface`
 names one interface on the driver and on every host), the namespaces
 `tfdK-hI`, the bridge's side of each link `tfdKvI`. `close()` removes them
-all, after killing every process left in the namespaces; a job whose
-launcher was killed outright is cleaned up by the next one
-(`/run/tfdist/hosts/tfdK` holds the owner's pid).
+all, after killing every process left in the namespaces. A launcher killed
+outright cannot: a small reaper process it starts with the hosts removes
+them when the launcher has gone without closing them (it waits on a pipe
+only the launcher holds). Should the reaper be killed too, the next job
+removes them (`/run/tfdist/hosts/tfdK` holds the owner's pid).
 
 Horovod reaches its hosts as on a cluster, with ssh: `start_ssh()` runs an
 sshd in each host, with a key kept in ~/.cache/tfdist/ssh (ssh records the
@@ -34,6 +36,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Callable, Optional
 
@@ -87,6 +90,7 @@ class NamespaceHosts:
         self.addresses = [str(self.subnet[i + 2]) for i in range(count)]
         self.namespaces = [f"{self.tag}-h{i}" for i in range(count)]
         self._sshd: list[subprocess.Popen] = []
+        self._reaper = _start_reaper(self.tag)
         try:
             self._create()
         except BaseException:
@@ -127,6 +131,10 @@ class NamespaceHosts:
             process.wait()
         self._sshd = []
         _remove_job(getattr(self, "tag", None))
+        if getattr(self, "_reaper", None) is not None:
+            os.write(self._reaper, _CLOSED)  # the reaper exits and removes nothing
+            os.close(self._reaper)
+            self._reaper = None
 
     def __enter__(self) -> "NamespaceHosts":
         return self
@@ -281,6 +289,26 @@ def _kill_until_gone(pids: Callable[[], list[int]], timeout: float = 5.0) -> Non
         time.sleep(0.1)
 
 
+_CLOSED = b"c"  # what `close()` tells the reaper before the end of file
+
+
+def _start_reaper(tag: str) -> int:
+    """Starts the process that removes job `tag` once this one has gone without removing it; returns the write
+    end of its pipe, which only this process holds (not inherited): its end, however it comes, is the reaper's
+    end of file, with `_CLOSED` before it if `close()` removed the job."""
+    reader, writer = os.pipe()
+    subprocess.Popen([sys.executable, "-I", "-m", __name__, "--reap", tag, str(reader)], pass_fds=[reader],
+                     stdin=subprocess.DEVNULL, start_new_session=True)  # not in the launcher's group: its Ctrl-C
+    os.close(reader)
+    return writer
+
+
+def _reap(tag: str, reader: int) -> None:
+    """Waits on `reader`: removes job `tag` at an end of file that `_CLOSED` did not come before."""
+    if os.read(reader, 1) != _CLOSED:
+        _remove_job(tag)
+
+
 def _remove_abandoned() -> None:
     """Removes the hosts of jobs whose launcher no longer runs (killed outright, so it could not)."""
     if not os.path.isdir(_OWNERS):
@@ -329,3 +357,7 @@ def _wait_for_port(process: subprocess.Popen, address: str, port: int, timeout: 
         except OSError:
             time.sleep(0.1)
     raise HostsError(f"sshd on {address} did not listen within {timeout:.0f} s")
+
+
+if __name__ == "__main__":  # the reaper: python -I -m tfdist.launch.hosts --reap TAG FD
+    _reap(sys.argv[2], int(sys.argv[3]))
