@@ -38,6 +38,9 @@ MATRIX = {
 LAUNCHED = {
     "guide_multi_worker_keras.py": {"tfdist launch --workers 2 (multi-worker)": "equal"},  # tests/launch/test_local.py
     "guide_parameter_server.py": {"tfdist launch --workers 1 --ps 1 (parameter servers)": "equal"},  # below
+    # Horovod's examples scale the rate by the ranks and shuffle each rank's shard: their own accuracy bound.
+    "horovod_keras_digits.py": {"tfdist launch --workers 2 (Horovod)": "trains"},  # tests/strategies/test_horovod.py
+    "horovod_tensorflow_digits.py": {"tfdist launch --workers 2 (Horovod)": "trains"},  # tests/horovod/
 }
 
 
