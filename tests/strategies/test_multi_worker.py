@@ -67,6 +67,30 @@ def test_two_workers_train_together(tmp_path):
     assert "tfdist summary" in results[0][1] and "tfdist summary" not in results[1][1]
 
 
+_MADE_TWICE = """
+import json, os, sys
+import tfdist
+os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [sys.argv[1]]}, "task": {"type": "worker", "index": 0}})
+kind = ["strategy.kind=multi_worker_mirrored"]
+first = tfdist.make_strategy(tfdist.load_config(None, kind))
+again = tfdist.make_strategy(tfdist.load_config(None, kind))
+try:
+    tfdist.make_strategy(tfdist.load_config(None, [*kind, "strategy.bytes_per_pack=1024"]))
+except tfdist.ConfigError as error:
+    print(again is first, error)
+"""
+
+
+def test_a_process_joins_its_cluster_once_and_make_strategy_returns_that_strategy_again():
+    """Keras's guide makes its strategy in each function; TensorFlow cannot join a process to its cluster twice
+    (the second strategy's first broadcast failed: "Delete called on non-empty BufRendezvous")."""
+    done = zygote.run([sys.executable, "-c", _MADE_TWICE, f"127.0.0.1:{free_ports(1)[0]}"], capture_output=True,
+                      text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    same, message = done.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert same == "True" and message.startswith("`strategy` cannot change in a process that has joined its cluster")
+
+
 def test_a_missing_peer_is_an_error_naming_it(tmp_path):
     # Worker 1 never starts: worker 0 must fail after the start-up timeout.
     started = time.monotonic()

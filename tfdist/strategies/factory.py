@@ -47,27 +47,59 @@ from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["make_strategy", "serves_only"]
 
+# The strategy, and its config, with which this process joined its cluster: TensorFlow joins a process to
+# one cluster once (a second multi-worker strategy resets the collectives of the first; its first broadcast
+# fails with "Delete called on non-empty BufRendezvous").
+_JOINED: dict = {}
+
 
 def make_strategy(config: Config) -> tf.distribute.Strategy:
     """Configures the runtime and precision policy, then builds the strategy, and sets the host
     allocator back from TensorFlow's trimming (`host_allocator`) unless `runtime.trim_freed_memory`.
 
     Call it before running any TensorFlow op: logical CPU devices and thread
-    pools can only be set before TensorFlow initialises.
+    pools can only be set before TensorFlow initialises. A strategy that
+    joins a cluster (multi-worker, parameter servers, multi-worker data
+    parallelism) is made once per process: asked again with the same
+    `strategy` and `cluster` config (a script that makes its strategy in
+    each function, as Keras's guide does), it returns the first.
 
     Raises:
       ConfigError: the machine cannot honour the config (missing devices, no
-        TPU, nccl without GPUs), or the global batch does not split evenly
-        over the replicas.
+        TPU, nccl without GPUs), the global batch does not split evenly
+        over the replicas, or this process has joined its cluster under
+        another `strategy` or `cluster` config.
       ClusterError: the cluster's tasks did not start.
     """
+    joins = _joins_a_cluster(config)
+    if joins and _JOINED:
+        return _joined_again(config)
     gpus = configure_runtime(config)
     strategy = _BUILDERS[config.strategy.kind](config, gpus)
     check_batch_split(config, strategy.num_replicas_in_sync)
     precision.apply_policy(config.precision)
     if not config.runtime.trim_freed_memory:  # once the strategy has started TensorFlow: it runs a dataset
         restore_allocator()
+    if joins:
+        _JOINED.update(sections=(config.strategy, config.cluster), strategy=strategy)
     return strategy
+
+
+def _joins_a_cluster(config: Config) -> bool:
+    """Whether the strategy joins this process to a cluster of others (not one of its own making)."""
+    kinds = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER)
+    if config.strategy.kind not in kinds and config.strategy.data_parallel != DataParallel.MULTI_WORKER:
+        return False
+    return bool(cluster_resolver(config).cluster_spec().jobs)
+
+
+def _joined_again(config: Config) -> tf.distribute.Strategy:
+    if _JOINED["sections"] != (config.strategy, config.cluster):
+        raise ConfigError("strategy", "cannot change in a process that has joined its cluster: TensorFlow joins a "
+                          "process once, so make_strategy returns the first strategy for the same `strategy` and "
+                          "`cluster` config only.", config.strategy.kind.value)
+    precision.apply_policy(config.precision)
+    return _JOINED["strategy"]
 
 
 def serves_only(config: Config) -> bool:
