@@ -395,6 +395,13 @@ def _check_same_layout(processes: ProcessGroup, replicas: int, devices_per_repli
     with tf.device("/cpu:0"):
         layouts = processes.all_gather(mine).numpy().tolist()
     if any(layout != layouts[0] for layout in layouts):
+        # Every process raises; one that exits while another still receives the gather would fail that one
+        # with "Socket closed". After this all-reduce every process has its layouts (finishing it needs all of
+        # them in it); the last to finish may see the others gone, which no longer matters.
+        try:
+            processes.any_process(False)
+        except tf.errors.OpError:
+            pass
         described = ", ".join(f"process {i}: {r} x {d}" for i, (r, d) in enumerate(layouts))
         raise ProcessLayoutError(
             "every process must run as many model replicas of as many devices; replicas x devices per "
