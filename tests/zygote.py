@@ -50,7 +50,7 @@ import sys
 import tempfile
 
 from tfdist.tf_startup import QUIET_LOG_LEVEL
-from zygote_client import SOCKET_VARIABLE, network_namespace, receive, send
+from zygote_client import SOCKET_VARIABLE, has_interpreter_options, network_namespace, receive, send
 
 OFF_VARIABLE = "TFDIST_TEST_ZYGOTE_OFF"  # =1: every process starts for real
 REFUSALS_VARIABLE = "TFDIST_TEST_ZYGOTE_REFUSALS"  # a file: each refusal, a JSON line (why, and the program)
@@ -83,8 +83,7 @@ def _refusal(request: dict, values: dict) -> str | None:
     """Why no zygote can stand in for this request's interpreter (`values`: its import-time values), or None."""
     if request["python"] != sys.executable:
         return f"another interpreter ({request['python']})"
-    argv = request["argv"]
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c")):
+    if has_interpreter_options(request["argv"]):
         return "interpreter options"
     unset = [k for k, v in values.items() if v is None and k in os.environ]
     if unset:  # the program may choose them itself before it imports TensorFlow

@@ -72,6 +72,11 @@ def network_namespace() -> str:
 SENT_FDS = ("stdin", "stdout", "stderr", "/proc/self/ns/net", "/proc/self/ns/mnt")
 
 
+def has_interpreter_options(args: list[str]) -> bool:
+    """Whether `python ARGS` passes the interpreter options of its own (no zygote imported with them)."""
+    return not args or (args[0].startswith("-") and args[0] not in ("-m", "-c"))
+
+
 def _interpreter(args: list[str]) -> None:
     """Becomes `python ARGS`, the real interpreter."""
     os.execv(sys.executable, [sys.executable, *args])

@@ -27,8 +27,8 @@ def _stand_in() -> None:
     else:
         os.environ.pop("PYTHONPATH", None)
     args = sys.orig_argv[1:]
-    if not args or (args[0].startswith("-") and args[0] not in ("-m", "-c")):
-        return  # interpreter options: the real interpreter (as the zygote would say)
+    if zygote_client.has_interpreter_options(args):
+        return  # the real interpreter (the zygote would refuse it)
 
     returncode = zygote_client.stand_in(args)
     if returncode is not None:  # the task ran, forked; SystemExit here would be a failed start-up

@@ -562,6 +562,7 @@ def gradient_weight(weight):
     finally:
         _GRADIENT_WEIGHT.value = previous
 
+
 def _weighted_by_batch_share(grads: list) -> list:
     """`grads` times the weight `gradient_weight` set for this step (its replica's share of a short batch)."""
     weight = getattr(_GRADIENT_WEIGHT, "value", None)
