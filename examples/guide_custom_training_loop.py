@@ -9,12 +9,18 @@ every replica by `strategy.run` inside a `tf.function`, its losses summed by
 `strategy.reduce`; a checkpoint saved every epoch, then restored into a new
 model made without the strategy, which must score as the trained one did.
 The one change from the guide is the line that makes the strategy; its
-Fashion-MNIST is scikit-learn's digits, shipped with tfdist.
+Fashion-MNIST is scikit-learn's digits, shipped with tfdist. Launched as
+several processes (multi-worker, Horovod), every process saves, as
+TensorFlow's multi-worker custom-loop guide has them do: the chief to
+`--checkpoint_dir`, each other process to a scratch directory of its own,
+which it restores from and deletes.
 
     python examples/guide_custom_training_loop.py --set strategy.kind=mirrored --set strategy.logical_devices=2
 """
 
 import os
+import shutil
+import tempfile
 
 from absl import app, flags
 
@@ -96,7 +102,9 @@ def main(argv):
     def distributed_test_step(dataset_inputs):
         return strategy.run(test_step, args=(dataset_inputs,))
 
-    prefix = os.path.join(_CHECKPOINT_DIR.value, "ckpt")
+    chief = tfdist.is_chief(strategy)  # one process writes --checkpoint_dir; the others' saves are scratch
+    checkpoint_dir = _CHECKPOINT_DIR.value if chief else tempfile.mkdtemp(prefix="guide-checkpoint-")
+    prefix = os.path.join(checkpoint_dir, "ckpt")
     for epoch in range(_EPOCHS.value):
         total_loss, batches = 0.0, 0
         for batch in train_dist_dataset:
@@ -114,7 +122,9 @@ def main(argv):
 
     # The guide's last part: the latest checkpoint, restored into a model made without the strategy.
     new_model = create_model()
-    tf.train.Checkpoint(model=new_model).restore(tf.train.latest_checkpoint(_CHECKPOINT_DIR.value)).expect_partial()
+    tf.train.Checkpoint(model=new_model).restore(tf.train.latest_checkpoint(checkpoint_dir)).expect_partial()
+    if not chief:
+        shutil.rmtree(checkpoint_dir)
     restored = keras.metrics.SparseCategoricalAccuracy()
     restored.update_state(y_test, new_model(x_test, training=False))
     trained = keras.metrics.SparseCategoricalAccuracy()

@@ -27,7 +27,7 @@ _CONFIG = flags.DEFINE_string("config", None, "tfdist YAML config (the built-in 
 _SET = flags.DEFINE_multi_string("set", [], "Config override: section.key=value (repeatable).")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "The global batch, split over the replicas.")
 _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", "/tmp/ckpt", "Where ModelCheckpoint saves.")
-_WEIGHTS_OUT = flags.DEFINE_string("weights_out", None, "Also write the final weights here (.npz).")
+_WEIGHTS_OUT = flags.DEFINE_string("weights_out", None, "Also write the final weights here (.npz), from the chief.")
 
 
 def make_strategy():
@@ -116,7 +116,7 @@ def main(argv):
                                         os.listdir(_CHECKPOINT_DIR.value)), key=os.path.getmtime))
     difference = np.abs(last.predict(probe, verbose=0) - model.predict(probe, verbose=0)).max()
     print(f"the last checkpoint predicts as the trained model: max difference {difference:.2e}")
-    if _WEIGHTS_OUT.value:
+    if _WEIGHTS_OUT.value and tfdist.is_chief(strategy):  # launched as several processes, one writes
         np.savez(_WEIGHTS_OUT.value, *model.get_weights())
 
 

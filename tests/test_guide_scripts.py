@@ -35,44 +35,62 @@ MATRIX = {
 }
 
 # Scripts launched as several processes (`tfdist launch -- python ...`): guide script -> job -> the cell.
+MULTI_WORKER = "tfdist launch --workers 2 (multi-worker)"
+HOROVOD = "tfdist launch --workers 2 (Horovod)"
+PARAMETER_SERVERS = "tfdist launch --workers 1 --ps 1 (parameter servers)"
+JOBS = {  # job -> the launcher's task flags, the strategy, how many processes run the script
+    MULTI_WORKER: (["--workers", "2"], "strategy.kind=multi_worker_mirrored", 2),
+    HOROVOD: (["--workers", "2"], "strategy.kind=horovod", 2),
+    PARAMETER_SERVERS: (["--workers", "1", "--ps", "1"], "strategy.kind=parameter_server", 1),  # the chief's
+}
 LAUNCHED = {
-    "guide_multi_worker_keras.py": {"tfdist launch --workers 2 (multi-worker)": "equal"},  # tests/launch/test_local.py
-    "guide_parameter_server.py": {"tfdist launch --workers 1 --ps 1 (parameter servers)": "equal"},  # below
+    "guide_keras_distributed.py": {MULTI_WORKER: "equal", HOROVOD: "equal", PARAMETER_SERVERS: "equal"},  # below
+    "guide_custom_training_loop.py": {MULTI_WORKER: "equal", HOROVOD: "equal", PARAMETER_SERVERS: "refused"},
+    "guide_multi_worker_keras.py": {MULTI_WORKER: "equal"},  # tests/launch/test_local.py
+    "guide_parameter_server.py": {PARAMETER_SERVERS: "equal"},  # below
     # Horovod's examples scale the rate by the ranks and shuffle each rank's shard: their own accuracy bound.
-    "horovod_keras_digits.py": {"tfdist launch --workers 2 (Horovod)": "trains"},  # tests/strategies/test_horovod.py
-    "horovod_tensorflow_digits.py": {"tfdist launch --workers 2 (Horovod)": "trains"},  # tests/horovod/
+    "horovod_keras_digits.py": {HOROVOD: "trains"},  # tests/strategies/test_horovod.py
+    "horovod_tensorflow_digits.py": {HOROVOD: "trains"},  # tests/horovod/
 }
 
 
-def _script(name, sets, *args):
-    proc = zygote.run([sys.executable, os.path.join(ROOT, "examples", name), *(f"--set={s}" for s in sets),
-                       *map(str, args)], capture_output=True, text=True, timeout=patient(300), cwd=ROOT,
+def _script(name, sets, *args, job=None, succeeds=True):
+    """Runs the example `name` with `--set` for each of `sets`; under `tfdist launch` as `job` (of `JOBS`)."""
+    command = [sys.executable, os.path.join(ROOT, "examples", name), *(f"--set={s}" for s in sets), *map(str, args)]
+    if job is not None:
+        tasks, kind, _ = JOBS[job]
+        command = [sys.executable, "-m", "tfdist.cli", "launch", *tasks, "--set", kind, "--", *command]
+    proc = zygote.run(command, capture_output=True, text=True, timeout=patient(300), cwd=ROOT,
                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert proc.returncode == 0, why_it_failed(proc.stderr)
+    assert (proc.returncode == 0) == succeeds, why_it_failed(proc.stderr)
     return proc
 
 
-def _keras_distributed(directory, sets, replicas):
+def _keras_distributed(directory, sets, replicas, job=None):
     """Keras's guide: fit inside the scope, evaluate, ModelCheckpoint and load_model under a new strategy; the
-    final weights, and whether every checkpoint loaded and the last predicts as the model."""
+    final weights, and whether every checkpoint loaded and the last predicts as the model (in every process)."""
     del replicas  # the guide's batch is global
     proc = _script("guide_keras_distributed.py", sets, "--checkpoint_dir", directory / "checkpoints",
-                   "--weights_out", directory / "weights.npz")
-    assert "Restoring from" in proc.stdout and proc.stdout.count(" loads: predictions (64, 10)") == 2, proc.stdout
-    assert "the last checkpoint predicts as the trained model: max difference 0.00e+00" in proc.stdout
+                   "--weights_out", directory / "weights.npz", job=job)
+    processes = JOBS[job][2] if job else 1
+    assert proc.stdout.count("Restoring from") == processes, proc.stdout
+    assert proc.stdout.count(" loads: predictions (64, 10)") == 2 * processes, proc.stdout
+    assert proc.stdout.count("the last checkpoint predicts as the trained model: max difference 0.00e+00") == \
+        processes, proc.stdout
     weights = np.load(directory / "weights.npz")
     return {key: weights[key] for key in weights}, proc.stderr
 
 
-def _custom_training_loop(directory, sets, replicas):
+def _custom_training_loop(directory, sets, replicas, job=None):
     """TensorFlow's custom-loop guide: its optimizer built by the first step inside `strategy.run` in a
-    `tf.function` (keras-team/keras#19246 failed there); the checkpoint's variables, restored without a strategy."""
+    `tf.function` (keras-team/keras#19246 failed there); the checkpoint's variables, restored without a strategy
+    (in every process: the others restore their own scratch copies)."""
     import tensorflow as tf
 
     proc = _script("guide_custom_training_loop.py", sets, "--batch_per_replica", 128 // replicas, "--epochs", 1,
-                   "--checkpoint_dir", directory)
-    restored, trained = re.search(r"without strategy: (\S+) \(trained: (\S+)\)", proc.stdout).groups()
-    assert restored == trained, proc.stdout
+                   "--checkpoint_dir", directory, job=job)
+    scores = re.findall(r"without strategy: (\S+) \(trained: (\S+)\)", proc.stdout)
+    assert len(scores) == (JOBS[job][2] if job else 1) and all(a == b for a, b in scores), proc.stdout
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(directory)))
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if k.endswith("VARIABLE_VALUE")}, \
         proc.stderr
@@ -108,6 +126,34 @@ def test_a_guide_script_under_a_kind_equals_one_device(tmp_path_factory, guide, 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("guide,job", [(g, j) for g, row in LAUNCHED.items() for j, cell in row.items()
+                                       if g in RUN and cell == "equal"])
+def test_a_guide_script_launched_as_several_processes_equals_one_device(tmp_path_factory, guide, job):
+    """The chief's saves are waited for by every process (Keras's guide restores as soon as `fit` returns), and
+    only the chief's files are the job's: each is compared with the one-device run's."""
+    expected = _one_device(guide, tmp_path_factory)
+    got, _ = RUN[guide](tmp_path_factory.mktemp(f"{guide}-{job.split('(')[1][:-1]}"), [JOBS[job][1]], JOBS[job][2],
+                        job=job)
+    assert expected.keys() == got.keys() and len(expected) >= 6
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_custom_loop_called_on_the_parameter_servers_chief_is_refused_in_one_line(tmp_path):
+    """`strategy.run` outside `ClusterCoordinator.schedule` would train on the chief alone, the workers idle."""
+    proc = _script("guide_custom_training_loop.py", [JOBS[PARAMETER_SERVERS][1]], "--checkpoint_dir", tmp_path,
+                   job=PARAMETER_SERVERS, succeeds=False)
+    assert "NotImplementedError: tfdist: parameter servers: strategy.run(train_step) was called on the chief, where " \
+           "it would train on the chief instead of the workers; schedule the step onto them with " \
+           "strategy.coordinator.schedule(" in proc.stderr, proc.stderr[-3000:]
+    assert "tfdist launch: error: chief 0 failed (exit code 1)" in proc.stderr
+    assert not os.listdir(tmp_path)  # nothing trained, nothing saved
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_parameter_server_guide_launched_with_one_worker_equals_one_device(tmp_path):
     """TensorFlow's parameter-server guide on the chief (the worker and server are `tfdist serve`): `fit`, and its
     custom loop of `ClusterCoordinator.schedule` steps. One worker runs the steps in order, so both equal one
@@ -129,26 +175,28 @@ def test_the_parameter_server_guide_launched_with_one_worker_equals_one_device(t
 
 
 def _table(page, first_header):
-    """script -> (header cell -> cell) of the page's table whose header starts `first_header`."""
+    """[(script, header cell -> cell)] of the page's table whose header starts `first_header`, row by row."""
     lines = page.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(first_header))
     header = [cell.strip() for cell in lines[start].split("|")[2:-1]]
-    table = {}
+    rows = []
     for row in lines[start + 2:]:
         if not row.startswith("| `examples/"):
             break
         cells = [cell.strip() for cell in row.split("|")[2:-1]]
-        table[re.search(r"`examples/(\S+)`", row).group(1)] = dict(zip(header, cells))
-    return table
+        rows.append((re.search(r"`examples/(\S+)`", row).group(1), dict(zip(header, cells))))
+    return rows
 
 
 def test_the_pages_tables_are_these_matrices():
     page = open(os.path.join(ROOT, "docs", "own-script.md")).read()
-    for matrix, header in ((MATRIX, "| script | mirrored |"), (LAUNCHED, "| script | launched as |")):
-        table = _table(page, header)
-        assert set(table) == set(matrix), (set(table), set(matrix))
-        for guide, row in matrix.items():
-            for kind, outcome in row.items():
-                cell = table[guide].get(kind) or (table[guide]["result"] if table[guide]["launched as"] == kind
-                                                  else None)
-                assert cell is not None and cell.startswith(outcome), (guide, kind, table[guide])
+    kinds = {guide: cells for guide, cells in _table(page, "| script | mirrored |")}
+    assert kinds.keys() == MATRIX.keys()
+    for guide, row in MATRIX.items():
+        assert kinds[guide].keys() == row.keys(), (guide, kinds[guide])
+        assert all(kinds[guide][kind].startswith(outcome) for kind, outcome in row.items()), (guide, kinds[guide])
+    launched = {(guide, cells["launched as"]): cells["result"]
+                for guide, cells in _table(page, "| script | launched as |")}
+    assert launched.keys() == {(guide, job) for guide, row in LAUNCHED.items() for job in row}
+    for guide, row in LAUNCHED.items():
+        assert all(launched[guide, job].startswith(outcome) for job, outcome in row.items()), (guide, row)

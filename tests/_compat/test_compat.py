@@ -39,6 +39,28 @@ def test_versions_outside_the_tested_ones_warn_once_naming_them():
         assert _compat.check_versions() == []  # the environment the suite runs in is the tested one
 
 
+def test_a_keras_file_saved_under_a_strategys_scope_creates_no_variable_there(tmp_path):
+    """Keras's saving built a bare `Optimizer(1.0)` on every save; under a multi-worker strategy's scope its
+    variable's initial value is broadcast from the chief, so ModelCheckpoint's save on the chief alone waited for
+    workers that never joined. The bare objects are built once, outside any strategy."""
+    from tfdist import MirroredStrategy
+
+    created = []
+
+    def creator(next_creator, **kwargs):
+        created.append(kwargs.get("name"))
+        return next_creator(**kwargs)
+
+    with MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        model.optimizer.build(model.trainable_variables)
+        with tf.variable_creator_scope(creator):
+            model.save(tmp_path / "first.keras")
+            model.save(tmp_path / "second.keras")
+    assert created == []
+    assert keras.models.load_model(tmp_path / "second.keras").optimizer.iterations.numpy() == 0
+
 
 def test_keras_builds_the_model_without_reading_a_distributed_iterator(monkeypatch):
     """Keras builds the model from a first batch read from a distributed iterator it drops at once, at every

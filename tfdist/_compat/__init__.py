@@ -42,6 +42,7 @@ from tfdist._compat.tensorflow_internals import (
     partition_graphs,
     peer_answers,
     remake_variables,
+    scheduled_by_coordinator,
     slice_of_sum,
 )
 from tfdist._compat.versions import TESTED_VERSIONS, check_versions
@@ -72,6 +73,7 @@ __all__ = [
     "partition_graphs",
     "peer_answers",
     "remake_variables",
+    "scheduled_by_coordinator",
     "slice_of_sum",
     "replace_update_step",
     "resume_epoch_iterator",

@@ -20,15 +20,14 @@ from typing import Callable
 __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read", "parameter_server_writes_in_reverse"]
 
-# How the patches ask a strategy: `keras_hooks(strategy, model)`, `clips_after_all_reduce(strategy)`,
-# `gradient_all_reduce(strategy)`, `gradients_sent_as(strategy)`, `after_compile(strategy, model)` and
-# `before_save(strategy, model)`.
+# How the patches ask a strategy, by name (each is described in `install_patches`).
 _ASK: dict[str, Callable] = {}
 
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
                     gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable,
-                    before_save: Callable, is_chief: Callable, splits_optimizers: Callable) -> None:
+                    before_save: Callable, is_chief: Callable, multi_process: Callable, any_process: Callable,
+                    splits_optimizers: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
 
     Args:
@@ -43,6 +42,8 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
       before_save: `(strategy, model)`, run before `model.save` or `model.save_weights` opens its file;
         it raises when the model cannot be saved that way.
       is_chief: `(strategy)` -> whether this process writes the job's files (the chief, or rank 0).
+      multi_process: `(strategy)` -> whether the job has other processes.
+      any_process: `(strategy, flag)` -> whether `flag` is set in any process; every process calls it.
       splits_optimizers: `(strategy)` -> whether it splits the state of the optimizer `compile` gets.
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
@@ -52,6 +53,8 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     _ASK.setdefault("after_compile", after_compile)
     _ASK.setdefault("before_save", before_save)
     _ASK.setdefault("is_chief", is_chief)
+    _ASK.setdefault("multi_process", multi_process)
+    _ASK.setdefault("any_process", any_process)
     _ASK.setdefault("splits_optimizers", splits_optimizers)
     _install_trainer_hooks()
     _install_clipping_after_all_reduce()
@@ -60,6 +63,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     _install_save_check()
     _install_loss_scaling_agreement()
     _install_chief_only_callback_writes()
+    _install_save_reference_objects_outside_strategies()
     _install_optimizer_build_outside_the_step()
     _install_gradient_accumulation_under_strategies()
 
@@ -373,30 +377,81 @@ def _install_chief_only_callback_writes() -> None:
     knew the workers apart): two processes saving one `.weights.h5` fail on h5py's file lock ("unable to
     lock file"), two writing one `.keras` archive can leave it torn. Every process still restores from the
     backup; saving it, deleting it and ModelCheckpoint's saves are the chief's (a strategy's `is_chief`).
-    Idempotent.
+    When every process has such a callback (agreed as `fit` begins), every process waits after each save
+    for the chief's to end, so that none reads a file the chief is still writing: Keras's guide restores
+    the latest checkpoint as soon as `fit` returns. Horovod's examples give rank 0 alone a ModelCheckpoint;
+    then nobody waits. Idempotent.
     """
     import functools
 
     from keras.src.callbacks.backup_and_restore import BackupAndRestore
+    from keras.src.callbacks.callback_list import CallbackList
     from keras.src.callbacks.model_checkpoint import ModelCheckpoint
 
     if getattr(BackupAndRestore, "_tfdist_chief_writes", False):
         return
 
-    def on_the_chief(write):
+    def on_the_chief(write, *, then_wait: bool):
         @functools.wraps(write)
         def write_on_the_chief(self, *args, **kwargs):
             strategy = getattr(self.model, "distribute_strategy", None)
-            if strategy is None or _ASK["is_chief"](strategy):
+            if strategy is None:
                 return write(self, *args, **kwargs)
-            return None
+            result = write(self, *args, **kwargs) if _ASK["is_chief"](strategy) else None
+            if then_wait and getattr(self, "_tfdist_every_process_saves", False):
+                _ASK["any_process"](strategy, False)
+            return result
 
         return write_on_the_chief
 
-    BackupAndRestore._save_model = on_the_chief(BackupAndRestore._save_model)
-    BackupAndRestore.on_train_end = on_the_chief(BackupAndRestore.on_train_end)  # deletes the backup
-    ModelCheckpoint._save_model = on_the_chief(ModelCheckpoint._save_model)
+    def agreeing_who_saves(on_train_begin):
+        @functools.wraps(on_train_begin)
+        def on_train_begin_after_agreeing(self, logs=None):
+            strategy = getattr(self.model, "distribute_strategy", None)
+            savers = [c for c in self.callbacks if isinstance(c, (BackupAndRestore, ModelCheckpoint))]
+            if strategy is not None and _ASK["multi_process"](strategy):
+                everywhere = not _ASK["any_process"](strategy, not savers)
+                for callback in savers:
+                    callback._tfdist_every_process_saves = everywhere
+            return on_train_begin(self, logs)
+
+        return on_train_begin_after_agreeing
+
+    BackupAndRestore._save_model = on_the_chief(BackupAndRestore._save_model, then_wait=True)
+    BackupAndRestore.on_train_end = on_the_chief(BackupAndRestore.on_train_end, then_wait=False)  # deletes it
+    ModelCheckpoint._save_model = on_the_chief(ModelCheckpoint._save_model, then_wait=True)
+    CallbackList.on_train_begin = agreeing_who_saves(CallbackList.on_train_begin)
     BackupAndRestore._tfdist_chief_writes = True
+
+
+def _install_save_reference_objects_outside_strategies() -> None:
+    """Keras's `.keras` saving builds its bare reference objects once, outside any strategy's scope.
+
+    To know which attributes to skip, Keras's saving builds a bare object of each kind it saves (an
+    `Optimizer(1.0)`, with its `iterations` variable), and on every save: its cache is written under one
+    key ("saving_attr_skipset_") and read under another ("saving_attr_skiplist_"). Under a multi-worker
+    strategy's scope that variable's initial value is broadcast from the chief, so a save on the chief
+    alone (ModelCheckpoint's) waits on a collective no other worker joins, and fails when they move on
+    ("CollectiveBcastSend ... aborted"). A strategy's scope belongs to its thread: the objects are built
+    in a thread of their own, once per kind. Idempotent.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from keras.src.saving import saving_lib
+
+    if getattr(saving_lib.get_attr_skipset, "_tfdist_outside_strategies", False):
+        return
+    build = saving_lib.get_attr_skipset
+    skipsets: dict = {}
+
+    def get_attr_skipset(obj_type):
+        if obj_type not in skipsets:
+            with ThreadPoolExecutor(1) as thread:
+                skipsets[obj_type] = thread.submit(build, obj_type).result()
+        return skipsets[obj_type]
+
+    get_attr_skipset._tfdist_outside_strategies = True
+    saving_lib.get_attr_skipset = get_attr_skipset
 
 
 def _install_optimizer_build_outside_the_step() -> None:
@@ -546,7 +601,6 @@ _GRADIENT_WEIGHT = threading.local()
 
 
 @contextlib.contextmanager
-
 def gradient_weight(weight):
     """Within it, this replica's optimizer multiplies its gradients by `weight` before
     they are all-reduced (and clipped). Needs `install_clipping_after_all_reduce`.

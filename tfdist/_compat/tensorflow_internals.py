@@ -114,6 +114,12 @@ def partition_graphs(run) -> list:
         ctx.disable_run_metadata()
     return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
 
+def scheduled_by_coordinator(strategy) -> bool:
+    """Whether a parameter-server strategy's `run` is being traced for `ClusterCoordinator.schedule` (which
+    runs it on a worker), rather than called on the chief; TensorFlow only warns, on every call, otherwise."""
+    return bool(strategy.extended._being_scheduled)
+
+
 def auto_shard(dataset, num_shards: int, index):
     """TensorFlow's auto-sharding of `dataset` by its own `auto_shard_policy` (what tf.distribute applies)."""
     from tensorflow.python.distribute import input_ops

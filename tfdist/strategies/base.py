@@ -155,6 +155,8 @@ def install_patches() -> None:
                      after_compile=lambda strategy, model: contract(strategy).after_compile(model),
                      before_save=lambda strategy, model: contract(strategy).before_save(model),
                      is_chief=lambda strategy: contract(strategy).is_chief,
+                     multi_process=lambda strategy: contract(strategy).multi_process,
+                     any_process=lambda strategy, flag: contract(strategy).any_process(flag),
                      splits_optimizers=lambda strategy: bool(getattr(contract(strategy), "shard_optimizer", 0)))
 
 

@@ -49,7 +49,7 @@ __all__ = ["make_strategy", "serves_only"]
 
 # The strategy, and its config, with which this process joined its cluster: TensorFlow joins a process to
 # one cluster once (a second multi-worker strategy resets the collectives of the first; its first broadcast
-# fails with "Delete called on non-empty BufRendezvous").
+# fails with "Delete called on non-empty BufRendezvous"), and Horovod reads its options at its one `hvd.init`.
 _JOINED: dict = {}
 
 
@@ -59,8 +59,8 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
 
     Call it before running any TensorFlow op: logical CPU devices and thread
     pools can only be set before TensorFlow initialises. A strategy that
-    joins a cluster (multi-worker, parameter servers, multi-worker data
-    parallelism) is made once per process: asked again with the same
+    joins a cluster (multi-worker, parameter servers, Horovod, multi-worker
+    or Horovod data parallelism) is made once per process: asked again with the same
     `strategy` and `cluster` config (a script that makes its strategy in
     each function, as Keras's guide does), it returns the first.
 
@@ -86,7 +86,10 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
 
 
 def _joins_a_cluster(config: Config) -> bool:
-    """Whether the strategy joins this process to a cluster of others (not one of its own making)."""
+    """Whether the strategy joins this process to a cluster of others (not one of its own making): Horovod's
+    ranks always (a job of one rank too), TensorFlow's when the cluster config lists tasks."""
+    if config.strategy.kind == StrategyKind.HOROVOD or config.strategy.data_parallel == DataParallel.HOROVOD:
+        return True
     kinds = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER)
     if config.strategy.kind not in kinds and config.strategy.data_parallel != DataParallel.MULTI_WORKER:
         return False

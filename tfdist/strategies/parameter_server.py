@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import inspect
 import functools
 import logging
 import time
@@ -135,6 +136,19 @@ class ParameterServerStrategy(StrategyContract, tf.distribute.experimental.Param
 
     def experimental_distribute_dataset(self, dataset, options=None):
         return CoordinatedDataset(self, dataset)
+
+    @tf.autograph.experimental.do_not_convert  # a user's tf.function calls it: its error, not converted code
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Runs `fn` in a step `ClusterCoordinator.schedule` sends to a worker; refuses a step of a custom
+        loop called on the chief (TensorFlow's custom-loop guide), which would train on the chief alone."""
+        if not _compat.scheduled_by_coordinator(self):
+            name = getattr(inspect.unwrap(fn), "__name__", "fn")
+            raise NotImplementedError(
+                f"tfdist: parameter servers: strategy.run({name}) was called on the chief, where it would train "
+                "on the chief instead of the workers; schedule the step onto them with "
+                "strategy.coordinator.schedule(step, args=(per_worker_iterator,)), as "
+                "examples/guide_parameter_server.py does, or use model.fit")
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """The step functions Keras's trainer uses for `model` (see `tfdist._compat.patches`)."""
