@@ -104,11 +104,13 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
     np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas"])
+@pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas",
+                                  "mirrored_shard_optimizer_1", "mirrored_4_replicas_shard_optimizer_2"])
 def test_gradient_accumulation_matches_one_device(kind):
     """Keras accumulates gradients under a conditional whose branches enter the cross-replica context, which fails
     under every TensorFlow strategy at the first step (keras-team/keras#20582); tfdist's kinds accumulate as one
-    device does. The tensor-parallel model has no tfdist layers: each group of 2 devices trains it whole."""
+    device does, an optimizer split over the replicas too. The tensor-parallel model has no tfdist layers: each
+    group of 2 devices trains it whole."""
     import keras
     import tensorflow as tf
 
@@ -118,6 +120,9 @@ def test_gradient_accumulation_matches_one_device(kind):
     strategies = {
         "mirrored": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"]),
         "mirrored_4_replicas": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)]),
+        "mirrored_shard_optimizer_1": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=1),
+        "mirrored_4_replicas_shard_optimizer_2": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)],
+                                                                          shard_optimizer=2),
         "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False),
         "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
     }

@@ -20,6 +20,7 @@ from tfdist._compat.keras_internals import (
     keras_reduce_per_replica,
     loss_tracker,
     make_slots_where_created,
+    replace_accumulated_update,
     replace_update_step,
 )
 from tfdist._compat.optional import horovod, nvml, xspace
@@ -75,6 +76,7 @@ __all__ = [
     "remake_variables",
     "scheduled_by_coordinator",
     "slice_of_sum",
+    "replace_accumulated_update",
     "replace_update_step",
     "resume_epoch_iterator",
     "training_epoch_iterator",

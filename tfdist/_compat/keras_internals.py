@@ -107,3 +107,15 @@ def replace_update_step(optimizer, update) -> None:
     reduce-scatter, slices updated, an all-gather) can take over.
     """
     optimizer._backend_update_step = update
+
+
+def replace_accumulated_update(optimizer, update) -> None:
+    """Has `optimizer`, when it accumulates gradients under a strategy (`patches`), call
+    `update(distribution, averages, trainable_variables, learning_rate, only_if)` in cross-replica context
+    instead of its `update_step` per variable: a split optimizer's update of its slices."""
+    optimizer._tfdist_accumulated_update = update
+
+
+def accumulated_update(optimizer):
+    """The update `replace_accumulated_update` gave `optimizer`, or None."""
+    return vars(optimizer).get("_tfdist_accumulated_update")

@@ -509,10 +509,13 @@ def _install_gradient_accumulation_under_strategies() -> None:
     device: on every `gradient_accumulation_steps`-th step weight decay and the optimizer's update with
     the average, and the accumulator zeroed; on the others the gradient added to the accumulator. The
     same steps as one device's, on the same global gradients. An optimizer whose state a strategy
-    splits (`shard_optimizer`) is refused in one line. Idempotent.
+    splits (`shard_optimizer`) updates its slices of the averages, on update steps only
+    (`keras_internals.replace_accumulated_update`). Idempotent.
     """
     import tensorflow as tf
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    from tfdist._compat.keras_internals import accumulated_update
 
     if getattr(TFOptimizer, "_tfdist_accumulates_under_strategies", False):
         return
@@ -522,9 +525,7 @@ def _install_gradient_accumulation_under_strategies() -> None:
         context = tf.distribute.get_replica_context()
         if not self.gradient_accumulation_steps or context is None or not tf.distribute.has_strategy():
             return keras_apply(self, grads, trainable_variables)
-        if "_backend_update_step" in vars(self):
-            raise ValueError("`gradient_accumulation_steps` cannot accumulate into an optimizer whose state the "
-                             "strategy splits (strategy.shard_optimizer); use shard_optimizer: 0 with it.")
+        split_update = accumulated_update(self)
         steps = self.gradient_accumulation_steps
         grads = _weighted_by_batch_share(grads)
         grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
@@ -538,7 +539,8 @@ def _install_gradient_accumulation_under_strategies() -> None:
                 if self.weight_decay is not None and self._use_weight_decay(variable):
                     decay = tf.cast(self.weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
                     variable.assign_sub(variable * decay)
-                self.update_step(average, variable, learning_rate)
+                if split_update is None:
+                    self.update_step(average, variable, learning_rate)
                 total.assign(tf.zeros_like(total))
                 return tf.constant(True)
 
@@ -552,6 +554,8 @@ def _install_gradient_accumulation_under_strategies() -> None:
             for variable, total, gradient, average in zip(trainable_variables, sums, grads, averages):
                 distribution.extended.update(variable.value, update_or_accumulate,
                                              args=(total.value, gradient, average), group=False)
+            if split_update is not None:  # after the weight decay, which its slices read
+                split_update(distribution, averages, trainable_variables, learning_rate, is_update_step)
 
         tf.__internal__.distribute.interim.maybe_merge_call(in_cross_replica_context, self._distribution_strategy,
                                                             grads, averages)

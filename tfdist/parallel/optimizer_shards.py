@@ -84,8 +84,7 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
 
     Raises:
       ValueError: the optimizer's update does not split element by element,
-        it is already built, or it accumulates gradients or keeps an EMA (not
-        checked yet).
+        it is already built, or it keeps an EMA (not checked yet).
     """
     if optimizer in _SPLIT:  # compiled again
         return _SPLIT[optimizer]
@@ -97,9 +96,8 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
     if inner.built:
         raise ValueError("`optimizer` must not be built yet: split its state before `fit` or `build`. "
                          f"Received: a built {type(inner).__name__}")
-    if inner.gradient_accumulation_steps or inner.use_ema:
-        raise ValueError("`optimizer` with gradient_accumulation_steps or use_ema cannot be split over devices yet. "
-                         f"Received: {type(inner).__name__}")
+    if inner.use_ema:
+        raise ValueError(f"`optimizer` with use_ema cannot be split over devices yet. Received: {type(inner).__name__}")
     shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy))
     _SPLIT[optimizer] = shards
     return shards
@@ -152,11 +150,13 @@ class OptimizerShards:
         optimizer.save_own_variables = self.save_own_variables
         optimizer.load_own_variables = self.load_own_variables
         _compat.replace_update_step(inner, self.update)
+        _compat.replace_accumulated_update(inner, self.update_accumulated)
 
     def build(self, variables):
         _compat.build_without_slots(self.inner, variables)
-        # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt.
-        config = {**self.inner.get_config(), "learning_rate": 0.0}
+        # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt. They
+        # update; the optimizer accumulates (its update runs theirs on its update steps).
+        config = {**self.inner.get_config(), "learning_rate": 0.0, "gradient_accumulation_steps": None}
         with self.strategy.scope():
             for d, device in enumerate(self.devices):
                 with _single_device_variables(device):  # the copy's step counter; each slice beside its variable
@@ -203,7 +203,14 @@ class OptimizerShards:
         tf.__internal__.distribute.interim.maybe_merge_call(
             self._update_slices, self.strategy, grads, variables, learning_rate)
 
-    def _update_slices(self, distribution, grads, variables, learning_rate):
+    def update_accumulated(self, distribution, averages, variables, learning_rate, only_if):
+        """A step of Keras's gradient accumulation (`gradient_accumulation_steps`), in cross-replica context:
+        `averages` are the accumulated gradients, all-reduced already, so each device takes its slices of
+        them and updates them on update steps (`only_if`) alone. The slices are all-gathered every step,
+        unchanged on the others (a collective cannot sit in a condition): stage 1's bytes, whatever the stage."""
+        self._update_slices(distribution, averages, variables, learning_rate, reduced=True, only_if=only_if)
+
+    def _update_slices(self, distribution, grads, variables, learning_rate, reduced=False, only_if=None):
         collectives, parts = self.collectives, self.collectives.parts
         indices = [self.inner._get_variable_index(v) for v in variables]
         by_dtype = {}  # one reduce-scatter and one all-gather per dtype
@@ -212,22 +219,24 @@ class OptimizerShards:
         for d, device in enumerate(self.devices):
             copy, rank = self.copies[d], collectives.ranks[d]
             with tf.device(device):
-                copy.iterations.assign(_local(distribution, self.inner.iterations.value, d))
+                copy.iterations.assign(_local(distribution, _updates_so_far(self.inner), d))
                 for positions in by_dtype.values():
                     pieces = [self.slices[d][indices[p]] for p in positions]
                     lengths = [piece.shape[0] for piece in pieces]
                     # A gradient that crossed processes may have lost its static shape: its variable's.
                     local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, grads[p], d)),
                                                    variables[p].shape) for p in positions]
-                    # Slice e of every gradient, for e = 0..parts-1: replica e receives the sum of the e-th part.
-                    packed = tf.concat([self._slice(g, e, n) for e in range(parts)
-                                        for g, n in zip(local_grads, lengths)], axis=0)
-                    mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
+                    if reduced:
+                        mine = [self._slice(g, rank, n) for g, n in zip(local_grads, lengths)]
+                    else:  # slice e of every gradient, e = 0..parts-1: replica e receives the sum of the e-th part
+                        packed = tf.concat([self._slice(g, e, n) for e in range(parts)
+                                            for g, n in zip(local_grads, lengths)], axis=0)
+                        mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
                     for p, piece, grad in zip(positions, pieces, mine):
                         with tf.device(piece.value.device):  # where its slots are
                             piece.assign(self._slice(_local(distribution, variables[p].value, d), rank,
                                                      piece.shape[0]))
-                            copy.update_step(grad, piece, _local(distribution, learning_rate, d))
+                            _update_if(only_if, copy, grad, piece, _local(distribution, learning_rate, d))
                     gathered = tf.reshape(collectives.all_gather(d, tf.concat([piece.value for piece in pieces], 0)),
                                           [parts, -1])
                     for p, whole in zip(positions, tf.split(gathered, lengths, axis=1)):
@@ -425,6 +434,26 @@ def _build_noting_slots(copy, slices) -> list:
     copy.add_variable_from_reference = noted
     copy.build(slices)
     return made
+
+
+def _updates_so_far(optimizer):
+    """The step an optimizer's update reads (Adam's bias correction): its `iterations` variable, or with
+    gradient accumulation the updates Keras counts from it (a tensor)."""
+    steps = optimizer.iterations
+    return getattr(steps, "value", steps)
+
+
+def _update_if(condition, copy, grad, piece, learning_rate) -> None:
+    """`copy.update_step(grad, piece, learning_rate)`, only where `condition` holds when one is given."""
+    if condition is None:
+        copy.update_step(grad, piece, learning_rate)
+        return
+
+    def update():
+        copy.update_step(grad, piece, learning_rate)
+        return tf.constant(True)
+
+    tf.cond(condition, update, lambda: tf.constant(False))
 
 
 def _local(distribution, value, d):
