@@ -114,6 +114,7 @@ def partition_graphs(run) -> list:
         ctx.disable_run_metadata()
     return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
 
+
 def scheduled_by_coordinator(strategy) -> bool:
     """Whether a parameter-server strategy's `run` is being traced for `ClusterCoordinator.schedule` (which
     runs it on a worker), rather than called on the chief; TensorFlow only warns, on every call, otherwise."""
