@@ -46,7 +46,9 @@ BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
 # Bazel's unit tests run beside pytest at the lowest CPU priority: they take the cycles pytest's
 # multi-process tests leave idle while their processes start and wait on each other, so they add
 # little to the wall time and nothing to pytest's timings. Starved that way a unit test can take
-# several times its own time, hence Bazel's long timeout. Bazel's output is shown when pytest has
+# several times its own time, hence Bazel's long timeout. Three at a time: a unit-test shard keeps about
+# two thirds of a core busy (its devices' threads wait on each other), so two left idle cycles once pytest
+# had ended. Bazel's output is shown when pytest has
 # finished; either failing fails `make test`. The run ends with a summary (tools/test_summary.py):
 # the times, the slowest tests and, where process accounting can be switched on (root), how many
 # processes of TensorFlow's size were started and how many forked from the test zygote, and the
@@ -58,7 +60,7 @@ test: setup
 	@rm -rf $(RESULTS) && mkdir -p $(RESULTS) && touch $(RESULTS)/pacct; \
 	accton $(abspath $(RESULTS))/pacct >/dev/null 2>&1 || true; \
 	start=$$(date +%s); \
-	( nice -n 19 bazel --batch test --test_timeout=3600 //... > $(BAZEL_LOG) 2>&1; status=$$?; \
+	( nice -n 19 bazel --batch test --test_timeout=3600 --jobs=3 --local_test_jobs=3 //... > $(BAZEL_LOG) 2>&1; status=$$?; \
 	  echo $$(( $$(date +%s) - start )) > $(RESULTS)/bazel_seconds; exit $$status ) & bazel_pid=$$!; \
 	trap 'kill $$bazel_pid 2>/dev/null; accton off >/dev/null 2>&1' INT TERM; \
 	export TFDIST_TEST_ZYGOTE_REFUSALS=$(abspath $(RESULTS))/zygote-refusals.jsonl; \
