@@ -66,13 +66,25 @@ def _script(name, sets, *args, job=None, succeeds=True):
     return proc
 
 
+def _processes(job) -> int:
+    """How many processes run the script: one, or those of `job` (of `JOBS`)."""
+    return JOBS[job][2] if job else 1
+
+
+def _assert_equal_weights(expected, got):
+    """Every variable of the one-device run within 1e-5 in `got`."""
+    assert expected.keys() == got.keys() and len(expected) >= 6
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+
+
 def _keras_distributed(directory, sets, replicas, job=None):
     """Keras's guide: fit inside the scope, evaluate, ModelCheckpoint and load_model under a new strategy; the
     final weights, and whether every checkpoint loaded and the last predicts as the model (in every process)."""
     del replicas  # the guide's batch is global
     proc = _script("guide_keras_distributed.py", sets, "--checkpoint_dir", directory / "checkpoints",
                    "--weights_out", directory / "weights.npz", job=job)
-    processes = JOBS[job][2] if job else 1
+    processes = _processes(job)
     assert proc.stdout.count("Restoring from") == processes, proc.stdout
     assert proc.stdout.count(" loads: predictions (64, 10)") == 2 * processes, proc.stdout
     assert proc.stdout.count("the last checkpoint predicts as the trained model: max difference 0.00e+00") == \
@@ -90,7 +102,7 @@ def _custom_training_loop(directory, sets, replicas, job=None):
     proc = _script("guide_custom_training_loop.py", sets, "--batch_per_replica", 128 // replicas, "--epochs", 1,
                    "--checkpoint_dir", directory, job=job)
     scores = re.findall(r"without strategy: (\S+) \(trained: (\S+)\)", proc.stdout)
-    assert len(scores) == (JOBS[job][2] if job else 1) and all(a == b for a, b in scores), proc.stdout
+    assert len(scores) == _processes(job) and all(a == b for a, b in scores), proc.stdout
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(directory)))
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if k.endswith("VARIABLE_VALUE")}, \
         proc.stderr
@@ -115,9 +127,7 @@ def test_a_guide_script_under_a_kind_equals_one_device(tmp_path_factory, guide, 
     replicas = 2 if kind.startswith("mirrored") else 1
     got, stderr = RUN[guide](tmp_path_factory.mktemp(f"{guide}-{kind}".replace(" ", "").replace(",", "-")),
                              KINDS[kind], replicas)
-    assert expected.keys() == got.keys() and len(expected) >= 6
-    for key, value in expected.items():
-        np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+    _assert_equal_weights(expected, got)
     unpipelined = "runs a step of your own whole on each replica's first device, not in stages" in stderr
     assert unpipelined == ("not pipelined" in MATRIX[guide][kind]), stderr[-2000:]
     unsplit = "first applied in a custom loop, keeps a whole copy on every device" in stderr
@@ -134,9 +144,7 @@ def test_a_guide_script_launched_as_several_processes_equals_one_device(tmp_path
     expected = _one_device(guide, tmp_path_factory)
     got, _ = RUN[guide](tmp_path_factory.mktemp(f"{guide}-{job.split('(')[1][:-1]}"), [JOBS[job][1]], JOBS[job][2],
                         job=job)
-    assert expected.keys() == got.keys() and len(expected) >= 6
-    for key, value in expected.items():
-        np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+    _assert_equal_weights(expected, got)
 
 
 @pytest.mark.slow
