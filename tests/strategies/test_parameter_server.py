@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from helpers import ROOT, SCENARIO_DIR, free_ports, run_tfdist, tfdist_command, why_it_failed
@@ -158,6 +159,7 @@ def test_a_dead_worker_whose_port_another_process_took_is_given_up_once_not_rest
     second would print a line each time for the rest of the job."""
     from tfdist.cluster import servers
 
+    monkeypatch.setattr(servers, "PORT_HELD_GRACE_SECONDS", 0)
     cluster = servers.LocalCluster(num_workers=2, num_ps=1)
     spawned = []
     monkeypatch.setattr(cluster, "_spawn", lambda job, index: spawned.append((job, index)))
@@ -171,8 +173,8 @@ def test_a_dead_worker_whose_port_another_process_took_is_given_up_once_not_rest
         cluster._restart_dead_workers()
     assert spawned == [("worker", 0), ("worker", 0)] and cluster.lost_workers == {1} and cluster.restarts == 2
     err = capfd.readouterr().err
-    assert err.count(f"tfdist: local worker 1 exited (code -9) and another process holds its port {port}; "
-                     "not restarting it; its steps run on the others") == 1, err
+    assert err.count(f"tfdist: local worker 1 exited (code -9) and another process holds its port {port} "
+                     f"({psutil.Process().name()} pid {os.getpid()} LISTEN); not restarting it; its steps run on the others") == 1, err
 
 
 def test_jobs_choosing_ports_at_once_never_get_the_same_one():

@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-__all__ = ["accepts_connections", "free_loopback_ports", "listens", "port_is_free"]
+__all__ = ["accepts_connections", "free_loopback_ports", "listens", "port_holders", "port_is_free"]
 
 LOWEST_PORT = 10000
 _ATTEMPTS = 200
@@ -91,6 +91,20 @@ def port_is_free(port: int, *, reuse_address: bool = False) -> bool:
             return True
         except OSError:
             return False
+
+
+def port_holders(port: int) -> str:
+    """Who has TCP `port` bound on this machine, as "python pid 42 LISTEN, ..." (pids need the same
+    user or root; "unknown" when no socket shows: it was released meanwhile)."""
+    holders = []
+    for s in psutil.net_connections(kind="tcp"):
+        if s.laddr and s.laddr.port == port:
+            try:
+                name = psutil.Process(s.pid).name() if s.pid else "a closed socket"
+            except psutil.Error:
+                name = "an exited process"
+            holders.append(f"{name}{f' pid {s.pid}' if s.pid else ''} {s.status}")
+    return ", ".join(sorted(set(holders))) or "unknown"
 
 
 def listens(pid: int, port: int) -> bool:

@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 from tfdist.errors import ClusterError
-from tfdist.cluster.loopback import accepts_connections, free_loopback_ports, listens, port_is_free
+from tfdist.cluster.loopback import accepts_connections, free_loopback_ports, listens, port_holders, port_is_free
 from tfdist.tf_startup import QUIET_LOG_LEVEL
 
 __all__ = ["LocalCluster", "serve"]
@@ -33,6 +33,7 @@ START_TIMEOUT_SECONDS = 60
 START_ATTEMPTS = 3  # on fresh ports each, when another process took one meanwhile
 STOP_TIMEOUT_SECONDS = 10
 CHIEF_POLL_SECONDS = 2.0
+PORT_HELD_GRACE_SECONDS = 10  # a dead worker's port held this long is taken, not a closing socket's wait
 
 
 def serve(cluster_spec: dict, job: str, index: int, *, threads: int = 0) -> None:
@@ -81,6 +82,7 @@ class LocalCluster:
         self.processes: dict[tuple[str, int], subprocess.Popen] = {}
         self.restarts = 0
         self.lost_workers: set[int] = set()  # workers not restarted: another process holds their port
+        self._port_held_since: dict[int, float] = {}  # dead workers whose port was not free, since when
         self._stopping = threading.Event()
         self._supervisor: Optional[threading.Thread] = None
 
@@ -195,10 +197,15 @@ class LocalCluster:
                 continue
             port = self._port(job, index)
             if not port_is_free(port, reuse_address=True):  # as gRPC binds: a closed connection's wait is no owner
+                held_since = self._port_held_since.setdefault(index, time.monotonic())
+                if time.monotonic() - held_since < PORT_HELD_GRACE_SECONDS:
+                    continue
                 self.lost_workers.add(index)
                 print(f"tfdist: local worker {index} exited (code {process.returncode}) and another process holds "
-                      f"its port {port}; not restarting it; its steps run on the others", file=sys.stderr, flush=True)
+                      f"its port {port} ({port_holders(port)}); not restarting it; its steps run on the others",
+                      file=sys.stderr, flush=True)
                 continue
+            self._port_held_since.pop(index, None)
             self.restarts += 1
             print(f"tfdist: local worker {index} exited (code {process.returncode}); restarting it; "
                   "its steps run on the others meanwhile", file=sys.stderr, flush=True)
