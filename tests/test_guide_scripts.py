@@ -1,6 +1,7 @@
 """The scripts of Keras's and TensorFlow's guides in examples/, their strategy line changed to tfdist's: each run
-under a kind equals its one-device run with the same global batch, and what it saves restores. `MATRIX` and
-`LAUNCHED` are the tables docs/own-script.md shows (`test_the_pages_tables_are_these_matrices`)."""
+under a kind equals its one-device run with the same global batch, and what it saves restores. The cells these
+tests fill are tests/own_script_cells.py's; tools/own_script_table.py writes docs/own-script.md's tables from a
+run's results."""
 
 import os
 import re
@@ -14,45 +15,7 @@ import zygote
 
 pytestmark = pytest.mark.timeout(600)
 
-TWO_DEVICES = ["strategy.logical_devices=2"]
-KINDS = {  # the one-process kinds, each on 2 logical devices
-    "mirrored": ["strategy.kind=mirrored", *TWO_DEVICES],
-    "mirrored, shard_optimizer 1": ["strategy.kind=mirrored", "strategy.shard_optimizer=1", *TWO_DEVICES],
-    "mirrored, shard_optimizer 2": ["strategy.kind=mirrored", "strategy.shard_optimizer=2", *TWO_DEVICES],
-    "pipeline": ["strategy.kind=pipeline", *TWO_DEVICES],  # one replica of 2 stages
-    "tensor_parallel": ["strategy.kind=tensor_parallel", *TWO_DEVICES],  # one group of 2: the model is whole
-}
-# guide script -> kind -> what the cell says; every cell "equal" is a test below.
-MATRIX = {
-    "guide_keras_distributed.py": {kind: "equal" for kind in KINDS},
-    "guide_custom_training_loop.py": {
-        **{kind: "equal" for kind in KINDS},
-        "mirrored, shard_optimizer 1": "equal, optimizer not split (says so)",
-        "mirrored, shard_optimizer 2": "equal, optimizer not split (says so)",
-        "pipeline": "equal, not pipelined (says so)",
-        "tensor_parallel": "equal",
-    },
-}
-
-# Scripts launched as several processes (`tfdist launch -- python ...`): guide script -> job -> the cell.
-MULTI_WORKER = "tfdist launch --workers 2 (multi-worker)"
-HOROVOD = "tfdist launch --workers 2 (Horovod)"
-PARAMETER_SERVERS = "tfdist launch --workers 1 --ps 1 (parameter servers)"
-JOBS = {  # job -> the launcher's task flags, the strategy, how many processes run the script
-    MULTI_WORKER: (["--workers", "2"], "strategy.kind=multi_worker_mirrored", 2),
-    HOROVOD: (["--workers", "2"], "strategy.kind=horovod", 2),
-    PARAMETER_SERVERS: (["--workers", "1", "--ps", "1"], "strategy.kind=parameter_server", 1),  # the chief's
-}
-LAUNCHED = {
-    "guide_keras_distributed.py": {MULTI_WORKER: "equal", HOROVOD: "equal", PARAMETER_SERVERS: "equal"},  # below
-    "guide_custom_training_loop.py": {MULTI_WORKER: "equal", HOROVOD: "equal", PARAMETER_SERVERS: "refused"},
-    "guide_multi_worker_keras.py": {MULTI_WORKER: "equal"},  # tests/launch/test_local.py
-    "guide_parameter_server.py": {PARAMETER_SERVERS: "equal"},  # below
-    # Horovod's examples scale the rate by the ranks and shuffle each rank's shard: their own accuracy bound.
-    "horovod_keras_digits.py": {HOROVOD: "trains"},  # tests/strategies/test_horovod.py
-    "horovod_tensorflow_digits.py": {HOROVOD: "trains"},  # tests/horovod/
-}
-
+from own_script_cells import JOBS, KINDS, LAUNCHED, MATRIX, PARAMETER_SERVERS
 
 def _script(name, sets, *args, job=None, succeeds=True):
     """Runs the example `name` with `--set` for each of `sets`; under `tfdist launch` as `job` (of `JOBS`)."""
@@ -136,8 +99,8 @@ def test_a_guide_script_under_a_kind_equals_one_device(tmp_path_factory, guide, 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("guide,job", [(g, j) for g, row in LAUNCHED.items() for j, cell in row.items()
-                                       if g in RUN and cell == "equal"])
+@pytest.mark.parametrize("guide,job", [(g, j) for g, row in LAUNCHED.items() for j, (says, test) in row.items()
+                                       if test is None])
 def test_a_guide_script_launched_as_several_processes_equals_one_device(tmp_path_factory, guide, job):
     """The chief's saves are waited for by every process (Keras's guide restores as soon as `fit` returns), and
     only the chief's files are the job's: each is compared with the one-device run's."""
@@ -182,29 +145,13 @@ def test_the_parameter_server_guide_launched_with_one_worker_equals_one_device(t
             np.testing.assert_allclose(got[key], expected[key], atol=1e-5, err_msg=part)
 
 
-def _table(page, first_header):
-    """[(script, header cell -> cell)] of the page's table whose header starts `first_header`, row by row."""
-    lines = page.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(first_header))
-    header = [cell.strip() for cell in lines[start].split("|")[2:-1]]
-    rows = []
-    for row in lines[start + 2:]:
-        if not row.startswith("| `examples/"):
-            break
-        cells = [cell.strip() for cell in row.split("|")[2:-1]]
-        rows.append((re.search(r"`examples/(\S+)`", row).group(1), dict(zip(header, cells))))
-    return rows
+def test_the_pages_tables_are_what_a_run_of_every_passing_cell_writes():
+    """`make test` checks the page against its own run's results (tools/own_script_table.py --check); this checks
+    the page and the cells' definitions against each other at once."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import own_script_table
+    from own_script_cells import kind_cells, launched_cells
 
-
-def test_the_pages_tables_are_these_matrices():
-    page = open(os.path.join(ROOT, "docs", "own-script.md")).read()
-    kinds = {guide: cells for guide, cells in _table(page, "| script | mirrored |")}
-    assert kinds.keys() == MATRIX.keys()
-    for guide, row in MATRIX.items():
-        assert kinds[guide].keys() == row.keys(), (guide, kinds[guide])
-        assert all(kinds[guide][kind].startswith(outcome) for kind, outcome in row.items()), (guide, kinds[guide])
-    launched = {(guide, cells["launched as"]): cells["result"]
-                for guide, cells in _table(page, "| script | launched as |")}
-    assert launched.keys() == {(guide, job) for guide, row in LAUNCHED.items() for job in row}
-    for guide, row in LAUNCHED.items():
-        assert all(launched[guide, job].startswith(outcome) for job, outcome in row.items()), (guide, row)
+    every_cell_passed = {test: "passed" for *_, test in kind_cells() + launched_cells()}
+    page = open(own_script_table.PAGE, encoding="utf-8").read()
+    assert own_script_table.render(page, every_cell_passed) == page
