@@ -22,6 +22,7 @@ MATRIX = {
         "mirrored, shard_optimizer 2": "equal, optimizer not split (says so)",
         "pipeline": "equal, not pipelined (says so)",
     },
+    "guide_multi_worker_keras.py": {kind: "equal" for kind in KINDS},  # without TF_CONFIG: one process
 }
 
 # Scripts launched as several processes (`tfdist launch -- python ...`).

@@ -71,7 +71,20 @@ def _custom_training_loop(directory, sets, replicas, job=None):
         proc.stderr
 
 
-RUN = {"guide_keras_distributed.py": _keras_distributed, "guide_custom_training_loop.py": _custom_training_loop}
+def _multi_worker_keras(directory, sets, replicas, job=None):
+    """TensorFlow's multi-worker Keras guide: `fit` with BackupAndRestore, then the chief's save (the others save a
+    scratch copy they delete); the saved model's weights, and nothing else left behind (the backup is deleted)."""
+    import keras
+
+    proc = _script("guide_multi_worker_keras.py", sets, "--epochs", 2, "--steps_per_epoch", 5,
+                   "--per_worker_batch", 128 // replicas, "--model_path", directory / "model.keras",
+                   "--backup_dir", directory / "backup", job=job)
+    assert os.listdir(directory) == ["model.keras"]
+    return {w.path: w.numpy() for w in keras.models.load_model(directory / "model.keras").weights}, proc.stderr
+
+
+RUN = {"guide_keras_distributed.py": _keras_distributed, "guide_custom_training_loop.py": _custom_training_loop,
+       "guide_multi_worker_keras.py": _multi_worker_keras}
 
 
 _ONE_DEVICE: dict = {}  # guide -> its one-device run's weights, run once per test process
