@@ -51,6 +51,7 @@ LAUNCHED = {
     "guide_multi_worker_keras.py": {
         MULTI_WORKER: ("equal", "tests/launch/test_local.py::"
                                 "test_a_users_own_script_runs_as_every_task_and_trains_as_on_one_device"),
+        HOROVOD: ("equal", None),  # its chief found by `strategy.cluster_resolver`: rank 0 is worker 0
         SLURM: ("trains; the chief runs it, the others serve, the chief saves the model", "tests/launch/test_slurm.py::"
                 "test_a_users_own_script_runs_through_sbatch_on_the_chief_and_tfdist_serves_it"),
         PODS: ("trains; the chief saves the model",

@@ -70,7 +70,9 @@ def matches_single_process(op="average", fp16_compression="0", accumulation="1",
         _compile(model, 0.1, accumulation, clipnorm)
     initial = [w.copy() for w in model.get_weights()]
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    resolver = strategy.cluster_resolver  # as TensorFlow's multi-worker guides find their chief
     result = {"rank": strategy.rank, "size": strategy.size, "iterations": int(model.optimizer.iterations.numpy()),
+              "task": [resolver.task_type, resolver.task_id, len(resolver.cluster_spec().as_dict()["worker"])],
               "weights_checksum": float(sum(np.abs(w).sum() for w in model.get_weights()))}
     evaluate = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
@@ -173,6 +175,7 @@ def _split_optimizer(name):
         return optimizer
     return {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
             "adam": lambda: keras.optimizers.Adam(0.01),
+            "adam_accumulating_4": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=4),
             "mixed_float16_adam": lambda: keras.optimizers.Adam(0.01),  # compile adds loss scaling
             "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1)}[name]()
 

@@ -244,6 +244,14 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
     def size(self) -> int:
         return self.hvd.size()
 
+    @property
+    def cluster_resolver(self) -> tf.distribute.cluster_resolver.ClusterResolver:
+        """The ranks as TensorFlow's multi-worker guides read a cluster: job `worker`, this process task `rank` of
+        `size`, so a script that saves from `task_type == "worker" and task_id == 0` (its chief) runs unchanged.
+        The ranks' addresses are Horovod's own: the spec names each by its rank."""
+        spec = tf.train.ClusterSpec({"worker": [f"horovod-rank-{rank}" for rank in range(self.size)]})
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=self.rank)
+
     multi_process = True
 
     def input_workers(self) -> tuple[int, Optional[int]]:
