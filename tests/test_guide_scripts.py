@@ -83,8 +83,19 @@ def _multi_worker_keras(directory, sets, replicas, job=None):
     return {w.path: w.numpy() for w in keras.models.load_model(directory / "model.keras").weights}, proc.stderr
 
 
+def _parameter_server_guide(directory, sets, replicas, job=None):
+    """TensorFlow's parameter-server guide: `fit` on a dataset function's dataset, then its custom loop (under
+    parameter servers of `ClusterCoordinator.schedule` steps, elsewhere of `strategy.run` steps); both parts'
+    weights. Launched, the chief runs it and the other tasks serve."""
+    del replicas  # the guide's batch is global
+    proc = _script("guide_parameter_server.py", sets, "--weights_out", directory / "weights.npz", job=job)
+    assert proc.stdout.count("Finished epoch 1, accuracy is") == 1, proc.stdout
+    weights = {part: np.load(directory / f"weights-{part}.npz") for part in ("fit", "custom_loop")}
+    return {f"{part}/{key}": arrays[key] for part, arrays in weights.items() for key in arrays}, proc.stderr
+
+
 RUN = {"guide_keras_distributed.py": _keras_distributed, "guide_custom_training_loop.py": _custom_training_loop,
-       "guide_multi_worker_keras.py": _multi_worker_keras}
+       "guide_multi_worker_keras.py": _multi_worker_keras, "guide_parameter_server.py": _parameter_server_guide}
 
 
 _ONE_DEVICE: dict = {}  # guide -> its one-device run's weights, run once per test process
@@ -134,28 +145,6 @@ def test_a_custom_loop_called_on_the_parameter_servers_chief_is_refused_in_one_l
            "strategy.coordinator.schedule(" in proc.stderr, proc.stderr[-3000:]
     assert "tfdist launch: error: chief 0 failed (exit code 1)" in proc.stderr
     assert not os.listdir(tmp_path)  # nothing trained, nothing saved
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_the_parameter_server_guide_launched_with_one_worker_equals_one_device(tmp_path):
-    """TensorFlow's parameter-server guide on the chief (the worker and server are `tfdist serve`): `fit`, and its
-    custom loop of `ClusterCoordinator.schedule` steps. One worker runs the steps in order, so both equal one
-    device; with more, the updates are asynchronous (docs/strategies/parameter-server.md)."""
-    script = [sys.executable, os.path.join(ROOT, "examples", "guide_parameter_server.py")]
-    one = zygote.run([*script, "--set", "strategy.kind=one_device", "--weights_out", tmp_path / "one.npz"],
-                     capture_output=True, text=True, timeout=patient(300), cwd=ROOT)
-    assert one.returncode == 0, why_it_failed(one.stderr)
-    kind = "strategy.kind=parameter_server"
-    launched = zygote.run([sys.executable, "-m", "tfdist.cli", "launch", "--workers", "1", "--ps", "1", "--set", kind,
-                           "--", *script, "--set", kind, "--weights_out", tmp_path / "ps.npz"],
-                          capture_output=True, text=True, timeout=patient(300), cwd=ROOT)
-    assert launched.returncode == 0, why_it_failed(launched.stderr)
-    assert launched.stdout.count("Finished epoch 1, accuracy is") == one.stdout.count("Finished epoch 1") == 1
-    for part in ("fit", "custom_loop"):
-        expected, got = np.load(tmp_path / f"one-{part}.npz"), np.load(tmp_path / f"ps-{part}.npz")
-        for key in expected:
-            np.testing.assert_allclose(got[key], expected[key], atol=1e-5, err_msg=part)
 
 
 def test_the_pages_tables_are_what_a_run_of_every_passing_cell_writes():
