@@ -32,7 +32,8 @@ _PART = flags.DEFINE_enum("part", "both", ["fit", "custom_loop", "both"], "Which
 _STEPS = flags.DEFINE_integer("steps_per_epoch", 10, "Steps per epoch (fit) and per loop epoch.")
 _EPOCHS = flags.DEFINE_integer("epochs", 2, "Epochs.")
 _BATCH = flags.DEFINE_integer("global_batch_size", 64, "Examples a step.")
-_WEIGHTS_OUT = flags.DEFINE_string("weights_out", None, "Write each part's final weights here (.npz, per part).")
+_WEIGHTS_OUT = flags.DEFINE_string("weights_out", None,
+                                   "Write each part's final weights here (.npz, per part), from the chief.")
 
 
 def dataset_fn(global_batch_size: int, input_context=None):
@@ -122,7 +123,7 @@ def main(argv):
     parts = {"fit": train_with_fit, "custom_loop": train_with_a_custom_loop}
     for name in parts if _PART.value == "both" else [_PART.value]:
         model = parts[name](strategy)
-        if _WEIGHTS_OUT.value:
+        if _WEIGHTS_OUT.value and tfdist.is_chief(strategy):  # launched as several processes, one writes
             np.savez(_WEIGHTS_OUT.value.replace(".npz", f"-{name}.npz"), *model.get_weights())
 
 

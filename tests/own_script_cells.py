@@ -37,16 +37,18 @@ HOROVOD = "tfdist launch --workers 2 (Horovod)"
 PARAMETER_SERVERS = "tfdist launch --workers 1 --ps 1 (parameter servers)"
 SLURM = "tfdist slurm --tasks 3 (parameter servers, on a real Slurm)"
 PODS = "tfdist k8s --workers 2 (multi-worker pods, run as local processes)"
+HOSTS = "tfdist launch --workers 2 --hosts 2 --link 1gbit (multi-worker on two namespace hosts)"
 JOBS = {  # job -> the launcher's task flags, the strategy, how many processes run the script
     MULTI_WORKER: (["--workers", "2"], "strategy.kind=multi_worker_mirrored", 2),
     HOROVOD: (["--workers", "2"], "strategy.kind=horovod", 2),
     PARAMETER_SERVERS: (["--workers", "1", "--ps", "1"], "strategy.kind=parameter_server", 1),  # the chief's
+    HOSTS: (["--workers", "2", "--hosts", "2", "--link", "1gbit"], "strategy.kind=multi_worker_mirrored", 2),
 }
 LAUNCHED_EQUAL = "tests/test_guide_scripts.py::test_a_guide_script_launched_as_several_processes_equals_one_device"
 _HOROVOD_KERAS = "the checkpoints rank 0 saves load with their `DistributedOptimizer`"
 # guide script -> job -> (what the cell says, the test that shows it; None: LAUNCHED_EQUAL[script-job]).
 LAUNCHED = {
-    "guide_keras_distributed.py": {job: ("equal", None) for job in (MULTI_WORKER, HOROVOD, PARAMETER_SERVERS)},
+    "guide_keras_distributed.py": {job: ("equal", None) for job in (MULTI_WORKER, HOROVOD, PARAMETER_SERVERS, HOSTS)},
     "guide_custom_training_loop.py": {
         MULTI_WORKER: ("equal", None),
         HOROVOD: ("equal", None),
@@ -58,6 +60,7 @@ LAUNCHED = {
         MULTI_WORKER: ("equal", "tests/launch/test_local.py::"
                                 "test_a_users_own_script_runs_as_every_task_and_trains_as_on_one_device"),
         HOROVOD: ("equal", None),  # its chief found by `strategy.cluster_resolver`: rank 0 is worker 0
+        PARAMETER_SERVERS: ("equal", None),  # one worker runs the steps in order
         SLURM: ("trains; the chief runs it, the others serve, the chief saves the model", "tests/launch/test_slurm.py::"
                 "test_a_users_own_script_runs_through_sbatch_on_the_chief_and_tfdist_serves_it"),
         PODS: ("trains; the chief saves the model",
@@ -65,6 +68,8 @@ LAUNCHED = {
     },
     "guide_parameter_server.py": {
         PARAMETER_SERVERS: ("equal (`fit`, and the custom loop of `ClusterCoordinator.schedule` steps)", None),
+        MULTI_WORKER: ("equal (`fit`, and the custom loop of `strategy.run` steps)", None),
+        HOROVOD: ("equal (`fit`, and the custom loop of `strategy.run` steps)", None),
     },
     # Horovod's examples scale the rate by the ranks and shuffle each rank's shard: their own accuracy bound.
     "horovod_keras_digits.py": {
