@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
-from tfdist._compat.tf_distribute import distribute_lib, distribute_utils, input_util, mirrored_strategy
+from tfdist._compat.tf_distribute import distribute_lib, distribute_utils, mirrored_strategy
 
 from tfdist import _compat
 from tfdist.config.schema import HorovodOp
@@ -51,6 +51,7 @@ from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState
 from tfdist.strategies.base import StrategyContract
+from tfdist.strategies.process_input import PerProcessInput
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
 
@@ -61,7 +62,7 @@ DEFAULT_STEP_TIMEOUT_SECONDS = 600.0  # long enough for a large model's step or 
 _HOROVOD_STALL_CHECK_SECONDS = 60.0  # Horovod's own default
 
 
-class _HorovodExtended(mirrored_strategy.MirroredExtended):
+class _HorovodExtended(PerProcessInput, mirrored_strategy.MirroredExtended):
     """MirroredStrategy on this process's one device, counted among all ranks."""
 
     def __init__(self, container_strategy, device: str, cross_device_ops: HorovodAllReduce, hvd):
@@ -95,31 +96,8 @@ class _HorovodExtended(mirrored_strategy.MirroredExtended):
     def should_save_summary(self):
         return self._hvd.rank() == 0
 
-    def _input_context(self) -> tf.distribute.InputContext:
-        return tf.distribute.InputContext(
-            num_input_pipelines=self._hvd.size(),
-            input_pipeline_id=self._hvd.rank(),
-            num_replicas_in_sync=self._hvd.size(),
-        )
-
-    def _experimental_distribute_dataset(self, dataset, options):
-        return input_util.get_distributed_dataset(
-            dataset,
-            self._input_workers_with_options(options),
-            self._container_strategy(),
-            num_replicas_in_sync=self._num_replicas_in_sync,
-            input_context=self._input_context(),
-            options=options,
-        )
-
-    def _distribute_datasets_from_function(self, dataset_fn, options):
-        return input_util.get_distributed_datasets_from_function(
-            dataset_fn=dataset_fn,
-            input_workers=self._input_workers_with_options(options),
-            input_contexts=[self._input_context()],
-            strategy=self._container_strategy(),
-            options=options,
-        )
+    def _process_place(self) -> tuple[int, int]:
+        return self._hvd.rank(), self._hvd.size()
 
     def _create_variable(self, next_creator, **kwargs):
         initial_value = kwargs["initial_value"]

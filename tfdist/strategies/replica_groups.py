@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf
-from tfdist._compat.tf_distribute import (cross_device_ops_lib, device_util, distribute_utils, input_util,
+from tfdist._compat.tf_distribute import (cross_device_ops_lib, device_util, distribute_utils,
                                           mirrored_strategy, values)
 
 from tfdist import _compat
@@ -49,6 +49,7 @@ from tfdist.parallel.device_group import DeviceGroup, current_replica
 from tfdist.parallel.optimizer_shards import shards_of
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.process_group import ProcessGroup
+from tfdist.strategies.process_input import PerProcessInput
 
 __all__ = ["ProcessLayoutError", "ReplicaGroupsStrategy", "bytes_by_device"]
 
@@ -133,7 +134,7 @@ class _SlicesAcrossProcesses:
         return self.processes.all_gather(ours, self.devices[0])
 
 
-class _ReplicaGroupsExtended(mirrored_strategy.MirroredExtended):
+class _ReplicaGroupsExtended(PerProcessInput, mirrored_strategy.MirroredExtended):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # (variable, the variable it was made beside): optimizer slots, found again by `move_variables`.
@@ -182,35 +183,8 @@ class _ReplicaGroupsExtended(mirrored_strategy.MirroredExtended):
 
         return tf.nest.map_structure(reduce_one, value)
 
-    def _input_context(self) -> tf.distribute.InputContext:
-        return tf.distribute.InputContext(
-            num_input_pipelines=self._processes.size,
-            input_pipeline_id=self._processes.index,
-            num_replicas_in_sync=self._num_replicas_in_sync,
-        )
-
-    def _experimental_distribute_dataset(self, dataset, options):
-        if self._processes is None:
-            return super()._experimental_distribute_dataset(dataset, options)
-        return input_util.get_distributed_dataset(
-            dataset,
-            self._input_workers_with_options(options),
-            self._container_strategy(),
-            num_replicas_in_sync=self._num_replicas_in_sync,
-            input_context=self._input_context(),
-            options=options,
-        )
-
-    def _distribute_datasets_from_function(self, dataset_fn, options):
-        if self._processes is None:
-            return super()._distribute_datasets_from_function(dataset_fn, options)
-        return input_util.get_distributed_datasets_from_function(
-            dataset_fn=dataset_fn,
-            input_workers=self._input_workers_with_options(options),
-            input_contexts=[self._input_context()],
-            strategy=self._container_strategy(),
-            options=options,
-        )
+    def _process_place(self) -> Optional[tuple[int, int]]:
+        return (self._processes.index, self._processes.size) if self._processes is not None else None
 
     def _create_variable(self, next_creator, **kwargs):
         if self._processes is not None:
