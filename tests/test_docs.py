@@ -18,12 +18,13 @@ elastic Horovod one under an elastic horovodrun of one slot.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, doc_blocks, why_it_failed
+from helpers import HOROVODRUN, ROOT, doc_blocks, doc_pages, why_it_failed
 import zygote
 
 README_LAYERS = (
@@ -97,6 +98,19 @@ def test_docs_block_runs(page, block, tmp_path):
     else:
         proc = _run(block, tmp_path)
     assert proc.returncode == 0, f"a block of {page} failed:\n{block}\n{why_it_failed(proc.stdout + proc.stderr)}"
+
+
+def test_every_image_the_docs_show_exists():
+    """An image a page shows, in Markdown or HTML, relative to the page (mkdocs checks only its links)."""
+    shown, missing = 0, []
+    for page in doc_pages():
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            text = f.read()
+        for image in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", text) + re.findall(r"<img [^>]*src=\"([^\"]+)\"", text):
+            shown += 1
+            if not image.startswith("http") and not os.path.isfile(os.path.join(ROOT, os.path.dirname(page), image)):
+                missing.append(f"{page}: {image}")
+    assert shown >= 1 and missing == []
 
 
 def test_every_yaml_block_is_a_valid_config():
