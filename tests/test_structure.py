@@ -112,3 +112,46 @@ def test_strategies_are_asked_only_through_the_contract():
                     and node.args and STRATEGY.search(ast.get_source_segment(source, node.args[0]))):
                 probes.append(f"{module}:{node.lineno} {ast.get_source_segment(source, node)}")
     assert probes == []
+
+
+TREES = {module: ast.parse(open(path).read()) for module, path in MODULES.items()}
+
+
+def _names_tfdist_defines() -> set[str]:
+    """Every function, class and argument tfdist defines, and every attribute it sets on `self` or `cls`."""
+    names = set()
+    for tree in TREES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+    return names
+
+
+def test_tensorflow_and_keras_internals_are_reached_only_from_compat():
+    """Outside `tfdist._compat`: no `tensorflow.python` or `keras.src` import, no `tf.__internal__`, and no
+    `x._name` that tfdist does not define itself, so that an upgrade that moves one breaks one package.
+    `self._name` is allowed (a class extending one of theirs, from `_compat.tf_distribute`), as are `os._exit`
+    and the `_tfdist_*` marks tfdist leaves on Keras's objects."""
+    ours, reaches = _names_tfdist_defines(), []
+    for module, tree in TREES.items():
+        if module.startswith("tfdist._compat"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                named = [getattr(node, "module", None) or ""] + [alias.name for alias in node.names]
+                reaches += [f"{module}:{node.lineno} import {name}" for name in named
+                            if name.startswith(("tensorflow.python", "keras.src"))]
+            elif isinstance(node, ast.Attribute) and node.attr == "__internal__":
+                reaches.append(f"{module}:{node.lineno} __internal__")
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and not node.attr.startswith("_tfdist") and node.attr not in ours
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os"))):
+                reaches.append(f"{module}:{node.lineno} .{node.attr}")
+    assert reaches == []

@@ -5,8 +5,8 @@ distributed update, which an optimizer state split over devices takes over."""
 from __future__ import annotations
 
 __all__ = ["build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state",
-           "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created",
-           "replace_update_step"]
+           "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created", "nested_layers",
+           "optimizer_variables", "replace_update_step", "start_at_epoch", "variable_index"]
 
 def graph_nodes(model):
     """The layer graph of a Sequential or functional Keras model.
@@ -119,3 +119,34 @@ def replace_accumulated_update(optimizer, update) -> None:
 def accumulated_update(optimizer):
     """The update `replace_accumulated_update` gave `optimizer`, or None."""
     return vars(optimizer).get("_tfdist_accumulated_update")
+
+
+def nested_layers(model) -> list:
+    """Every layer inside `model`, nested models' layers included, without the model itself.
+
+    Keras's `model.layers` lists the top level only; its own recursive walk
+    (`_flatten_layers`) has no public name. Placement, pipeline stages and
+    tensor-parallel reports need the layers a nested model holds."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def start_at_epoch(model, epoch: int) -> None:
+    """Makes the next `fit` of `model` start its epoch loop at `epoch`, as `fit(initial_epoch=epoch)` would.
+
+    A resuming callback learns the epoch in `on_train_begin`, after `fit` read
+    its `initial_epoch` argument; Keras reads the loop's start from this
+    attribute only after the callbacks' `on_train_begin`."""
+    model._initial_epoch = epoch
+
+
+def optimizer_variables(optimizer) -> list:
+    """The model variables `optimizer` was built for, in its slots' order (its `build(variables)` argument).
+
+    Keras keeps them privately; an optimizer split over devices makes one
+    slice per variable in this order."""
+    return list(optimizer._trainable_variables)
+
+
+def variable_index(optimizer, variable) -> int:
+    """The position of `variable` among `optimizer_variables(optimizer)`, as Keras finds its slots."""
+    return optimizer._get_variable_index(variable)

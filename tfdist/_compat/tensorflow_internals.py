@@ -3,8 +3,10 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
-__all__ = ["all_gather", "auto_shard", "collective_launchers", "configure_coordination_service", "merge_calls_in_place",
-           "needs_gradient", "partition_graphs", "peer_answers", "remake_variables", "slice_of_sum"]
+__all__ = ["all_gather", "auto_shard", "broadcast", "collective_launchers", "configure_coordination_service",
+           "graph_functions", "maybe_merge_call", "merge_calls_in_place", "needs_gradient", "op_flops",
+           "partition_graphs", "peer_answers", "remake_variables", "scheduled_by_coordinator", "slice_of_sum",
+           "worker_place"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
     """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's
@@ -222,3 +224,52 @@ def merge_calls_in_place(extended_class) -> None:
 
 
 _MERGE_IN_PLACE: set = set()
+
+
+def maybe_merge_call(fn, strategy, *args):
+    """`fn(distribution, *args)` in cross-replica context, called from a replica: through `merge_call` where the
+    strategy uses it, else directly (Keras's optimizers apply their updates this way; TensorFlow exports it only
+    under `tf.__internal__`)."""
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
+
+
+def graph_functions(graph) -> list:
+    """The graphs of the functions `graph`'s library holds (the bodies of its `tf.function` calls, conds and
+    loops), which `graph.get_operations()` does not list and no public API walks."""
+    return [function.graph for function in graph._functions.values() if hasattr(function, "graph")]
+
+
+def broadcast(launcher, keys, value, size: int, send: bool):
+    """`value` of the process that `send`s, on every process of `launcher`'s collective group: one collective.
+    The launcher's group key and device, which its public methods keep to themselves, name the group."""
+    import tensorflow as tf
+    from tensorflow.python.ops import collective_ops
+
+    instance = keys.get_instance_key(launcher._group_key, launcher._device)
+    value = tf.convert_to_tensor(value)
+    with tf.device(launcher._device):
+        if send:
+            return collective_ops.broadcast_send_v2(value, size, launcher._group_key, instance)
+        return collective_ops.broadcast_recv_v2(tf.shape(value), value.dtype, size, launcher._group_key, instance)
+
+
+def worker_place(strategy) -> tuple[int, int, object]:
+    """(the workers of a MultiWorkerMirroredStrategy's cluster, this task's index among them, its
+    communication options), which its extended strategy keeps privately."""
+    extended = strategy.extended
+    return extended._num_workers, extended._id_in_cluster, extended._communication_options
+
+
+def op_flops(graph, op) -> float:
+    """The FLOPs TensorFlow's statistics give `op` (as its profiler counts them; 0 for an op type without
+    statistics), without the warning the TF1 helper behind them prints once."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.util import deprecation
+
+    with deprecation.silence():
+        try:
+            return float(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
+        except ValueError:  # no statistics registered for the op type: no arithmetic worth counting
+            return 0.0

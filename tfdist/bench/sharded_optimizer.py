@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from tfdist import _compat
 from tfdist.bench.timing import alternate, fit_round, medians
 
 __all__ = ["measure", "step_collectives"]
@@ -133,8 +134,8 @@ def step_collectives(model, batch) -> dict[str, Any]:
     inputs = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch))))
     graph = tf.function(lambda data: strategy.run(model.train_step, args=(data,))).get_concrete_function(inputs).graph
     ops = list(graph.get_operations())
-    for function in graph._functions.values():
-        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+    for function_graph in _compat.graph_functions(graph):
+        ops += list(function_graph.get_operations())
 
     def nbytes(tensors):
         return sum(math.prod(t.shape) * t.dtype.size for t in tensors)

@@ -131,7 +131,7 @@ class Checkpoint(Preemption):
         meta = self.store.restore_latest(self._restore)
         if meta is not None:
             self.resumed_from_step = self._step = meta["step"]
-            self.model._initial_epoch = meta["epoch"]  # Keras starts its epoch loop there
+            _compat.start_at_epoch(self.model, meta["epoch"])
             self._resume_step_in_epoch = meta["step_in_epoch"]
             _compat.resume_epoch_iterator(self._iterator, skip_batches=meta["iterator_batches"],
                                           first_step=meta["step_in_epoch"])

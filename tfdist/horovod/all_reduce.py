@@ -42,7 +42,7 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         return cross_device_ops_lib.simple_broadcast(reduced, destinations, always_mirrored=True)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        reduced = self._all_reduce_group(reduce_op, [_local_value(v) for v, _ in value_destination_pairs])
+        reduced = self.all_reduce_group(reduce_op, [_local_value(v) for v, _ in value_destination_pairs])
         return [
             cross_device_ops_lib.simple_broadcast(r, destinations, always_mirrored=True)
             for r, (_, destinations) in zip(reduced, value_destination_pairs)
@@ -59,7 +59,7 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         flat = tf.nest.flatten(value)
         sparse = [isinstance(v, tf.IndexedSlices) and self.op != "adasum" for v in flat]
         dense = [tf.convert_to_tensor(v) for v, is_sparse in zip(flat, sparse) if not is_sparse]
-        reduced = iter(self._all_reduce_group(reduce_op, dense) if dense else [])
+        reduced = iter(self.all_reduce_group(reduce_op, dense) if dense else [])
         return tf.nest.pack_sequence_as(
             value, [self._all_gather(reduce_op, v) if is_sparse else next(reduced) for v, is_sparse in zip(flat, sparse)]
         )
@@ -78,7 +78,7 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         return (self._hvd.Sum if self.op == "sum" else self._hvd.Adasum), size
 
     def _all_gather(self, reduce_op, slices: tf.IndexedSlices) -> tf.IndexedSlices:
-        """Every rank's rows and indices, scaled as `_all_reduce_group` reduces dense values."""
+        """Every rank's rows and indices, scaled as `all_reduce_group` reduces dense values."""
         op, prescale = self._reduction(reduce_op)
         scale = prescale / self._hvd.size() if op == self._hvd.Average else prescale
         values = self._hvd.allgather(slices.values)
@@ -86,7 +86,7 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
             values = values * tf.cast(scale, values.dtype)
         return tf.IndexedSlices(values, self._hvd.allgather(slices.indices), slices.dense_shape)
 
-    def _all_reduce_group(self, reduce_op, tensors: list) -> list:
+    def all_reduce_group(self, reduce_op, tensors: list) -> list:
         """One grouped (fused) all-reduce of a step's gradients, with the configured op."""
         op, prescale = self._reduction(reduce_op)
         if op == self._hvd.Adasum:

@@ -32,6 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _compat
 from tfdist.strategies.base import contract
 
 __all__ = ["ShardedEmbedding", "shard_placement", "shard_rows"]
@@ -137,7 +138,7 @@ def shard_placement(model: keras.Model) -> dict[str, list[str]]:
     """The device of every shard of each `ShardedEmbedding` in `model`, by layer name."""
     return {
         layer.name: [shard.value.device for shard in layer.shards]
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in _compat.nested_layers(model)
         if isinstance(layer, ShardedEmbedding)
     }
 

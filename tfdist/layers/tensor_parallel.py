@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_group
 from tfdist.parallel.placement import on_device
 
@@ -43,7 +44,7 @@ __all__ = ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "
 
 def split_layers(model: keras.Model) -> list[keras.layers.Layer]:
     """The layers of `model`, nested ones too, whose weights split over a device group of more than one device."""
-    return [layer for layer in model._flatten_layers()  # noqa: SLF001  (Keras's own walk, nested models included)
+    return [layer for layer in _compat.nested_layers(model)
             if isinstance(layer, _TensorParallelLayer) and layer.group.size > 1]
 
 

@@ -53,7 +53,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist._compat.tf_distribute import numpy_dataset
+from tfdist._compat.tf_distribute import Trackable, numpy_dataset
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "SplitsOptimizerState",
            "checkpointed_variables", "collective_ops_stage", "held_variables", "report_of", "shard_optimizer_state",
@@ -184,7 +184,7 @@ class OptimizerShards:
         """
         if not self.copies:  # not built yet: the slices will be made beside the variables
             return
-        index = {id(v): i for i, v in enumerate(self.inner._trainable_variables)}
+        index = {id(v): i for i, v in enumerate(_compat.optimizer_variables(self.inner))}
         for d, copy in enumerate(self.copies):
             remade = []
             for variable, devices in moves:
@@ -200,8 +200,7 @@ class OptimizerShards:
         its slices), each device updates its slices with its copy's own rule, at the optimizer's step
         (which Adam's bias correction reads), and the updated slices are all-gathered into every
         device's weights."""
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._update_slices, self.strategy, grads, variables, learning_rate)
+        _compat.maybe_merge_call(self._update_slices, self.strategy, grads, variables, learning_rate)
 
     def update_accumulated(self, distribution, averages, variables, learning_rate, only_if):
         """A step of Keras's gradient accumulation (`gradient_accumulation_steps`), in cross-replica context:
@@ -212,7 +211,7 @@ class OptimizerShards:
 
     def _update_slices(self, distribution, grads, variables, learning_rate, reduced=False, only_if=None):
         collectives, parts = self.collectives, self.collectives.parts
-        indices = [self.inner._get_variable_index(v) for v in variables]
+        indices = [_compat.variable_index(self.inner, v) for v in variables]
         by_dtype = {}  # one reduce-scatter and one all-gather per dtype
         for position, variable in enumerate(variables):
             by_dtype.setdefault(variable.dtype, []).append(position)
@@ -295,7 +294,7 @@ class OptimizerShards:
         return self.optimizer.variables + self.whole_slots
 
 
-class WholeSlot(tf.__internal__.tracking.Trackable):
+class WholeSlot(Trackable):
     """One slot variable of the unsplit optimizer, made of the devices' slices of it: gathered when
     read or saved, cut into the slices when assigned or restored.
 

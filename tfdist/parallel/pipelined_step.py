@@ -25,6 +25,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfdist import _compat
 from tfdist.parallel import partition as partition_lib
 
 __all__ = ["PipelinedStep", "split_micro_batches"]
@@ -98,7 +99,7 @@ class PipelinedStep:
 
     def _keep_state(self, stage: partition_lib.Stage, scope, share) -> None:
         statistics = {}
-        for layer in stage.model._flatten_layers(include_self=False):
+        for layer in _compat.nested_layers(stage.model):
             if isinstance(layer, keras.layers.BatchNormalization) and not layer.renorm and layer.trainable:
                 statistics[id(layer.moving_mean)] = statistics[id(layer.moving_variance)] = layer
         for variable in stage.model.variables:

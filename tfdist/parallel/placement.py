@@ -151,4 +151,4 @@ def call_in_context(operation, context: Callable[[], ContextManager]) -> None:
 
 
 def _layers_by_name(model: keras.Model) -> dict:
-    return {layer.name: layer for layer in model._flatten_layers(include_self=False, recursive=True)}
+    return {layer.name: layer for layer in _compat.nested_layers(model)}

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tfdist import _compat
+
 __all__ = ["LayerCost", "ModelProfile", "profile"]
 
 TRAINING_FLOPS_PER_FORWARD = 3  # forward, then the backward's products for the inputs and for the weights
@@ -161,8 +163,6 @@ def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict
     (the model's input counts as the first layer's).
     """
     import tensorflow as tf
-    from tensorflow.python.framework import ops
-    from tensorflow.python.util import deprecation
 
     owners: dict[str, str] = {}  # op name: the top-level layer whose call created it
 
@@ -199,10 +199,9 @@ def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict
     forward, backward = operations[:traced["step"][1]], operations[traced["step"][1]:]
     first_layer = next((layer.name for layer in model.layers if layer.name in owners.values()), "")
     flops: dict[str, float] = {}
-    with deprecation.silence():  # the profiler's statistics call a TF1 helper that warns once
-        for op in forward:
-            if op.name in owners:
-                flops[owners[op.name]] = flops.get(owners[op.name], 0.0) + _op_flops(graph, op, ops)
+    for op in forward:
+        if op.name in owners:
+            flops[owners[op.name]] = flops.get(owners[op.name], 0.0) + _op_flops(graph, op)
     forward_names = {op.name for op in forward}
     kept: dict[str, int] = {}
     read = {t.name: t for op in backward for t in op.inputs if t.op.name in forward_names}
@@ -214,14 +213,11 @@ def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict
     return flops, kept
 
 
-def _op_flops(graph, op, ops) -> float:
+def _op_flops(graph, op) -> float:
     if op.type == "Einsum":
         inputs, _ = op.get_attr("equation").decode().split("->")
         sizes = {}
         for letters, tensor in zip(inputs.split(","), op.inputs):
             sizes.update(zip(letters, tensor.shape))
         return 2.0 * math.prod(sizes.values())
-    try:
-        return float(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
-    except ValueError:  # no statistics registered for the op type: no arithmetic worth counting
-        return 0.0
+    return _compat.op_flops(graph, op)

@@ -206,6 +206,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         self._elastic_resets = 0
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None
         cross_device_ops = HorovodAllReduce(hvd, op=op, fp16_compression=fp16_compression)
+        self.horovod_all_reduce = cross_device_ops  # the ranks' collectives, for process groups
         _compat.merge_calls_in_place(_HorovodExtended)  # loss scaling's cond updates a variable by merge_call
         super().__init__(_HorovodExtended(self, device or _local_device(hvd), cross_device_ops, hvd))
 

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 from tfdist import _compat
-from tfdist._compat.tf_distribute import collective_ops, collective_util, context, cross_device_utils
+from tfdist._compat.tf_distribute import collective_util, context, cross_device_utils
 
 from tfdist.errors import ClusterError
 from tfdist.strategies.horovod import HorovodStrategy
@@ -100,8 +100,8 @@ class WorkerProcesses(ProcessGroup):
     name = "multi_worker"
 
     def __init__(self, strategy):
-        super().__init__(strategy, strategy.extended._num_workers, strategy.extended._id_in_cluster)
-        self._options = strategy.extended._communication_options
+        workers, index, self._options = _compat.worker_place(strategy)
+        super().__init__(strategy, workers, index)
         self._keys = cross_device_utils.CollectiveKeys(group_key_start=_GROUP_KEY_START)
         self._launchers: dict[str, cross_device_utils.CollectiveReplicaLauncher] = {}
         self._lock = threading.Lock()
@@ -127,15 +127,7 @@ class WorkerProcesses(ProcessGroup):
         return reduced
 
     def broadcast(self, value):
-        launcher = self._launcher("/cpu:0")
-        instance = self._keys.get_instance_key(launcher._group_key, launcher._device)
-        value = tf.convert_to_tensor(value)
-        with tf.device(launcher._device):
-            if self.index == 0:
-                return collective_ops.broadcast_send_v2(value, self.size, launcher._group_key, instance)
-            return collective_ops.broadcast_recv_v2(
-                tf.shape(value), value.dtype, self.size, launcher._group_key, instance
-            )
+        return _compat.broadcast(self._launcher("/cpu:0"), self._keys, value, self.size, send=self.index == 0)
 
     def all_gather(self, tensor, device=None):
         return _compat.all_gather(self._launcher(device or tensor.device or "/cpu:0"), tensor)
@@ -161,7 +153,7 @@ class HorovodProcesses(ProcessGroup):
 
     def all_reduce(self, reduce_op, tensors, device):
         with tf.device(device):
-            return self.strategy.extended._cross_device_ops._all_reduce_group(reduce_op, list(tensors))
+            return self.strategy.horovod_all_reduce.all_reduce_group(reduce_op, list(tensors))
 
     def broadcast(self, value):
         self._broadcasts += 1  # the same name on every rank: variables are made in the same order

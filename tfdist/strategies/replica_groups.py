@@ -140,6 +140,7 @@ class _ReplicaGroupsExtended(PerProcessInput, mirrored_strategy.MirroredExtended
         # (variable, the variable it was made beside): optimizer slots, found again by `move_variables`.
         self._made_beside: list[tuple[weakref.ref, weakref.ref]] = []
         self._processes: Optional[ProcessGroup] = None  # set by the strategy for a multi-process job
+        self._across: Optional[_AcrossProcesses] = None  # the cross-device ops across them, set with them
 
     # What changes when the replicas span processes (`ReplicaGroupsStrategy(processes=...)`).
 
