@@ -89,3 +89,31 @@ def test_keras_builds_the_model_without_reading_a_distributed_iterator(monkeypat
     history = model.fit(x, y, batch_size=8, epochs=2, validation_data=(x[:5], y[:5]), verbose=0)
     model.evaluate(x[:5], y[:5], verbose=0)
     assert made_by_build == [] and len(history.history["val_accuracy"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "pipeline"])
+def test_autograph_converts_a_custom_loops_step_and_leaves_tfdist_as_it_is(cpus, kind):
+    """tfdist's modules are excluded from AutoGraph as TensorFlow's and Keras's are (a fresh process spent
+    most of its trace rewriting them), while a user's step that branches on a tensor still becomes a
+    `tf.cond` under `strategy.run`, as with TensorFlow's own strategies."""
+    from tensorflow.python.autograph.impl import conversion
+
+    from tfdist import MirroredStrategy
+    from tfdist.parallel import partition
+    from tfdist.strategies import PipelineStrategy
+
+    strategy = (MirroredStrategy(["/cpu:0", "/cpu:1"]) if kind == "mirrored"
+                else PipelineStrategy(2, 2, devices=["/cpu:0", "/cpu:1"], verbose=False))
+    assert conversion.is_allowlisted(partition.split)
+
+    def step(x):
+        if tf.reduce_sum(x) > 0:  # a tensor in Python's `if`: runs only if AutoGraph converted the step
+            return x * 2.0
+        return -x
+
+    @tf.function
+    def run(x):
+        return strategy.run(step, args=(x,))
+
+    results = strategy.experimental_local_results(run(tf.constant([1.0, 2.0])))
+    assert [r.numpy().tolist() for r in results] == [[2.0, 4.0]] * len(results)

@@ -35,6 +35,7 @@ def weighted_by_batch_share(train_step):
     step it is handed (the pipeline's) can still find it.
     """
 
+    @tf.autograph.experimental.do_not_convert  # a train_step runs unconverted, as under Keras's own step
     @functools.wraps(train_step)
     def replica_step(data):
         context = tf.distribute.get_replica_context()
