@@ -1,11 +1,94 @@
-"""The public API as the README uses it, from a fresh interpreter (nothing imported before)."""
+"""The public API: the names docs/api.md lists, exported by each facade and documented there; and the API
+as the README uses it, from a fresh interpreter (nothing imported before)."""
 
+import ast
+import importlib
+import os
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 
 from helpers import ROOT, patient
+
+# The public API, facade by facade: each one's `__all__`. Everything else under tfdist/ is internal.
+PUBLIC = {
+    "tfdist": ["Checkpoint", "ClusterError", "Config", "ConfigError", "HorovodStrategy", "MirroredStrategy",
+               "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PipelineStrategy",
+               "TensorParallelStrategy", "Throughput", "__version__", "is_chief", "load_config", "make_strategy",
+               "prepare", "run"],
+    "tfdist.layers": ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense",
+                      "ShardedEmbedding", "shard_placement"],
+    "tfdist.callbacks": ["Checkpoint", "DeviceMetrics", "EXIT_PREEMPTED", "EXIT_TERMINATED", "InputStalls",
+                         "Preemption", "Throughput", "weights_digest"],
+    "tfdist.data": ["Digits", "Examples", "Source", "Split", "dataset_fn", "input_pipeline", "load_digits",
+                    "load_source", "steps_per_epoch", "training_dataset", "validation_dataset"],
+    "tfdist.parallel": ["DeviceGroup", "current_group"],
+    "tfdist.horovod.tensorflow": [
+        "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "Max", "Min",
+        "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
+        "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_object", "broadcast_variables",
+        "cross_rank", "cross_size", "elastic", "global_process_set", "gloo_enabled", "grouped_allgather",
+        "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized", "join", "local_rank",
+        "local_size", "mpi_enabled", "rank", "reducescatter", "remove_process_set", "shutdown", "size",
+        "start_timeline", "stop_timeline"],
+    "tfdist.horovod.tensorflow.keras": [
+        "Average", "BroadcastGlobalVariablesCallback", "Compression", "DistributedOptimizer",
+        "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback", "Sum", "allgather",
+        "allreduce", "broadcast", "callbacks", "elastic", "init", "is_initialized", "join", "load_model",
+        "local_rank", "local_size", "rank", "shutdown", "size", "start_timeline", "stop_timeline"],
+}
+API_PAGE = os.path.join(ROOT, "docs", "api.md")
+
+
+def _declared_all(module: str) -> list[str]:
+    """A facade's `__all__`, read from its source."""
+    path = os.path.join(ROOT, *module.split("."), "__init__.py")
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__":
+            return sorted(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} has no __all__")
+
+
+@pytest.mark.parametrize("facade", list(PUBLIC))
+def test_each_facade_exports_exactly_the_public_names(facade):
+    assert _declared_all(facade) == sorted(PUBLIC[facade])
+
+
+def _documented() -> dict[int, str]:
+    """id -> path of each object docs/api.md documents (its `::: module.Name` lines)."""
+    documented = {}
+    for path in re.findall(r"^::: (\S+)$", open(API_PAGE).read(), re.M):
+        module, _, name = path.rpartition(".")
+        try:
+            target = getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError:  # a name defined in a package's __init__
+            target = getattr(importlib.import_module(module.rpartition(".")[0]), module.rpartition(".")[2])
+        documented[id(target)] = path
+    return documented
+
+
+def _documented_by_horovod_or_in_text(value) -> bool:
+    """A name Horovod defines, passed through unchanged (Horovod documents it), a module, or a plain value
+    (`__version__`, the exit codes, Horovod's reduction ops), which the page names in its text."""
+    return (isinstance(value, (int, str, types.ModuleType))
+            or getattr(value, "__module__", "").startswith("horovod.") or type(value).__module__.startswith("horovod."))
+
+
+@pytest.mark.horovod
+def test_the_api_page_documents_every_public_name_of_tfdists_own_and_nothing_else():
+    documented = _documented()
+    public = {}  # id -> (facade.name, the object)
+    for facade, names in PUBLIC.items():
+        module = importlib.import_module(facade)
+        public.update({id(getattr(module, name)): (f"{facade}.{name}", getattr(module, name)) for name in names})
+    undocumented = [name for key, (name, value) in public.items()
+                    if key not in documented and not _documented_by_horovod_or_in_text(value)]
+    assert undocumented == []
+    assert [path for key, path in documented.items() if key not in public] == []  # nothing internal
+
 
 ATTRIBUTES = [
     "tfdist.layers.ColumnParallelDense",

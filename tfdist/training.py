@@ -30,9 +30,10 @@ from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption
 from tfdist.config.environment import HOST_INTERFACE_ENV
 from tfdist.config.schema import Config
 from tfdist.config.validation import check_job, check_transformer_split
+from tfdist.contract import contract
+from tfdist.data.sources import shard, with_count
 from tfdist.optimizers import build_optimizer
 from tfdist.reporting import format_summary, write_json
-from tfdist.strategies.base import contract
 from tfdist.strategies.factory import make_strategy, serves_only
 
 __all__ = ["Job", "is_chief", "prepare", "run"]
@@ -105,7 +106,7 @@ def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source
     """The training and validation batches, and how a multi-process job splits them."""
     answers = contract(strategy)
     workers, index = answers.input_workers()
-    train_examples, sharding = data.shard(source.train, workers, index)
+    train_examples, sharding = shard(source.train, workers, index)
     pipeline = config.data
     if not pipeline.shuffle_buffer and source.train.count:  # shuffle over the whole training set
         pipeline = dataclasses.replace(pipeline, shuffle_buffer=source.train.count)
@@ -117,8 +118,8 @@ def _input(config: Config, strategy: tf.distribute.Strategy, source: data.Source
         validation = source.validation
         if answers.input_built_by_chief and validation.count is None:
             # The chief (parameter servers) evaluates: it reads the set whole and must know its size.
-            validation = data.with_count(validation)
-        val_examples, _ = data.shard(validation, workers, index)
+            validation = with_count(validation)
+        val_examples, _ = shard(validation, workers, index)
         val_data = data.input_pipeline(val_examples, pipeline, batch_size=batch, training=False)
     files = f", {source.train.files} files" if source.train.files else ""  # arrays and user datasets list none
     described = f"{sharding} ({workers} input pipelines{files})" if workers > 1 else sharding

@@ -4,7 +4,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfdist.strategies.base import StrategyContract
+from tfdist.contract import StrategyContract
 
 
 def test_trainer_hooks_are_made_again_after_a_recompile():

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from tfdist.callbacks import Throughput, throughput as throughput_module
-from tfdist.strategies.base import StrategyContract
+from tfdist.contract import StrategyContract
 
 
 class FakeClock:

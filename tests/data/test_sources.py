@@ -16,7 +16,8 @@ import tensorflow as tf
 from tfdist import _compat, training
 from tfdist.config import load_config
 from tfdist.config.validation import check_job
-from tfdist.data import load_source, shard
+from tfdist.data import load_source
+from tfdist.data.sources import shard
 from tfdist.errors import ConfigError
 
 from sample_files import FEATURES, digits as _digits, write_image_folder as _write_image_folder

@@ -4,7 +4,7 @@ By concern:
 - `versions`: the versions every function here was checked against
   (TensorFlow 2.21, Keras 3.15); importing this package warns once outside them;
 - `patches`: what tfdist changes in Keras, installed together and once
-  (`tfdist.strategies.base.install_patches`);
+  (`tfdist.contract.install_patches`);
 - `keras_internals` and `tensorflow_internals`: private state tfdist reads;
 - `tf_distribute`: the private TensorFlow classes the strategies extend;
 - `optional`: Horovod, NVML and the profiler's protobuf, on first use.

@@ -5,7 +5,7 @@ under a strategy, tfdist's own code left out of AutoGraph's conversion.
 
 They are installed together, once (`install_patches`), and each falls back to
 Keras's own behaviour for a strategy that asks for nothing. How a patch asks a
-strategy is given to it (`tfdist.strategies.base` passes the contract's
+strategy is given to it (`tfdist.contract` passes the contract's
 answers), so this module imports nothing of tfdist's.
 """
 

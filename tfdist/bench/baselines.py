@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from tfdist.bench import horovod as horovod_bench, overhead
 from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, on_core, script, train_job
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 from tfdist.cluster.loopback import free_loopback_ports
 
 __all__ = ["KINDS", "horovod_step_parts", "measure"]

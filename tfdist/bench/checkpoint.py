@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from tfdist import training
 from tfdist.bench.overhead import _default_config
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 from tfdist.callbacks import Checkpoint, Throughput
 from tfdist.config.schema import Config
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from tfdist.bench.horovod import launcher
 from tfdist.bench.jobs import described, train_job
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 
 __all__ = ["measure"]
 

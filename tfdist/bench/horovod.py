@@ -32,7 +32,7 @@ import tempfile
 from typing import Any
 
 from tfdist.bench.jobs import described, run_train, script, train_job
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 
 __all__ = ["available", "count_gradient_allreduces", "custom_loops", "launcher", "measure"]
 

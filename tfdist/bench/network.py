@@ -77,7 +77,7 @@ from typing import Any, Mapping, Optional, Sequence
 from tfdist.bench import sparse_workload
 from tfdist.bench.jobs import described, on_core, train_job
 from tfdist.bench.plots import png
-from tfdist.bench.timing import alternate
+from tfdist.timing import alternate
 from tfdist.config.schema import Config
 from tfdist.config.sources import model_source
 from tfdist.errors import ConfigError

@@ -15,11 +15,12 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tfdist import data, training
-from tfdist.bench.timing import alternate, medians
+from tfdist import training
+from tfdist.timing import alternate, medians
 from tfdist.callbacks import Throughput
 from tfdist.config import load_config
 from tfdist.config.schema import Config
+from tfdist.data.sources import load
 from tfdist.errors import ConfigError
 
 __all__ = ["run"]
@@ -44,7 +45,7 @@ def _default_config() -> Config:
 def _handwritten(config: Config, devices: list[str]):
     """The same job written directly against tf.distribute and Keras."""
     strategy = tf.distribute.MirroredStrategy(devices=devices)
-    split = data.load(config.data, seed=config.train.seed)
+    split = load(config.data, seed=config.train.seed)
     width = config.model.width
     with strategy.scope():
         model = keras.Sequential(

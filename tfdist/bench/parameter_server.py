@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from tfdist.bench.jobs import described, train_job
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 
 __all__ = ["measure"]
 

@@ -45,7 +45,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from tfdist.bench.timing import alternate, fit_round, medians
+from tfdist.callbacks.throughput import fit_round
+from tfdist.timing import alternate, medians
 
 __all__ = ["measure", "bound"]
 

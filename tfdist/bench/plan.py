@@ -119,7 +119,7 @@ def in_one_process(kinds, *, repeats: int) -> dict[str, Any]:
 
     from tfdist import training
     from tfdist.bench.jobs import ROOT
-    from tfdist.bench.timing import fit_round
+    from tfdist.callbacks.throughput import fit_round
     from tfdist.config import load_config
     from tfdist.plan import Cluster, Layout, MeasuredTimes, one_device_config, profile, shared_cores
     from tfdist.plan.predict import predict

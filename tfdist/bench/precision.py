@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from tfdist.bench import horovod as horovod_bench, machine
 from tfdist.bench.jobs import described, train_job
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 
 __all__ = ["KINDS", "measure"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import keras
 
 from tfdist import training
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 from tfdist.config.loading import load_config
 
 __all__ = ["measure"]

@@ -29,7 +29,7 @@ import yaml
 from tfdist.bench import horovod as horovod_bench
 from tfdist.bench.jobs import train_job
 from tfdist.bench.plots import png
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 from tfdist.config.loading import to_dict
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError

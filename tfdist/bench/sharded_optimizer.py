@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from tfdist import _compat
-from tfdist.bench.timing import alternate, fit_round, medians
+from tfdist.callbacks.throughput import fit_round
+from tfdist.timing import alternate, medians
 
 __all__ = ["measure", "step_collectives"]
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from tfdist.bench import horovod as horovod_bench
 from tfdist.bench.jobs import described, on_core, train_job
 from tfdist.bench.scaling import plot as scaling_plot
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 from tfdist.config.schema import Config
 from tfdist.config.sources import model_source
 from tfdist.errors import ConfigError

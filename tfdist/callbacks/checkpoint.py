@@ -45,7 +45,7 @@ from tfdist import _compat
 from tfdist.callbacks.preemption import Preemption
 from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
 from tfdist.parallel.optimizer_shards import checkpointed_variables
-from tfdist.strategies.base import install_patches
+from tfdist.contract import install_patches
 
 __all__ = ["Checkpoint", "EXIT_PREEMPTED", "weights_digest"]
 

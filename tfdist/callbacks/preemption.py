@@ -24,7 +24,7 @@ import threading
 import keras
 
 from tfdist.checkpoint_store import EXIT_TERMINATED, SIGTERM_RECEIVED
-from tfdist.strategies.base import contract
+from tfdist.contract import contract
 
 __all__ = ["EXIT_TERMINATED", "Preemption"]
 

@@ -43,9 +43,9 @@ from typing import Callable, Optional
 import keras
 import psutil
 
-from tfdist.strategies.base import contract
+from tfdist.contract import contract
 
-__all__ = ["Throughput", "Window"]
+__all__ = ["Throughput", "Window", "fit_round"]
 
 # Linux counts CPU time in ticks (/proc/stat in 10 ms units): two readings blur a share by up to
 # 0.02 s / the window's seconds, so under half a second of measured steps none is given.
@@ -216,3 +216,15 @@ def _completion_wait(model) -> Callable[[], None]:
     strategy a step has finished when its call returns."""
     strategy = getattr(model, "distribute_strategy", None)  # a callback used without a model has none
     return contract(strategy).wait_for_steps if strategy is not None else _nothing
+
+
+def fit_round(model, dataset, *, batch: int, steps: int, warmup_steps: int = 1) -> Callable[[], float]:
+    """A round for `tfdist.timing.alternate`: `model.fit` for `steps` steps; returns its wall time per step (ms),
+    the first `warmup_steps` left out. Slow steps (input stalls) count in full."""
+
+    def one_round() -> float:
+        timer = Throughput(batch, warmup_steps=warmup_steps)
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False, callbacks=[timer])
+        return timer.step_time_ms
+
+    return one_round

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.strategies.base import contract
+from tfdist.contract import contract
 
 __all__ = ["ShardedEmbedding", "shard_placement", "shard_rows"]
 

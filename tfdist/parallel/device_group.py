@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import tensorflow as tf
 
-from tfdist.strategies.base import contract
+from tfdist.contract import contract
 
 __all__ = ["DeviceGroup", "current_group", "current_replica", "split_into_groups"]
 

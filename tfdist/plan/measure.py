@@ -81,7 +81,7 @@ class MeasuredTimes:
     def __init__(self, one_device, model, *, other_rounds: Optional[dict[str, Callable[[], float]]] = None,
                  rounds: int = ROUNDS, starts: Sequence[int] = ()):
         from tfdist import training
-        from tfdist.bench.timing import fit_round
+        from tfdist.callbacks.throughput import fit_round
 
         self._config, self._rounds, self._starts = one_device, rounds, list(starts)
         self.batch = one_device.train.global_batch_size
@@ -141,7 +141,7 @@ class MeasuredTimes:
         adds time, so medians of a loaded machine can put it at or below nothing."""
         import tensorflow as tf
 
-        from tfdist.bench.timing import alternate
+        from tfdist.timing import alternate
 
         timed = {**rounds, **{name: _call_round(call) for name, call in calls.items()},
                  EMPTY: _call_round(tf.function(lambda: tf.constant(0.0)))}

@@ -1,7 +1,7 @@
 """Distribution strategies, and the factory that builds them from config.
 
-Imported on first use (PEP 562), so that `tfdist.strategies.base`, the contract
-every layer may ask a strategy through, loads without the strategies themselves.
+Imported on first use (PEP 562): `import tfdist.strategies` loads no strategy
+until one is named.
 """
 
 from __future__ import annotations

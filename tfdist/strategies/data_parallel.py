@@ -23,7 +23,7 @@ import keras
 
 from tfdist import _compat
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
-from tfdist.strategies.base import StrategyContract
+from tfdist.contract import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import ensure_logical_cpus
 

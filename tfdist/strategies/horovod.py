@@ -50,7 +50,7 @@ from tfdist.horovod.all_reduce import HorovodAllReduce
 from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState
-from tfdist.strategies.base import StrategyContract
+from tfdist.contract import StrategyContract
 from tfdist.strategies.process_input import PerProcessInput
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tfdist._compat import peer_answers
 from tfdist.errors import ClusterError, error_reason
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
-from tfdist.strategies.base import StrategyContract
+from tfdist.contract import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
 
 __all__ = ["MultiWorkerMirroredStrategy"]

@@ -50,7 +50,7 @@ from tfdist._compat.tf_distribute import cluster_coordinator
 from tfdist import _compat
 from tfdist.errors import ClusterError, error_reason
 from tfdist.layers.sharded_embedding import shard_placement
-from tfdist.strategies.base import StrategyContract
+from tfdist.contract import StrategyContract
 from tfdist.cluster.loopback import accepts_connections
 from tfdist.cluster.servers import LocalCluster
 

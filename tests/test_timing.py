@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfdist.bench.timing import alternate, medians
+from tfdist.timing import alternate, medians
 
 
 def test_rounds_alternate_after_untimed_warmup():

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, TextIO
 
-__all__ = ["alternate", "fit_round", "medians"]
+__all__ = ["alternate", "medians"]
 
 
 def alternate(
@@ -81,16 +81,3 @@ def _clock(seconds: float) -> str:
 
 def medians(samples: Mapping[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
-
-
-def fit_round(model, dataset, *, batch: int, steps: int, warmup_steps: int = 1) -> Callable[[], float]:
-    """A round for `alternate`: `model.fit` for `steps` steps; returns its wall time per step (ms),
-    the first `warmup_steps` left out. Slow steps (input stalls) count in full."""
-    from tfdist.callbacks import Throughput  # Keras: only for the benchmarks that train
-
-    def one_round() -> float:
-        timer = Throughput(batch, warmup_steps=warmup_steps)
-        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False, callbacks=[timer])
-        return timer.step_time_ms
-
-    return one_round
