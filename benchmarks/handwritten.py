@@ -83,10 +83,10 @@ def gradient_step(model, optimizer, accuracy, loss_of, all_reduce=lambda gradien
 
 
 def _digits():
-    from tfdist import data
     from tfdist.config.schema import DataConfig
+    from tfdist.data.sources import load
 
-    return data.load(DataConfig(), seed=0)
+    return load(DataConfig(), seed=0)
 
 
 def _batches(split, shards: int, index: int, batch: int):

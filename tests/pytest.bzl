@@ -6,7 +6,7 @@ def pytest_test(name, srcs, deps = [], data = [], tags = [], size = "small", **k
         srcs = ["//tests:pytest_main.py"] + srcs,
         main = "//tests:pytest_main.py",
         args = ["$(location %s)" % src for src in srcs],
-        deps = deps + ["//:tfdist", "//tests:helpers"],
+        deps = deps + ["//:tfdist", "//:benchmarks", "//tests:helpers"],
         data = data + ["//:configs"],
         python_version = "PY3",
         tags = tags,

@@ -98,6 +98,22 @@ def test_a_wrong_command_line_is_refused_before_tensorflow_loads(args, message):
     assert "tfdist.config" in imported and "tensorflow" not in imported
 
 
+def test_a_benchmark_of_tfdist_itself_outside_a_checkout_is_one_line(monkeypatch, tmp_path):
+    """An installed tfdist has no benchmarks/: `bench baselines` says where it runs, before TensorFlow loads;
+    the benchmarks of a user's own job come with the package."""
+    import tfdist.bench
+    from tfdist.bench import jobs
+    from tfdist.errors import ConfigError
+
+    monkeypatch.setattr(jobs, "BENCHMARKS", str(tmp_path / "benchmarks"))
+    with pytest.raises(ConfigError, match=r"`benchmark` baselines checks tfdist itself and runs from a source "
+                                          r"checkout \(benchmarks/baselines.py beside the package\)"):
+        tfdist.bench.run("baselines")
+    assert all(module.startswith(("tfdist.bench.", "benchmarks.")) for module in tfdist.bench.BENCHMARKS.values())
+    assert {name for name, module in tfdist.bench.BENCHMARKS.items() if module.startswith("tfdist.")} == {
+        "synthetic", "scaling", "network", "overhead"}
+
+
 def test_yaml_tag_in_file_is_refused(tmp_path):
     path = tmp_path / "evil.yaml"
     marker = tmp_path / "pwned"

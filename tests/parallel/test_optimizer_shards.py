@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ROOT
 from tfdist import Checkpoint, MirroredStrategy, load_config
-from tfdist.bench.sharded_optimizer import step_collectives
+from benchmarks.sharded_optimizer import step_collectives
 from tfdist.errors import ConfigError
 from tfdist.layers import ColumnParallelDense, RowParallelDense
 from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state, shards_of

@@ -1,5 +1,10 @@
 """Benchmarks behind `tfdist bench NAME`; each returns a JSON-ready dict.
 
+The package holds what a user runs to measure their own job (synthetic, scaling, network, overhead);
+the benchmarks that check tfdist itself (its figures against hand-written jobs, its plans, its
+strategies' speedups) live in `benchmarks/` beside the package, and `tfdist bench` runs them from a
+source checkout.
+
 Every result has `benchmark`, the setting it ran in, the `machine` (CPU model,
 cores and the CPU flags that matter, `tfdist.bench.machine`), and a `figures`
 object with the numbers docs/figures.md quotes.
@@ -9,9 +14,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 from typing import Any, Optional
 
-from tfdist.bench import machine
+from tfdist.bench import jobs, machine
 from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
 from tfdist.tf_startup import import_tensorflow
@@ -19,23 +26,23 @@ from tfdist.tf_startup import import_tensorflow
 __all__ = ["BENCHMARKS", "CONFIG_UNUSED", "one_line", "run"]
 
 BENCHMARKS = {
-    "baselines": "tfdist.bench.baselines",
-    "checkpoint": "tfdist.bench.checkpoint",
-    "data_parallel_pipeline": "tfdist.bench.data_parallel_pipeline",
-    "horovod": "tfdist.bench.horovod",
-    "input_pipeline": "tfdist.bench.input_pipeline",
+    "baselines": "benchmarks.baselines",
+    "checkpoint": "benchmarks.checkpoint",
+    "data_parallel_pipeline": "benchmarks.data_parallel_pipeline",
+    "horovod": "benchmarks.horovod_figures",  # not horovod.py: its scripts would import it as Horovod
+    "input_pipeline": "benchmarks.input_pipeline",
     "network": "tfdist.bench.network",
     "overhead": "tfdist.bench.overhead",
-    "parameter_server": "tfdist.bench.parameter_server",
-    "pipeline": "tfdist.bench.pipeline",
-    "plan": "tfdist.bench.plan",
-    "plan_published": "tfdist.bench.plan_published",
-    "precision": "tfdist.bench.precision",
-    "ps_worker_loss": "tfdist.bench.ps_worker_loss",
+    "parameter_server": "benchmarks.parameter_server",
+    "pipeline": "benchmarks.pipeline",
+    "plan": "benchmarks.plan",
+    "plan_published": "benchmarks.plan_published",
+    "precision": "benchmarks.precision",
+    "ps_worker_loss": "benchmarks.ps_worker_loss",
     "scaling": "tfdist.bench.scaling",
-    "sharded_optimizer": "tfdist.bench.sharded_optimizer",
+    "sharded_optimizer": "benchmarks.sharded_optimizer",
     "synthetic": "tfdist.bench.synthetic",
-    "tensor_parallel": "tfdist.bench.tensor_parallel",
+    "tensor_parallel": "benchmarks.tensor_parallel",
 }
 
 
@@ -85,6 +92,10 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
             raise ConfigError(option, f"only applies to {takers}.", value)
     if name in CONFIG_UNUSED and config is not None:
         raise ConfigError("config", f"is not used by the {name} benchmark: {CONFIG_UNUSED[name]}", "given")
+    if BENCHMARKS[name].startswith("benchmarks.") and not _checkout_on_path():
+        raise ConfigError("benchmark", f"{name} checks tfdist itself and runs from a source checkout "
+                          f"(benchmarks/{name}.py beside the package), which this installation is not: clone "
+                          "tfdist and run it there.", name)
     import_tensorflow()
     module = importlib.import_module(BENCHMARKS[name])
     if name in CONFIG_UNUSED:
@@ -94,6 +105,15 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
     else:
         result = module.run(config=config, repeats=repeats)
     return {**result, "machine": machine.describe()}
+
+
+def _checkout_on_path() -> bool:
+    """Puts the source checkout's root on `sys.path` where tfdist runs from one; False elsewhere."""
+    if not os.path.exists(os.path.join(jobs.BENCHMARKS, "__init__.py")):
+        return False
+    if jobs.ROOT not in sys.path:
+        sys.path.insert(0, jobs.ROOT)
+    return True
 
 
 def one_line(result: dict[str, Any]) -> str:

@@ -9,11 +9,27 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
-__all__ = ["ROOT", "described", "on_core", "run_train", "script", "train_job"]
+__all__ = ["HOROVODRUN", "ROOT", "described", "horovod_available", "horovod_launcher", "on_core", "run_train",
+           "script", "train_job"]
 
 JOB_TIMEOUT_SECONDS = 600
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+# Runs the rest of its command line pinned to the core of its local rank
+# (Horovod's one process per device, on CPUs); the pinning survives exec.
+_PIN_TO_CORE = ("import os, sys; os.sched_setaffinity(0, {int(os.environ['HOROVOD_LOCAL_RANK']) % os.cpu_count()}); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def horovod_available() -> bool:
+    """True where Horovod (and its horovodrun) is installed in this environment."""
+    return os.path.exists(HOROVODRUN)
+
+
+def horovod_launcher(np: int) -> list[str]:
+    """`horovodrun -np NP` on localhost over Gloo, each rank pinned to its own core."""
+    return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-c", _PIN_TO_CORE]
 
 
 def script(name: str) -> str:

@@ -26,8 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-from tfdist.bench import horovod as horovod_bench
-from tfdist.bench.jobs import train_job
+from tfdist.bench.jobs import horovod_available, horovod_launcher, train_job
 from tfdist.bench.plots import png
 from tfdist.timing import alternate, medians
 from tfdist.config.loading import to_dict
@@ -71,7 +70,7 @@ def measure(config: Config, *, repeats: int = 3, max_devices: Optional[int] = No
     backends = {"mirrored": {n: ["strategy.kind=mirrored", f"strategy.logical_devices={n}", "strategy.devices=[]"]
                              for n in device_counts(limit)}}
     cores = len(os.sched_getaffinity(0))
-    if horovod_bench.available():
+    if horovod_available():
         backends["horovod"] = {n: ["strategy.kind=horovod", "strategy.devices=[]", "runtime.intra_op_threads=1"]
                                for n in device_counts(min(limit, cores))}
     with tempfile.TemporaryDirectory() as scratch:
@@ -81,7 +80,7 @@ def measure(config: Config, *, repeats: int = 3, max_devices: Optional[int] = No
         rounds = {
             f"{backend}/{n}": train_job(
                 [*overrides, *base, f"train.global_batch_size={n * batch}"], config=path,
-                launcher=horovod_bench.launcher(n) if backend == "horovod" else (),
+                launcher=horovod_launcher(n) if backend == "horovod" else (),
             )
             for backend, jobs in backends.items() for n, overrides in jobs.items()
         }

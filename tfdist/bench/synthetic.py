@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tfdist.bench import horovod as horovod_bench
-from tfdist.bench.jobs import described, on_core, train_job
+from tfdist.bench.jobs import described, horovod_available, horovod_launcher, on_core, train_job
 from tfdist.bench.scaling import plot as scaling_plot
 from tfdist.timing import alternate, medians
 from tfdist.config.schema import Config
@@ -91,9 +90,9 @@ def jobs(*, model: str, image_size: int, batch_per_device: int, steps: int,
     out = {}
     for name, (devices, command, launcher, overrides) in table.items():
         if launcher == "horovod":
-            if not horovod_bench.available():
+            if not horovod_available():
                 continue  # reported as missing, not measured
-            launcher = horovod_bench.launcher(2)
+            launcher = horovod_launcher(2)
         out[name] = {"devices": devices, "command": command, "launcher": list(launcher),
                      "overrides": common + overrides}
     return out

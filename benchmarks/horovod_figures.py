@@ -31,18 +31,13 @@ import sys
 import tempfile
 from typing import Any
 
-from tfdist.bench.jobs import described, run_train, script, train_job
+from tfdist.bench.jobs import HOROVODRUN, described, horovod_launcher, run_train, script, train_job
 from tfdist.timing import alternate, medians
 
-__all__ = ["available", "count_gradient_allreduces", "custom_loops", "launcher", "measure"]
+__all__ = ["count_gradient_allreduces", "custom_loops", "measure"]
 
 TARGET_EFFICIENCY = 0.92
 TARGET_CUSTOM_LOOP_RATIO = 0.98
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-# Runs the rest of its command line pinned to the core of its local rank
-# (Horovod's one process per device, on CPUs); the pinning survives exec.
-_PIN_TO_CORE = ("import os, sys; os.sched_setaffinity(0, {int(os.environ['HOROVOD_LOCAL_RANK']) % os.cpu_count()}); "
-                "os.execv(sys.argv[1], sys.argv[1:])")
 _RESPONSES = re.compile(r"Sending ready responses as (.*)$")
 
 
@@ -59,7 +54,7 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
         for n in (1, 2)
     }
     samples = alternate(
-        {name: train_job(overrides, launcher=launcher(int(name[2:]))) for name, overrides in jobs.items()},
+        {name: train_job(overrides, launcher=horovod_launcher(int(name[2:]))) for name, overrides in jobs.items()},
         repeats=repeats, warmup=0,
     )
     rate = medians(samples)
@@ -102,23 +97,13 @@ def measure(*, repeats: int = 5, per_rank_batch: int = 256, image_size: int = 16
     }
 
 
-def available() -> bool:
-    """True where Horovod (and its horovodrun) is installed in this environment."""
-    return os.path.exists(HOROVODRUN)
-
-
-def launcher(np: int) -> list[str]:
-    """`horovodrun -np NP` on localhost over Gloo, each rank pinned to its own core."""
-    return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-c", _PIN_TO_CORE]
-
-
 def custom_loops(*, repeats: int, steps: int, per_rank_batch: int, image_size: int,
                  width: int) -> dict[str, list[float]]:
     """Samples/sec of each timing of the two custom loops, from one 2-rank job (pinned like the Keras jobs)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "custom_loops.json")
         arguments = [out, repeats, steps, per_rank_batch, image_size, width]
-        done = subprocess.run([*launcher(2), sys.executable, script("horovod_custom_loop.py"),
+        done = subprocess.run([*horovod_launcher(2), sys.executable, script("horovod_custom_loop.py"),
                                *map(str, arguments)], capture_output=True, text=True, timeout=1800,
                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
         if done.returncode != 0:

@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import measure_in_fresh_process, run_tfdist
-from tfdist.bench.pipeline import bound
+from benchmarks.pipeline import bound
 
 SMALL = "dict(repeats=1, width=64, layers=4, batch=64, steps_per_round=2)"
 
@@ -16,7 +16,7 @@ def test_bound_is_gpipes_formula():
 
 @pytest.mark.slow
 def test_measure_reports_every_figure():
-    result = measure_in_fresh_process("tfdist.bench.pipeline", SMALL)
+    result = measure_in_fresh_process("benchmarks.pipeline", SMALL)
     figures, step_ms, serial = result["figures"], result["step_time_ms"], result["serial_step_time_ms"]
     assert set(step_ms) == {"naive_m1", "m8_1f1b_first_device"} | {
         f"m{m}_{s}" for m in (2, 4, 8) for s in ("gpipe", "1f1b")

@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.horovod, p
 
 
 def test_measure_compares_one_process_with_two():
-    result = measure_in_fresh_process("tfdist.bench.data_parallel_pipeline",
+    result = measure_in_fresh_process("benchmarks.data_parallel_pipeline",
                                       "dict(repeats=1, epochs=1, steps_per_epoch=12, per_process_batch=32, width=8)")
     rate = result["samples_per_sec"]
     assert set(rate) == {"np1", "np2"} and all(value > 0 for value in rate.values())

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from helpers import ROOT, measure_in_fresh_process
-from tfdist.bench.plan import _predicted, _profiled, compare, measure
+from benchmarks.plan import _predicted, _profiled, compare, measure
 from tfdist.launch.hosts import link_bits_per_second
 
 
@@ -115,7 +115,7 @@ def test_the_pipeline_in_one_process_is_predicted_from_its_own_stages_times():
     """The shipped pipeline config on 2 logical devices, beside what `tfdist plan --measure` times: the
     prediction is the job's own stages timed on their micro-batches, no shorter than their CPU time over
     the machine's cores, and what the one-device step does besides its forward and backward."""
-    result = measure_in_fresh_process("tfdist.bench.plan", 'dict(kinds="pipeline", repeats=1)')
+    result = measure_in_fresh_process("benchmarks.plan", 'dict(kinds="pipeline", repeats=1)')
     assert [(row["kind"], row["batch"]) for row in result["rows"]] == [("pipeline", 64), ("pipeline", 256)]
     for row in result["rows"]:
         terms, timed = row["terms_ms"], row["timed"]

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.bench.horovod import launcher
-from tfdist.bench.jobs import described, train_job
+from tfdist.bench.jobs import described, horovod_launcher, train_job
 from tfdist.timing import alternate, medians
 
 __all__ = ["measure"]
@@ -32,7 +31,7 @@ def measure(*, repeats: int = 5, per_process_batch: int = 128, image_size: int =
     ]
     jobs = {f"np{n}": setting + [f"train.global_batch_size={n * per_process_batch}"] for n in (1, 2)}
     samples = alternate(
-        {name: train_job(overrides, launcher=launcher(int(name[2:]))) for name, overrides in jobs.items()},
+        {name: train_job(overrides, launcher=horovod_launcher(int(name[2:]))) for name, overrides in jobs.items()},
         repeats=repeats, warmup=0,
     )
     rate = medians(samples)

@@ -4,13 +4,13 @@ import pytest
 
 from helpers import measure_in_fresh_process
 from tfdist.bench import machine
-from tfdist.bench.precision import measure
+from benchmarks.precision import measure
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
 def test_measure_compares_each_kinds_speedup_with_one_devices():
-    result = measure_in_fresh_process("tfdist.bench.precision", "dict(repeats=1, kinds=('one_device', 'pipeline', "
+    result = measure_in_fresh_process("benchmarks.precision", "dict(repeats=1, kinds=('one_device', 'pipeline', "
                                       "'tensor_parallel'), width=32, image_size=8, warmup=2, steps=4)")
     figures = result["figures"]
     speedup = {}

@@ -9,7 +9,7 @@ SMALL = "dict(repeats=1, width=64, hidden=256, batch=32, steps_per_round=2)"
 
 @pytest.mark.slow
 def test_measure_reports_every_figure():
-    result = measure_in_fresh_process("tfdist.bench.tensor_parallel", SMALL)
+    result = measure_in_fresh_process("benchmarks.tensor_parallel", SMALL)
     figures, step_ms = result["figures"], result["step_time_ms"]
     assert set(step_ms) == {"tensor_parallel", "one_device", "tensor_parallel_forward", "one_device_forward"}
     assert all(t > 0 for t in step_ms.values())

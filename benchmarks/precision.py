@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tfdist.bench import horovod as horovod_bench, machine
-from tfdist.bench.jobs import described, train_job
+from tfdist.bench import machine
+from tfdist.bench.jobs import described, horovod_launcher, train_job
 from tfdist.timing import alternate, medians
 
 __all__ = ["KINDS", "measure"]
@@ -56,7 +56,7 @@ def measure(*, repeats: int = 5, kinds: Sequence[str] = tuple(KINDS), width: int
     speedup: dict[str, float] = {}
     for kind in kinds:
         jobs = {policy: [*common, *KINDS[kind], f"precision.policy={policy}"] for policy in POLICIES}
-        launcher = horovod_bench.launcher(2) if kind == "horovod" else ()
+        launcher = horovod_launcher(2) if kind == "horovod" else ()
         samples = alternate({policy: train_job(overrides, launcher=launcher) for policy, overrides in jobs.items()},
                             repeats=repeats, warmup=0)
         rate = medians(samples)

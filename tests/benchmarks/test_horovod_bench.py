@@ -3,13 +3,13 @@
 import pytest
 
 from helpers import measure_in_fresh_process, run_tfdist
-from tfdist.bench.horovod import count_gradient_allreduces
+from benchmarks.horovod_figures import count_gradient_allreduces
 
 pytestmark = [pytest.mark.horovod, pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
 def test_measure_compares_one_and_two_ranks_and_counts_fused_calls():
-    result = measure_in_fresh_process("tfdist.bench.horovod", "dict(repeats=1, per_rank_batch=32, image_size=8, "
+    result = measure_in_fresh_process("benchmarks.horovod_figures", "dict(repeats=1, per_rank_batch=32, image_size=8, "
                                       "width=8, epochs=1, steps_per_epoch=12, fusion_threshold_bytes=4096)")
     rate = result["samples_per_sec"]
     assert set(rate) == {"np1", "np2"} and all(value > 0 for value in rate.values())

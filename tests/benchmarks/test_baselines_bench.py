@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import measure_in_fresh_process, run_tfdist
-from tfdist.bench.baselines import KINDS, measure
+from benchmarks.baselines import KINDS, measure
 
 MULTI_PROCESS = [kind for kind in KINDS if kind != "mirrored"]
 
@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.horovod, pytest.mark.slow, pytest.mark.multiprocess, p
 def test_measure_runs_both_jobs_of_every_multi_process_kind():
     # A fresh process: the jobs' timings, apart from whatever this pytest worker ran before.
     result = measure_in_fresh_process(
-        "tfdist.bench.baselines", f"dict(repeats=1, per_replica_batch=16, width=8, warmup=4, steps=8, "
+        "benchmarks.baselines", f"dict(repeats=1, per_replica_batch=16, width=8, warmup=4, steps=8, "
         f"steps_per_function=4, kinds={MULTI_PROCESS!r})", timeout=850)
     figures = result["figures"]
     assert set(result["kinds"]) == set(MULTI_PROCESS)
@@ -38,7 +38,8 @@ def test_measure_runs_both_jobs_of_every_multi_process_kind():
 
 def test_the_mirrored_kind_is_the_overhead_benchmarks_run(monkeypatch):
     """`tfdist bench overhead` itself is run by its own test (tests/bench/test_overhead.py)."""
-    from tfdist.bench import baselines, overhead
+    from benchmarks import baselines
+    from tfdist.bench import overhead
 
     calls = []
     monkeypatch.setattr(overhead, "run", lambda **kwargs: calls.append(kwargs) or {

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from tfdist.bench.jobs import ROOT
 from tfdist.callbacks.throughput import fit_round
 from tfdist.timing import alternate, medians
 
@@ -125,10 +126,10 @@ def _serial_reference(**size) -> dict[str, float]:
     """Median step times of SERIAL_VARIANTS with one inter-op thread, in a fresh process
     (thread pools are fixed once TensorFlow starts)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    command = [sys.executable, "-m", "tfdist.bench.pipeline", json.dumps(size)]
+    command = [sys.executable, "-m", "benchmarks.pipeline", json.dumps(size)]  # from the checkout's root
     try:
         done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=SERIAL_TIMEOUT_SECONDS, check=False
+            command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=SERIAL_TIMEOUT_SECONDS, check=False
         )
     except subprocess.TimeoutExpired as error:
         raise RuntimeError(f"the serial reference run took over {SERIAL_TIMEOUT_SECONDS} s") from error

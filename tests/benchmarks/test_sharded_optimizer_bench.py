@@ -9,7 +9,7 @@ SMALL = "dict(repeats=1, width=32, batch=32, steps_per_round=3)"
 
 @pytest.mark.slow
 def test_measure_reports_the_slots_split_n_ways_the_bytes_and_the_speed():
-    result = measure_in_fresh_process("tfdist.bench.sharded_optimizer", SMALL)
+    result = measure_in_fresh_process("benchmarks.sharded_optimizer", SMALL)
     figures = result["figures"]
     for n in (2, 4):
         memory = result["slot_bytes_by_device"][str(n)]

@@ -11,7 +11,7 @@ SMALL = f"dict(repeats=3, map_ms={MAP_MS}, batch={BATCH}, examples=512, width=64
 
 @pytest.mark.slow
 def test_measure_reports_every_figure_and_prefetch_overlaps():
-    result = measure_in_fresh_process("tfdist.bench.input_pipeline", SMALL)
+    result = measure_in_fresh_process("benchmarks.input_pipeline", SMALL)
     figures, step_ms = result["figures"], result["step_time_ms"]
     assert set(step_ms) == {"plain", "tfdist", "producer", "consumer", "producer_loaded"}
     assert figures["step_vs_max_stage"] == pytest.approx(

@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import run_tfdist
-from tfdist.bench.parameter_server import measure
+from benchmarks.parameter_server import measure
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

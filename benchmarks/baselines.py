@@ -35,8 +35,8 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
-from tfdist.bench import horovod as horovod_bench, overhead
-from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, on_core, script, train_job
+from tfdist.bench import overhead
+from tfdist.bench.jobs import JOB_TIMEOUT_SECONDS, described, horovod_launcher, on_core, script, train_job
 from tfdist.timing import alternate, medians
 from tfdist.cluster.loopback import free_loopback_ports
 
@@ -96,7 +96,7 @@ def horovod_step_parts(job: list[str], *, repeats: int, steps: int) -> dict[str,
     """Samples/sec of each timing of `benchmarks/horovod_step_parts.py`, from one 2-rank job."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "parts.json")
-        argv = [*horovod_bench.launcher(2), sys.executable, script("horovod_step_parts.py"), out, str(repeats),
+        argv = [*horovod_launcher(2), sys.executable, script("horovod_step_parts.py"), out, str(repeats),
                 str(steps), *job]
         _run_processes([(argv, _environment())], "the Horovod step-parts job")
         with open(out) as f:
@@ -173,12 +173,12 @@ def _parameter_server(flags: list[str]) -> float:
 
 
 def _horovod(flags: list[str]) -> float:
-    return _handwritten_job("horovod", flags, lambda argv: [([*horovod_bench.launcher(2), *argv], _environment())])
+    return _handwritten_job("horovod", flags, lambda argv: [([*horovod_launcher(2), *argv], _environment())])
 
 
 # kind -> (tfdist's round for a job's overrides, the hand-written job for its flags)
 _ROUNDS = {
     "multi_worker": (_tfdist_multi_worker, _multi_worker),
     "parameter_server": (train_job, _parameter_server),
-    "horovod": (lambda job: train_job(job, launcher=horovod_bench.launcher(2)), _horovod),
+    "horovod": (lambda job: train_job(job, launcher=horovod_launcher(2)), _horovod),
 }
