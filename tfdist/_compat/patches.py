@@ -83,6 +83,7 @@ def _install_autograph_skips_tfdist() -> None:
     if not any(isinstance(rule, config.DoNotConvert) and rule.matches("tfdist") for rule in config.CONVERSION_RULES):
         config.CONVERSION_RULES = (config.DoNotConvert("tfdist"), *config.CONVERSION_RULES)
 
+
 _STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 
 _TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result", "_maybe_symbolic_build", "compile")

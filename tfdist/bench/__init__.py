@@ -94,7 +94,7 @@ def run(name: str, *, config: Optional[Config] = None, repeats: int = 5, plot_pa
         raise ConfigError("config", f"is not used by the {name} benchmark: {CONFIG_UNUSED[name]}", "given")
     if BENCHMARKS[name].startswith("benchmarks.") and not _checkout_on_path():
         raise ConfigError("benchmark", f"{name} checks tfdist itself and runs from a source checkout "
-                          f"(benchmarks/{name}.py beside the package), which this installation is not: clone "
+                          f"({BENCHMARKS[name].replace('.', '/')}.py beside the package), which this installation is not: clone "
                           "tfdist and run it there.", name)
     import_tensorflow()
     module = importlib.import_module(BENCHMARKS[name])
