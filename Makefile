@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export PATH := $(BIN):$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test pytest bazel-test docs site bench clean
+.PHONY: setup demo test pytest bazel-test docs site site-look bench clean
 
 setup: $(STAMPS)/tfdist $(STAMPS)/system $(STAMPS)/horovod
 
@@ -98,6 +98,12 @@ docs: $(STAMPS)/tfdist
 
 site: $(STAMPS)/tfdist
 	mkdocs build --strict --quiet --site-dir .site
+
+# Every page in headless Chromium at a desktop and a phone width: tables wider than their column, pages that
+# scroll sideways, images that did not load; with a PNG of each page's first screen in .site-look/.
+site-look: $(STAMPS)/tfdist
+	command -v chromium >/dev/null || apt-get install -y -q chromium
+	python tools/site_look.py --screenshots .site-look
 
 bench: setup
 	OMP_NUM_THREADS=1 tfdist bench overhead --json results/overhead.json --repeats 9
