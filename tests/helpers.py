@@ -190,9 +190,9 @@ def measure_in_fresh_process(module, kwargs, timeout=600):
 
 def ops_per_device(graph, types):
     """How many ops of `types` each device (`CPU:1`) runs in `graph` and the functions it calls."""
-    ops = list(graph.get_operations())
-    for function in graph._functions.values():
-        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+    from tfdist._compat import graph_functions
+
+    ops = [op for g in (graph, *graph_functions(graph)) for op in g.get_operations()]
     devices = [op.device.split("device:")[-1] for op in ops if op.type in types]
     return dict(collections.Counter(d for d in devices if d))
 

@@ -30,6 +30,7 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tfdist._compat import graph_functions  # noqa: E402
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense  # noqa: E402
 from tfdist.parallel import DeviceGroup  # noqa: E402
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy  # noqa: E402
@@ -89,9 +90,7 @@ def cross_process_reductions(strategy, trained):
         return strategy.run(trained.train_step, args=(next(iterator),))
 
     graph = step.get_concrete_function(iter(batches)).graph
-    ops = list(graph.get_operations())
-    for function in graph._functions.values():
-        ops += list(function.graph.get_operations()) if hasattr(function, "graph") else []
+    ops = [op for g in (graph, *graph_functions(graph)) for op in g.get_operations()]
     return sorted({op.device.split("device:")[-1] for op in ops
                    if op.type == "CollectiveReduceV2" or op.type.startswith("HorovodGroupedAllreduce")})
 

@@ -16,12 +16,12 @@ import keras
 import tensorflow as tf
 
 from tfdist import training
-from tfdist.timing import alternate, medians
 from tfdist.callbacks import Throughput
 from tfdist.config import load_config
 from tfdist.config.schema import Config
 from tfdist.data.sources import load
 from tfdist.errors import ConfigError
+from tfdist.timing import alternate, medians
 
 __all__ = ["run"]
 
