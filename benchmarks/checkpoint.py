@@ -91,7 +91,7 @@ def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
     save_ms = 1000 * statistics.median(rounds.save_seconds)
     return {
         "benchmark": "checkpoint",
-        "strategy": config.strategy.kind.value,
+        "strategy": config.strategy.kind,
         "num_replicas": job.strategy.num_replicas_in_sync,
         "global_batch_size": config.train.global_batch_size,
         "every_steps": EVERY_STEPS,

@@ -204,7 +204,7 @@ def _serve_command(args) -> None:
     if not serves_only(config):
         _fail("`serve` runs a worker or parameter server of a parameter-server job: it needs "
               "strategy.kind=parameter_server and a cluster (TF_CONFIG, the cluster section or cluster.resolver) "
-              f"whose task for this process is a worker or ps. Received: strategy.kind={config.strategy.kind.value}")
+              f"whose task for this process is a worker or ps. Received: strategy.kind={config.strategy.kind}")
 
 
 def _launch_command(args) -> None:

@@ -131,6 +131,17 @@ class StrategyContract:
         """Entries for the summary and `--metrics_out`: the cluster, partition, device groups, placement."""
         return {}
 
+    def process_group(self):
+        """This job's processes as a `tfdist.strategies.process_group.ProcessGroup`, for a pipeline or
+        tensor-parallel strategy to train its replicas across (`data_parallel`).
+
+        Raises:
+          ValueError: the strategy cannot be one (only a data-parallel strategy over processes can).
+        """
+        name = type(getattr(self, "_strategy", self)).__name__
+        raise ValueError(f"`data_parallel` must be `local`, `multi_worker`, `horovod`, or a strategy over processes "
+                         f"(tfdist's MultiWorkerMirroredStrategy or HorovodStrategy). Received: a {name}.")
+
 
 class _TensorFlowStrategy(StrategyContract):
     """One of TensorFlow's own strategies, answering with the contract's defaults."""

@@ -216,7 +216,7 @@ def run(
         return {"resumed_from_step": checkpoint.resumed_from_step, "nothing_to_train": True}
     final = {name: float(values[-1]) for name, values in history.history.items()}
     result = {
-        "strategy": config.strategy.kind.value,
+        "strategy": config.strategy.kind,
         "devices": answers.devices,
         "num_replicas": job.strategy.num_replicas_in_sync,
         "global_batch_size": config.train.global_batch_size,

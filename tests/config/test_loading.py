@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tfdist import ConfigError
-from tfdist.config import Config, StrategyKind, from_dict, load_config, to_dict
+from tfdist.config import Config, from_dict, load_config, to_dict
 from tfdist.config.validation import check_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +23,7 @@ def _write(tmp_path, text, name="c.yaml"):
 def test_defaults_are_data_parallel():
     cfg = load_config(None)
     assert cfg == Config()
-    assert cfg.strategy.kind == StrategyKind.MIRRORED
+    assert cfg.strategy.kind == "mirrored"
     assert cfg.strategy.logical_devices == 4
 
 
@@ -85,12 +85,12 @@ def test_data_parallel_pipelines_take_their_backends_settings():
     # A pipeline or tensor-parallel job with data_parallel starts like that backend's jobs and takes its settings.
     horovod = load_config(None, ["strategy.kind=pipeline", "strategy.data_parallel=horovod",
                                  "horovod.fusion_threshold_bytes=0", "pipeline.num_micro_batches=8"])
-    assert horovod.strategy.launched_as == StrategyKind.HOROVOD
+    assert horovod.strategy.launched_as.name == "horovod"
     workers = load_config(None, ["strategy.kind=tensor_parallel", "model.name=transformer",
                                  "strategy.data_parallel=multi_worker", "cluster.workers=[127.0.0.1:2222]",
                                  "strategy.bytes_per_pack=1024"])
-    assert workers.strategy.launched_as == StrategyKind.MULTI_WORKER_MIRRORED
-    assert load_config(None, ["strategy.kind=pipeline"]).strategy.launched_as == StrategyKind.PIPELINE
+    assert workers.strategy.launched_as.name == "multi_worker_mirrored"
+    assert load_config(None, ["strategy.kind=pipeline"]).strategy.launched_as.name == "pipeline"
 
 
 def test_loopback_cluster_and_explicit_opt_in():
@@ -147,7 +147,7 @@ BAD_OVERRIDES = [
     (["strategy.bytes_per_pack=1024"], "strategy.bytes_per_pack", "multi_worker_mirrored"),
     (["strategy.devices=[gpu0]"], "strategy.devices[0]", "local device name"),
     (["strategy.devices=[/cpu:0, /CPU:0]"], "strategy.devices", "twice"),
-    (["strategy.kind=one_device", "strategy.devices=[/cpu:0, /cpu:1]"], "strategy.devices", "at most one"),
+    (["strategy.kind=one_device", "strategy.devices=[/cpu:0, /cpu:1]"], "strategy.devices", "at most 1 device with"),
     (["precision.policy=mixed_float16", "precision.loss_scale=none"], "precision.loss_scale", "allow_unscaled_float16"),
     (["precision.loss_scale=-4"], "precision.loss_scale", "positive number"),
     (["precision.loss_scale=huge"], "precision.loss_scale", "dynamic, none or a positive number"),
@@ -169,7 +169,7 @@ BAD_OVERRIDES = [
         "cluster.task_index",
         "below the number",
     ),
-    (["cluster.workers=[127.0.0.1:2222]"], "cluster.workers", "only used by multi-process"),
+    (["cluster.workers=[127.0.0.1:2222]"], "cluster.workers", "only used by the kinds whose processes find each other through it"),
     (["cluster.resolver=kubernetes"], "cluster.resolver", "kubernetes applies to multi_worker_mirrored"),
     (["strategy.kind=multi_worker_mirrored", "cluster.resolver=kubernetes", "cluster.workers=[127.0.0.1:1]"],
      "cluster.resolver", "kubernetes finds the tasks itself"),
@@ -177,7 +177,7 @@ BAD_OVERRIDES = [
     (["strategy.kind=horovod", "checkpoint.every_seconds=60"], "checkpoint.every_seconds",
      "saves at the same step in every process"),
     (["checkpoint.keep=0"], "checkpoint.keep", ">= 1"),
-    (["strategy.data_parallel=horovod"], "strategy.data_parallel", "applies to strategy.kind pipeline and tensor_parallel"),
+    (["strategy.data_parallel=horovod"], "strategy.data_parallel", "only applies to strategy.kind=pipeline or tensor_parallel"),
     (["strategy.data_parallel=everywhere"], "strategy.data_parallel", "one of"),
     (["strategy.kind=pipeline", "strategy.data_parallel=horovod", "horovod.backward_passes_per_step=2"],
      "horovod.backward_passes_per_step", "accumulates over pipeline.num_micro_batches"),

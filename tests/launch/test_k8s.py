@@ -15,7 +15,6 @@ import zygote
 from tfdist.cluster import kubernetes
 from tfdist.launch import k8s
 from tfdist.config import from_dict, load_config
-from tfdist.cluster.roles import MULTI_PROCESS_KINDS
 from tfdist.errors import ConfigError
 from tfdist.launch.k8s_validation import validate
 
@@ -366,10 +365,10 @@ def test_every_user_config_goes_through_config_and_k8s(text, tmp_path):
     resolved = load_config(str(path))
     assert from_dict(yaml.safe_load(printed.stdout)) == resolved
     # A one-process job goes to Kubernetes as several processes: data parallel across them.
-    kind = resolved.strategy.kind.value
+    kind = resolved.strategy.kind
     spread = {"mirrored": ["strategy.kind=multi_worker_mirrored"], "pipeline": ["strategy.data_parallel=multi_worker"],
               "tensor_parallel": ["strategy.data_parallel=multi_worker"]}.get(kind, [])
-    assert spread or resolved.strategy.launched_as in MULTI_PROCESS_KINDS
+    assert spread or resolved.strategy.launched_as.processes.several
     objects = _write(tmp_path, str(path), "--workers", "2", sets=spread)
     for config_map in (o for o in objects if o["kind"] == "ConfigMap"):
         deployed = from_dict(yaml.safe_load(config_map["data"]["config.yaml"]))

@@ -14,16 +14,16 @@ from helpers import ROOT, free_port_block, free_ports, run_tfdist
 from local_slurm import LocalSlurm
 
 from tfdist.config import load_config
-from tfdist.config.schema import StrategyKind
+from tfdist.config.kinds import PARAMETER_SERVERS, WORKERS
 from tfdist.errors import ConfigError
 from tfdist.cluster.roles import roles
 
 
 def test_roles_follow_the_strategy():
-    assert roles(StrategyKind.MULTI_WORKER_MIRRORED, 3) == ["worker"] * 3
-    assert roles(StrategyKind.PARAMETER_SERVER, 5, num_ps=2) == ["ps", "ps", "chief", "worker", "worker"]
+    assert roles(WORKERS, 3) == ["worker"] * 3
+    assert roles(PARAMETER_SERVERS, 5, num_ps=2) == ["ps", "ps", "chief", "worker", "worker"]
     with pytest.raises(ConfigError, match="needs num_ps \\+ 2 tasks"):
-        roles(StrategyKind.PARAMETER_SERVER, 2, num_ps=1)
+        roles(PARAMETER_SERVERS, 2, num_ps=1)
 
 
 def test_the_script_asks_slurm_for_what_the_flags_say():

@@ -303,8 +303,8 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 
 @pytest.mark.parametrize("setting, message", [
     ("strategy.shard_optimizer=3", "`strategy.shard_optimizer` must be >= 0 and <= 2. Received: 3"),
-    ("strategy.kind=one_device", "`strategy.shard_optimizer` applies to strategy.kind=mirrored, "
-                                 "multi_worker_mirrored, horovod, pipeline or tensor_parallel"),
+    ("strategy.kind=one_device", "`strategy.shard_optimizer` only applies to strategy.kind=mirrored, "
+                                 "multi_worker_mirrored, pipeline, horovod or tensor_parallel"),
     ("strategy.kind=horovod,horovod.elastic=true", "`strategy.shard_optimizer` cannot split the optimizer of a "
                                                    "Horovod job with horovod.op adasum"),
 ])

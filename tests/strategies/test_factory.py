@@ -1,5 +1,6 @@
 """Config -> strategy, and the machine-dependent config errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +11,9 @@ import tensorflow as tf
 from tensorflow.python.framework.config import is_op_determinism_enabled  # no public getter in TF 2.21
 
 from tfdist import ConfigError, load_config, make_strategy
-from tfdist.strategies import MultiWorkerMirroredStrategy
+from tfdist.config.kinds import KINDS
+from tfdist.strategies import MultiWorkerMirroredStrategy, factory
+from tfdist.strategies.replica_groups import make_process_group
 from tfdist.cluster.resolver import cluster_resolver
 
 from helpers import patient, run_tfdist
@@ -84,6 +87,22 @@ def test_logical_devices_cannot_grow_after_tensorflow_started():
 def test_tpu_without_a_tpu_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^`strategy.kind` tpu needs a TPU, and none was found"):
         _strategy("strategy.kind=tpu")
+
+
+def test_every_kind_in_the_table_has_a_builder_and_a_row_without_one_is_a_config_error(monkeypatch):
+    assert set(factory._BUILDERS) == set(KINDS)
+    monkeypatch.setitem(KINDS, "unbuilt", dataclasses.replace(KINDS["mirrored"], name="unbuilt"))
+    with pytest.raises(ConfigError, match="^`strategy.kind` unbuilt is in the kinds table but has no builder"):
+        _strategy("strategy.kind=unbuilt")
+
+
+def test_only_a_strategy_over_processes_is_a_process_group():
+    # `process_group()` is the contract's: a one-process strategy answers with its default, a clear refusal.
+    with pytest.raises(ValueError, match="Received: a OneDeviceStrategy"):
+        make_process_group(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    with pytest.raises(ValueError, match="`data_parallel` must be one of local, multi_worker, horovod"):
+        make_process_group("ring")
+    assert make_process_group("local") is None
 
 
 def test_single_worker_multi_worker_mirrored(monkeypatch):

@@ -255,7 +255,7 @@ def test_config_errors_of_groups(path, overrides, key, rule):
 
 @pytest.mark.parametrize("path, overrides, key, rule", [
     ("configs/default.yaml", ["strategy.tensor_parallel_size=2"],
-     "strategy.tensor_parallel_size", "only applies with strategy.kind=tensor_parallel or pipeline"),
+     "strategy.tensor_parallel_size", "only applies to strategy.kind=pipeline or tensor_parallel"),
 ])
 def test_config_errors_found_at_load(path, overrides, key, rule):
     with pytest.raises(ConfigError, match=f"^`{key}` .*{rule}"):

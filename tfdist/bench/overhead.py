@@ -98,7 +98,7 @@ def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
     s, t = config.strategy, config.train
     # The hand-written side is this one job; other settings have no twin there.
     required = {
-        "strategy.kind": (s.kind.value, "mirrored"),
+        "strategy.kind": (s.kind, "mirrored"),
         "model.name": (config.model.name, "digits_cnn"),
         "train.optimizer": (t.optimizer.value, "adam"),
         "train.scale_learning_rate": (t.scale_learning_rate, False),
@@ -126,7 +126,7 @@ def run(*, config: Optional[Config] = None, repeats: int = 5) -> dict[str, Any]:
     ratio = median["tfdist"] / median["handwritten"]
     return {
         "benchmark": "overhead",
-        "strategy": s.kind.value,
+        "strategy": s.kind,
         "devices": devices,
         "num_replicas": job.strategy.num_replicas_in_sync,
         "global_batch_size": t.global_batch_size,

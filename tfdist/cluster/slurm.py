@@ -61,7 +61,7 @@ def resolver(config: Config):
     addresses = slurm.cluster_spec().as_dict()["worker"]  # in task order
     for index, address in enumerate(addresses):
         check_address(address, f"Slurm task {index}", config.cluster.allow_non_loopback)
-    task_roles = roles(config.strategy.launched_as, num_tasks, config.parameter_server.num_ps)
+    task_roles = roles(config.strategy.launched_as.processes, num_tasks, config.parameter_server.num_ps)
     cluster = cluster_of(task_roles, addresses)
     me = int(os.environ["SLURM_PROCID"])
     task_type = task_roles[me]

@@ -1,4 +1,6 @@
-"""tfdist configuration: schema, loading and validation."""
+"""tfdist configuration: schema, loading and validation, and the table of what each strategy kind is."""
+
+from tfdist.config.kinds import KINDS
 
 from tfdist.config.loading import from_dict, load_config, parse_override, to_dict
 from tfdist.config.schema import (
@@ -18,11 +20,11 @@ from tfdist.config.schema import (
     RuntimeConfig,
     Schedule,
     StrategyConfig,
-    StrategyKind,
     TrainConfig,
 )
 
 __all__ = [
+    "KINDS",
     "AllReduce",
     "BalanceBy",
     "CallbacksConfig",
@@ -39,7 +41,6 @@ __all__ = [
     "RuntimeConfig",
     "Schedule",
     "StrategyConfig",
-    "StrategyKind",
     "TrainConfig",
     "from_dict",
     "load_config",

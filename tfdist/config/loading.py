@@ -202,6 +202,7 @@ def _build(cls, raw: Any, prefix: str):
         key = _join(prefix, name)
         values[name] = _convert(value, hints[name], key)
         _check_bounds(values[name], fields[name].metadata, key)
+        _check_choices(values[name], fields[name].metadata, key)
     return cls(**values)
 
 
@@ -279,9 +280,20 @@ def _convert_enum(value: Any, enum_cls: type[enum.Enum], key: str) -> enum.Enum:
     allowed = [m.value for m in enum_cls]
     if isinstance(value, str) and value in allowed:
         return enum_cls(value)
+    raise _not_one_of(allowed, value, key)
+
+
+def _check_choices(value: Any, metadata: Mapping, key: str) -> None:
+    """A string field whose values are a table's keys (`strategy.kind`: the kinds table)."""
+    allowed = list(metadata.get("choices") or ())
+    if allowed and value not in allowed:
+        raise _not_one_of(allowed, value, key)
+
+
+def _not_one_of(allowed: list[str], value: Any, key: str) -> ConfigError:
     near = difflib.get_close_matches(str(value), allowed, n=1)
     hint = f" Did you mean {near[0]!r}?" if near else ""
-    raise ConfigError(key, f"must be one of {', '.join(allowed)}.{hint}", value)
+    return ConfigError(key, f"must be one of {', '.join(allowed)}.{hint}", value)
 
 
 def _convert_tuple(value: Any, item_hint: Any, key: str) -> tuple:

@@ -8,7 +8,9 @@ Example:
 
     >>> from tfdist.config import Config
     >>> Config().strategy.kind
-    <StrategyKind.MIRRORED: 'mirrored'>
+    'mirrored'
+    >>> Config().strategy.spec.processes.name
+    'one process'
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 from typing import Optional, Union
+
+from tfdist.config.kinds import DATA_PARALLEL, KINDS, Kind
 
 __all__ = [
     "AllReduce",
@@ -38,7 +42,6 @@ __all__ = [
     "RuntimeConfig",
     "Schedule",
     "StrategyConfig",
-    "StrategyKind",
     "TrainConfig",
     "bounded",
 ]
@@ -56,17 +59,6 @@ def bounded(default, *, low=None, high=None, low_open=False):
     return dataclasses.field(
         default=default, metadata={"low": low, "high": high, "low_open": low_open}
     )
-
-
-class StrategyKind(str, enum.Enum):
-    ONE_DEVICE = "one_device"
-    MIRRORED = "mirrored"
-    MULTI_WORKER_MIRRORED = "multi_worker_mirrored"
-    TPU = "tpu"
-    PIPELINE = "pipeline"
-    PARAMETER_SERVER = "parameter_server"
-    HOROVOD = "horovod"
-    TENSOR_PARALLEL = "tensor_parallel"
 
 
 class DataParallel(str, enum.Enum):
@@ -158,7 +150,7 @@ class StrategyConfig:
     """How the model is distributed.
 
     Attributes:
-      kind: the distribution strategy.
+      kind: the distribution strategy (what each one is and takes: "Strategy kinds" above).
       devices: explicit device names (`/gpu:0`, `/cpu:1`, ...). Empty means every
         GPU when there are GPUs, else `logical_devices` logical CPU devices.
       logical_devices: how many logical CPU devices to create when the machine
@@ -199,7 +191,7 @@ class StrategyConfig:
         data_parallel).
     """
 
-    kind: StrategyKind = StrategyKind.MIRRORED
+    kind: str = dataclasses.field(default="mirrored", metadata={"choices": KINDS})
     devices: tuple[str, ...] = ()
     logical_devices: int = bounded(4, low=1, high=64)
     all_reduce: AllReduce = AllReduce.AUTO
@@ -213,13 +205,22 @@ class StrategyConfig:
     shard_optimizer: int = bounded(0, low=0, high=2)
 
     @property
-    def launched_as(self) -> "StrategyKind":
+    def spec(self) -> Kind:
+        """This kind's row of the kinds table (`tfdist.config.kinds`)."""
+        return KINDS[self.kind]
+
+    @property
+    def launched_as(self) -> Kind:
         """The kind whose processes this job's are: a pipeline or tensor-parallel job with
         `data_parallel` starts like a multi-worker or Horovod one (same tasks, launchers, cluster)."""
-        return {
-            DataParallel.MULTI_WORKER: StrategyKind.MULTI_WORKER_MIRRORED,
-            DataParallel.HOROVOD: StrategyKind.HOROVOD,
-        }.get(self.data_parallel, self.kind)
+        backend = DATA_PARALLEL.get(self.data_parallel.value)
+        return KINDS[backend.kind] if backend else self.spec
+
+    def takes(self, name: str) -> bool:
+        """Whether this kind, with its data-parallel backend, takes a `strategy.*` option or a section."""
+        backend = DATA_PARALLEL.get(self.data_parallel.value)
+        own = self.spec.options + self.spec.sections
+        return name in own + ((backend.options + backend.sections) if backend else ())
 
 
 @dataclasses.dataclass(frozen=True)

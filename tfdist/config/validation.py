@@ -12,24 +12,23 @@ import os
 import re
 import socket
 
+from tfdist.config.kinds import GATED_OPTIONS, KINDS, RANKS, backends_taking, kinds_taking, kinds_where
 from tfdist.config.schema import (
     AllReduce,
     ClusterResolverKind,
     Config,
     DataParallel,
     FeatureDtype,
-    GradientCompression,
     HorovodConfig,
     ModelName,
     PrecisionPolicy,
-    StrategyKind,
+    StrategyConfig,
 )
 from tfdist.config.environment import HOSTS_SUBNET_ENV
 from tfdist.config.sources import DataSource, data_source, model_source
 from tfdist.errors import ConfigError
 
 __all__ = [
-    "IMPLEMENTED_KINDS",
     "check",
     "check_address",
     "check_batch_split",
@@ -41,54 +40,45 @@ __all__ = [
     "parse_device",
 ]
 
-# Kinds this version of tfdist can build. The others are part of the schema so
-# that configs written for them fail with a clear message, not an unknown value.
-IMPLEMENTED_KINDS = (
-    StrategyKind.ONE_DEVICE,
-    StrategyKind.MIRRORED,
-    StrategyKind.MULTI_WORKER_MIRRORED,
-    StrategyKind.TPU,
-    StrategyKind.PIPELINE,
-    StrategyKind.PARAMETER_SERVER,
-    StrategyKind.HOROVOD,
-    StrategyKind.TENSOR_PARALLEL,
-)
-
-_ALL_REDUCE_BY_KIND = {
-    StrategyKind.MIRRORED: (
-        AllReduce.AUTO,
-        AllReduce.NCCL,
-        AllReduce.HIERARCHICAL_COPY,
-        AllReduce.REDUCTION_TO_ONE_DEVICE,
-    ),
-    StrategyKind.MULTI_WORKER_MIRRORED: (AllReduce.AUTO, AllReduce.RING, AllReduce.NCCL),
-}
-
 _DEVICE = re.compile(r"^/(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
 _LOSS_SCALE_WORDS = ("dynamic", "none")
+# What an option's refusal adds after naming the kinds that take it.
+_ELSEWHERE = {
+    "gradient_compression": " (Horovod jobs set horovod.fp16_compression)",
+    "data_parallel": " (the other kinds are their own data parallelism)",
+}
 
 
-def _values(kinds) -> str:
-    return ", ".join(k.value for k in kinds)
+def _kinds_where(has) -> str:
+    return ", ".join(kinds_where(has))
+
+
+def _taken_by(name: str) -> str:
+    """Where a gated option or a section applies, for an error message: the kinds, and the data-parallel
+    backends through which a pipeline or tensor-parallel job takes it."""
+    where = f"strategy.kind={_either(kinds_taking(name))}"
+    backends = backends_taking(name)
+    return where + (f", or strategy.data_parallel={_either(backends)}" if backends else "")
+
+
+def _either(names: list[str]) -> str:
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def check(config: Config) -> None:
     """Raises ConfigError for contradictions inside the config itself, in the keys a strategy and its runtime
     read (`check_job` adds the model and data of `tfdist train`)."""
     _check_strategy(config)
+    _check_sections(config)
     _check_pipeline(config)
-    _check_section_kind(config, "parameter_server", StrategyKind.PARAMETER_SERVER)
-    _check_section_kind(config, "horovod", StrategyKind.HOROVOD)
     _check_data_parallel(config)
-    _check_tensor_parallel(config)
     _check_placement(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
-    multi_process = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.HOROVOD)
-    if config.checkpoint.every_seconds and config.strategy.launched_as in multi_process:
+    if config.checkpoint.every_seconds and config.strategy.launched_as.processes.lockstep:
         raise ConfigError("checkpoint.every_seconds", "would have each process save at its own step; "
-                          f"{config.strategy.kind.value} saves at the same step in every process: use "
+                          f"{config.strategy.kind} saves at the same step in every process: use "
                           "checkpoint.every_steps.", config.checkpoint.every_seconds)
     if config.checkpoint.dir and config.callbacks.backup_dir:
         raise ConfigError("checkpoint.dir", "and callbacks.backup_dir both resume a job; keep one (checkpoint.dir "
@@ -101,12 +91,11 @@ def check_job(config: Config) -> None:
     parse or do not fit the strategy. A user's own script, which builds its own, is not checked for them."""
     _check_sources(config)
     m, s = config.model, config.strategy
-    splits = s.kind == StrategyKind.TENSOR_PARALLEL or s.tensor_parallel_size > 1
-    if splits and m.name != ModelName.TRANSFORMER:
+    if (s.spec.splits_tensors or s.tensor_parallel_size > 1) and m.name != ModelName.TRANSFORMER:
         raise ConfigError(
             "model.name",
-            f"must be transformer with strategy.kind={s.kind.value}"
-            f"{'' if s.kind == StrategyKind.TENSOR_PARALLEL else ' and strategy.tensor_parallel_size > 1'}: "
+            f"must be transformer with strategy.kind={s.kind}"
+            f"{'' if s.spec.splits_tensors else ' and strategy.tensor_parallel_size > 1'}: "
             "the other models have no tensor-parallel layers, so nothing would be split.",
             m.name,
         )
@@ -116,18 +105,11 @@ def check_job(config: Config) -> None:
 
 def _check_strategy(config: Config) -> None:
     s = config.strategy
-    if s.kind not in IMPLEMENTED_KINDS:
-        raise ConfigError(
-            "strategy.kind",
-            f"{s.kind.value} is not implemented in this version of tfdist; "
-            f"available: {_values(IMPLEMENTED_KINDS)}.",
-            s.kind.value,
-        )
-    allowed = _ALL_REDUCE_BY_KIND.get(s.kind, (AllReduce.AUTO,))
-    if s.all_reduce not in allowed:
+    kind = s.spec
+    if s.all_reduce.value not in kind.all_reduce:
         raise ConfigError(
             "strategy.all_reduce",
-            f"must be one of {_values(allowed)} with strategy.kind={s.kind.value}.",
+            f"must be one of {', '.join(kind.all_reduce)} with strategy.kind={s.kind}.",
             s.all_reduce.value,
         )
     if s.num_packs != 1 and s.all_reduce not in (AllReduce.NCCL, AllReduce.HIERARCHICAL_COPY):
@@ -137,32 +119,15 @@ def _check_strategy(config: Config) -> None:
             "leave it at 1 otherwise.",
             s.num_packs,
         )
-    if s.bytes_per_pack and s.launched_as != StrategyKind.MULTI_WORKER_MIRRORED:
-        raise ConfigError(
-            "strategy.bytes_per_pack",
-            "only applies to strategy.kind=multi_worker_mirrored; leave it at 0 otherwise.",
-            s.bytes_per_pack,
-        )
-    if s.gradient_compression != GradientCompression.NONE and s.kind not in (StrategyKind.MULTI_WORKER_MIRRORED,
-                                                                             StrategyKind.PARAMETER_SERVER):
-        raise ConfigError(
-            "strategy.gradient_compression",
-            "only applies to strategy.kind=multi_worker_mirrored or parameter_server (Horovod jobs set "
-            f"horovod.fp16_compression); strategy.kind is {s.kind.value}.",
-            s.gradient_compression.value,
-        )
-    replica_groups = (StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL)
-    on_collective_ops = (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED, *replica_groups)
-    if s.shard_optimizer and s.kind not in (*on_collective_ops, StrategyKind.HOROVOD):
-        raise ConfigError(
-            "strategy.shard_optimizer",
-            "applies to strategy.kind=mirrored, multi_worker_mirrored, horovod, pipeline or tensor_parallel in this "
-            f"version; strategy.kind is {s.kind.value}.",
-            s.shard_optimizer,
-        )
+    defaults = StrategyConfig()
+    for name in GATED_OPTIONS:
+        value = getattr(s, name)
+        if value != getattr(defaults, name) and not s.takes(name):
+            raise ConfigError(f"strategy.{name}", f"only applies to {_taken_by(name)}{_ELSEWHERE.get(name, '')}; "
+                              f"strategy.kind is {s.kind}.", getattr(value, "value", value))
     h = config.horovod
-    if s.shard_optimizer and s.kind == StrategyKind.HOROVOD and (h.op.value == "adasum" or h.elastic
-                                                                or h.backward_passes_per_step != 1):
+    if s.shard_optimizer and kind.processes is RANKS and (h.op.value == "adasum" or h.elastic
+                                                          or h.backward_passes_per_step != 1):
         raise ConfigError("strategy.shard_optimizer", "cannot split the optimizer of a Horovod job with horovod.op "
                           "adasum (it combines whole gradients), horovod.elastic or horovod.backward_passes_per_step "
                           "above 1, in this version.", s.shard_optimizer)
@@ -170,24 +135,33 @@ def _check_strategy(config: Config) -> None:
         parse_device(name, f"strategy.devices[{i}]")
     if len(set(d.lower() for d in s.devices)) != len(s.devices):
         raise ConfigError("strategy.devices", "must not name a device twice.", list(s.devices))
-    if s.kind == StrategyKind.ONE_DEVICE and len(s.devices) > 1:
-        raise ConfigError(
-            "strategy.devices", "takes at most one device with strategy.kind=one_device.",
-            list(s.devices),
-        )
-    if s.kind in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.TPU, StrategyKind.HOROVOD) and s.devices:
+    if s.devices and not kind.local_devices:
         raise ConfigError(
             "strategy.devices",
-            f"cannot be set with strategy.kind={s.kind.value}: it uses every local "
+            f"cannot be set with strategy.kind={s.kind}: it uses every local "
             "accelerator (or one CPU) of each task.",
             list(s.devices),
         )
+    if kind.max_devices is not None and len(s.devices) > kind.max_devices:
+        raise ConfigError(
+            "strategy.devices", f"takes at most {kind.max_devices} device{'s' * (kind.max_devices != 1)} with "
+            f"strategy.kind={s.kind}.",
+            list(s.devices),
+        )
+
+
+def _check_sections(config: Config) -> None:
+    """A section of some kinds' own settings, changed from its defaults under a kind that does not take it."""
+    s = config.strategy
+    for section in sorted({name for kind in KINDS.values() for name in kind.sections}):
+        value = getattr(config, section)
+        if value != type(value)() and not s.takes(section):
+            raise ConfigError(section, f"only applies with {_taken_by(section)}; strategy.kind is {s.kind}.", "set")
 
 
 def _check_pipeline(config: Config) -> None:
     p = config.pipeline
-    _check_section_kind(config, "pipeline", StrategyKind.PIPELINE)
-    if config.strategy.kind != StrategyKind.PIPELINE:
+    if not config.strategy.takes("pipeline"):
         return
     if p.boundaries and len(p.boundaries) != p.num_stages - 1:
         raise ConfigError(
@@ -246,27 +220,16 @@ def _check_train(config: Config) -> None:
 
 
 def _check_callbacks(config: Config) -> None:
-    if config.callbacks.input_stalls and config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+    if config.callbacks.input_stalls and config.strategy.spec.processes.coordinated:
         raise ConfigError(
             "callbacks.input_stalls",
-            "is not available with parameter_server: the steps and their input run on the "
+            f"is not available with {config.strategy.kind}: the steps and their input run on the "
             "workers, which the coordinator's profiler does not see.",
             True,
         )
 
 
-def _check_tensor_parallel(config: Config) -> None:
-    s = config.strategy
-    if s.tensor_parallel_size and s.kind not in (StrategyKind.TENSOR_PARALLEL, StrategyKind.PIPELINE):
-        raise ConfigError(
-            "strategy.tensor_parallel_size",
-            f"only applies with strategy.kind=tensor_parallel or pipeline; strategy.kind is {s.kind.value}.",
-            s.tensor_parallel_size,
-        )
-
-
 def _check_placement(config: Config) -> None:
-    _check_section_kind(config, "placement", StrategyKind.TENSOR_PARALLEL)
     p = config.placement
     if p.layers and p.balance_by_memory:
         raise ConfigError("placement.balance_by_memory", "and placement.layers exclude each other.", True)
@@ -283,9 +246,10 @@ def placement_pairs(config: Config) -> dict[str, str]:
 
 
 def tensor_parallel_size(config: Config, devices: int) -> int:
-    """Devices per tensor-parallel group: the configured size, else all (tensor_parallel) or one (pipeline)."""
+    """Devices per tensor-parallel group: the configured size, else all (a kind that splits tensors, as
+    tensor_parallel) or one (pipeline)."""
     s = config.strategy
-    return s.tensor_parallel_size or (devices if s.kind == StrategyKind.TENSOR_PARALLEL else 1)
+    return s.tensor_parallel_size or (devices if s.spec.splits_tensors else 1)
 
 
 def devices_key(config: Config) -> str:
@@ -327,10 +291,6 @@ def check_transformer_split(config: Config, size: int) -> None:
 
 def _check_data_parallel(config: Config) -> None:
     s = config.strategy
-    if s.data_parallel != DataParallel.LOCAL and s.kind not in (StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL):
-        raise ConfigError("strategy.data_parallel", "applies to strategy.kind pipeline and tensor_parallel (the "
-                          f"other kinds are their own data parallelism); strategy.kind is {s.kind.value}.",
-                          s.data_parallel.value)
     if config.horovod.elastic and config.horovod.cycle_time_ms != HorovodConfig.cycle_time_ms:
         raise ConfigError("horovod.cycle_time_ms", "cannot be set with horovod.elastic: Horovod 0.28 crashes "
                           "(segmentation fault) re-forming its ranks when both the fusion threshold and the cycle "
@@ -344,26 +304,17 @@ def _check_data_parallel(config: Config) -> None:
                           "accumulates over pipeline.num_micro_batches.", config.horovod.backward_passes_per_step)
 
 
-def _check_section_kind(config: Config, section: str, kind: StrategyKind) -> None:
-    s = config.strategy
-    if kind not in (s.kind, s.launched_as) and getattr(config, section) != type(getattr(config, section))():
-        raise ConfigError(
-            section,
-            f"only applies with strategy.kind={kind.value}; strategy.kind is {config.strategy.kind.value}.",
-            "set",
-        )
-
-
 def _check_cluster(config: Config) -> None:
     c = config.cluster
     kind = config.strategy.launched_as
+    resolved = _kinds_where(lambda k: k.processes.resolves_cluster)
     if c.resolver != ClusterResolverKind.CONFIG:
-        if kind not in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER):
+        if not kind.processes.resolves_cluster:
             raise ConfigError(
                 "cluster.resolver",
-                f"{c.resolver.value} applies to multi_worker_mirrored and parameter_server (a Horovod job runs "
+                f"{c.resolver.value} applies to {resolved} (a Horovod job runs "
                 "horovodrun over the job's hosts: `tfdist slurm` and `tfdist k8s` write that); "
-                f"strategy.kind is {kind.value}.",
+                f"strategy.kind is {kind.name}.",
                 c.resolver.value,
             )
         if c.workers or c.ps or c.chief:
@@ -377,20 +328,19 @@ def _check_cluster(config: Config) -> None:
     # Each role's addresses, as the error messages show them.
     roles = {"workers": list(c.workers), "ps": list(c.ps), "chief": c.chief}
     given = [name for name, value in roles.items() if value]
-    if given and kind not in (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER):
+    if given and not kind.processes.resolves_cluster:
         raise ConfigError(
             f"cluster.{given[0]}",
-            "is only used by multi-process strategies (multi_worker_mirrored, parameter_server); "
-            f"strategy.kind is {kind.value}.",
+            f"is only used by the kinds whose processes find each other through it ({resolved}); "
+            f"strategy.kind is {kind.name}.",
             roles[given[0]],
         )
     extra = [name for name in ("ps", "chief") if roles[name]]
-    if kind == StrategyKind.MULTI_WORKER_MIRRORED and extra:
-        raise ConfigError(
-            f"cluster.{extra[0]}", "only applies to strategy.kind=parameter_server.", roles[extra[0]]
-        )
+    if not kind.processes.coordinated and extra:
+        raise ConfigError(f"cluster.{extra[0]}", f"only applies to strategy.kind="
+                          f"{_kinds_where(lambda k: k.processes.coordinated)}.", roles[extra[0]])
     missing = [name for name in ("chief", "workers", "ps") if not roles[name]]
-    if kind == StrategyKind.PARAMETER_SERVER and given and missing:
+    if kind.processes.coordinated and given and missing:
         raise ConfigError(
             f"cluster.{missing[0]}",
             "must be set too: a parameter-server cluster names its chief, workers and ps "
@@ -481,7 +431,7 @@ def check_batch_split(config: Config, replicas: int) -> None:
             batch,
         )
     micro = config.pipeline.num_micro_batches
-    if config.strategy.kind == StrategyKind.PIPELINE and (batch // replicas) % micro:
+    if config.strategy.takes("pipeline") and (batch // replicas) % micro:
         raise ConfigError(
             "train.global_batch_size",
             f"must be divisible by replicas x pipeline.num_micro_batches ({replicas} x {micro}) "

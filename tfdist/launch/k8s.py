@@ -26,9 +26,10 @@ import yaml
 
 from tfdist.config import to_dict
 from tfdist.config.loading import CLUSTER_VARIABLE, cluster_variable
-from tfdist.config.schema import ClusterResolverKind, Config, StrategyKind
+from tfdist.config.kinds import RANKS
+from tfdist.config.schema import ClusterResolverKind, Config
 from tfdist.cluster.kubernetes import HOST_ENV, ROLE_ENV, TASKS_ENV
-from tfdist.cluster.roles import MULTI_PROCESS_KINDS
+from tfdist.cluster.roles import multi_process_kinds
 from tfdist.errors import ConfigError
 
 __all__ = ["Job", "FLAVORS", "manifests", "write"]
@@ -81,7 +82,7 @@ class Job:
 
 def roles(config: Config, job: Job) -> dict[str, int]:
     """Pods per role, in the order the tasks start."""
-    if config.strategy.launched_as == StrategyKind.PARAMETER_SERVER:
+    if config.strategy.launched_as.processes.coordinated:
         return {"ps": job.ps or config.parameter_server.num_ps, "chief": 1, "worker": job.workers}
     return {"worker": job.workers}
 
@@ -94,8 +95,8 @@ def manifests(config: Config, job: Job) -> list[dict]:
         flavor that does not fit the kind.
     """
     _check(config, job)
-    if config.strategy.launched_as == StrategyKind.HOROVOD:
-        rank_per_gpu = config.strategy.kind == StrategyKind.HOROVOD
+    if config.strategy.launched_as.processes is RANKS:
+        rank_per_gpu = config.strategy.spec.processes is RANKS
         return [_config_map(config, job), _mpi_job(config, job, rank_per_gpu=rank_per_gpu)]
     if job.flavor == "tfjob":
         return [_config_map(config, job), _tf_job(config, job)]
@@ -136,9 +137,9 @@ _PlainDumper.add_representer(str, _literal_if_multiline)
 
 def _check(config: Config, job: Job) -> None:
     kind = config.strategy.launched_as
-    if kind not in MULTI_PROCESS_KINDS:
-        raise ConfigError("strategy.kind", f"runs in one process; `k8s` writes jobs of "
-                          f"{', '.join(k.value for k in MULTI_PROCESS_KINDS)}.", kind.value)
+    if not kind.processes.several:
+        raise ConfigError("strategy.kind", f"runs in one process; `k8s` writes jobs of {multi_process_kinds()}.",
+                          kind.name)
     if not _DNS_LABEL.fullmatch(job.name) or len(job.name) > 40:
         raise ConfigError("--name", "must be a DNS label of at most 40 characters (lowercase letters, digits "
                           "and '-', starting with a letter): pod hostnames add the role and index to it.", job.name)
@@ -146,13 +147,13 @@ def _check(config: Config, job: Job) -> None:
         raise ConfigError("--image", "is required: the container image with tfdist installed.", job.image)
     if job.flavor not in FLAVORS:
         raise ConfigError("--flavor", f"must be one of {', '.join(FLAVORS)}.", job.flavor)
-    if kind == StrategyKind.HOROVOD and job.flavor != "jobs":
-        raise ConfigError("--flavor", "does not apply to strategy.kind=horovod, which always runs as an MPIJob.",
+    if kind.processes is RANKS and job.flavor != "jobs":
+        raise ConfigError("--flavor", f"does not apply to strategy.kind={kind.name}, which always runs as an MPIJob.",
                           job.flavor)
     if job.workers < 1 or job.ps < 0 or job.gpus_per_worker < 0:
         raise ConfigError("--workers", "needs one worker or more, and --ps and --gpus-per-worker 0 or more.",
                           job.workers)
-    if kind == StrategyKind.PARAMETER_SERVER and roles(config, job)["ps"] < 1:
+    if kind.processes.coordinated and roles(config, job)["ps"] < 1:
         raise ConfigError("--ps", "a parameter-server job needs one parameter server or more.", job.ps)
     if job.queue and job.flavor == "jobs" and len(roles(config, job)) > 1:
         raise ConfigError("--queue", "with --flavor jobs each role is its own Job, which Kueue would admit on "
@@ -163,10 +164,10 @@ def _check(config: Config, job: Job) -> None:
 def _pod_config(config: Config, job: Job) -> dict:
     """The config the pods read: the cluster from Kubernetes (or TF_CONFIG under TFJob), addresses off loopback."""
     data = to_dict(config)
-    uses_resolver = config.strategy.launched_as != StrategyKind.HOROVOD and job.flavor != "tfjob"
+    uses_resolver = config.strategy.launched_as.processes.resolves_cluster and job.flavor != "tfjob"
     resolver_kind = ClusterResolverKind.KUBERNETES if uses_resolver else ClusterResolverKind.CONFIG
     data["cluster"].update(resolver=resolver_kind.value, allow_non_loopback=True)
-    if config.strategy.kind == StrategyKind.PARAMETER_SERVER:
+    if config.strategy.launched_as.processes.coordinated:
         data["parameter_server"].update(num_workers=job.workers, num_ps=roles(config, job)["ps"])
     return data
 
@@ -192,7 +193,7 @@ def _task_command(config: Config, job: Job, role: str = "worker") -> list[str]:
     if not job.command:
         metrics = [f"--metrics_out={job.metrics_out}"] if job.metrics_out else []  # only the chief writes it
         return [*tfdist, "train", "--config", CONFIG_FILE, *metrics]
-    if config.strategy.kind == StrategyKind.PARAMETER_SERVER and role != "chief" and not job.every_task:
+    if config.strategy.launched_as.processes.coordinated and role != "chief" and not job.every_task:
         return [*tfdist, "serve", "--config", CONFIG_FILE]
     return list(job.command)
 
@@ -210,7 +211,7 @@ def _container(config: Config, job: Job, role: str, command: list[str], env: lis
     container = {"name": CONTAINER, "image": job.image, "command": command, "env": env,
                  "resources": {"requests": {"cpu": job.cpu, "memory": job.memory}},
                  "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]}
-    if config.strategy.launched_as != StrategyKind.HOROVOD:
+    if config.strategy.launched_as.processes.resolves_cluster:
         port_name = "tfjob-port" if job.flavor == "tfjob" else "tfdist"  # the operator finds it by that name
         container["ports"] = [{"name": port_name, "containerPort": config.cluster.port_base}]
     if job.gpus_per_worker and role == "worker":
@@ -232,8 +233,8 @@ def _pod_template(job: Job, role: str, container: dict, *, restart: str,
 def _restart_policy(config: Config, role: str) -> str:
     """A parameter-server job's worker restarts in place (same hostname; the coordinator takes it back);
     any other task's failure ends the job."""
-    parameter_server = config.strategy.kind == StrategyKind.PARAMETER_SERVER
-    return "OnFailure" if parameter_server and role == "worker" else "Never"
+    coordinated = config.strategy.launched_as.processes.coordinated
+    return "OnFailure" if coordinated and role == "worker" else "Never"
 
 
 def _job_spec(config: Config, job: Job, role: str, count: int, host: str, subdomain: str) -> dict:
@@ -271,7 +272,7 @@ def _indexed_job(config: Config, job: Job, role: str, count: int, host: str) -> 
 
 
 def _job_set(config: Config, job: Job, host: str) -> dict:
-    done_when = "chief" if config.strategy.kind == StrategyKind.PARAMETER_SERVER else "worker"
+    done_when = "chief" if config.strategy.launched_as.processes.coordinated else "worker"
     spec = {
         "network": {"enableDNSHostnames": True, "subdomain": job.name, "publishNotReadyAddresses": True},
         "successPolicy": {"operator": "All", "targetReplicatedJobs": [done_when]},

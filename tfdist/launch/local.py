@@ -42,10 +42,11 @@ from typing import Callable, Optional, Sequence, TextIO
 
 from tfdist.checkpoint_store import EXIT_PREEMPTED, EXIT_TERMINATED, SIGTERM_RECEIVED
 from tfdist.config.loading import CLUSTER_VARIABLE
-from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.kinds import RANKS, kinds_where
+from tfdist.config.schema import Config
 from tfdist.errors import PEER_LOST_UNDER_HOROVOD, ConfigError
 from tfdist.cluster.loopback import free_loopback_ports
-from tfdist.cluster.roles import MULTI_PROCESS_KINDS, cluster_of
+from tfdist.cluster.roles import cluster_of, multi_process_kinds
 from tfdist.launch import guard, process_tree
 from tfdist.launch.hosts import NamespaceHosts
 
@@ -111,35 +112,37 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
       ConfigError: the counts do not fit the kind, or the config already names a cluster.
     """
     kind = config.strategy.launched_as
+    processes = kind.processes
     if workers < 1:
         raise ConfigError("--workers", "must be at least 1.", workers)
     if config.cluster.workers:
         raise ConfigError("cluster.workers", "must be empty under `tfdist launch`, which chooses the cluster itself.",
                           list(config.cluster.workers))
-    if ps and kind != StrategyKind.PARAMETER_SERVER:
-        raise ConfigError("--ps", f"only applies with strategy.kind=parameter_server, not {kind.value}.", ps)
+    if ps and not processes.coordinated:
+        coordinated = " or ".join(kinds_where(lambda k: k.processes.coordinated))
+        raise ConfigError("--ps", f"only applies with strategy.kind={coordinated}, not {kind.name}.", ps)
     tfdist = [sys.executable, "-m", "tfdist.cli"]
     train = list(command) or [*tfdist, "train", *train_args]
     # A parameter-server job's workers and servers serve what the chief's script schedules.
     serve = train if every_task or not command else [*tfdist, "serve", *train_args]
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", CLUSTER_VARIABLE)}
     env.update(hosts.environment() if hosts else {})
-    if kind == StrategyKind.HOROVOD:
+    if processes is RANKS:
         if chief:
             raise ConfigError("--chief", "does not apply to Horovod, whose rank 0 reports.", True)
         horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
         return [Task("horovodrun", 0, [horovodrun, "-np", str(workers), *_horovod_hosts(workers, hosts), "--gloo",
                                        *train], env, reports=True)]
-    if kind not in MULTI_PROCESS_KINDS:
-        several = ", ".join(k.value for k in MULTI_PROCESS_KINDS)
+    if not processes.several:
+        several = multi_process_kinds()
         if workers > 1 or chief:
-            raise ConfigError("--workers", f"must be 1: strategy.kind={kind.value} runs in one process "
+            raise ConfigError("--workers", f"must be 1: strategy.kind={kind.name} runs in one process "
                               f"({several} run in several).", workers)
         if hosts:
             raise ConfigError("--hosts", f"applies to jobs of several processes ({several}), not to "
-                              f"strategy.kind={kind.value}.", hosts.count)
+                              f"strategy.kind={kind.name}.", hosts.count)
         return [Task("worker", 0, train, env, reports=True)]
-    if kind == StrategyKind.PARAMETER_SERVER:
+    if processes.coordinated:
         ps = ps or config.parameter_server.num_ps
         chief = True
     roles = ["chief"] * chief + ["worker"] * workers + ["ps"] * ps
@@ -156,7 +159,7 @@ def plan(config: Config, train_args: list[str], *, workers: int, ps: int = 0, ch
         tf_config = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
         reports = role == "chief" or (not chief and role == "worker" and index == 0)
         # Under a parameter-server chief, workers and parameter servers serve until stopped.
-        finishes = kind != StrategyKind.PARAMETER_SERVER or role == "chief"
+        finishes = not processes.coordinated or role == "chief"
         runs = train if finishes else serve
         tasks.append(Task(role, index, hosts.command(host, runs) if hosts else runs, {**env, "TF_CONFIG": tf_config},
                           reports, finishes))

@@ -18,9 +18,10 @@ import sys
 from typing import Optional, Sequence
 
 from tfdist.checkpoint_store import EXIT_PREEMPTED
-from tfdist.cluster.roles import MULTI_PROCESS_KINDS, roles
+from tfdist.cluster.roles import multi_process_kinds, roles
 from tfdist.config.loading import CLUSTER_VARIABLE, cluster_variable
-from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.kinds import RANKS
+from tfdist.config.schema import Config
 from tfdist.errors import ConfigError
 
 __all__ = ["sbatch_script"]
@@ -63,13 +64,14 @@ def sbatch_script(
       ConfigError: a kind that does not run on several processes, or counts that do not fit it.
     """
     kind = config.strategy.launched_as
-    if kind not in MULTI_PROCESS_KINDS:
-        raise ConfigError("strategy.kind", "runs in one process; Slurm jobs take multi_worker_mirrored, "
-                          "parameter_server or horovod.", kind.value)
+    processes = kind.processes
+    if not processes.several:
+        raise ConfigError("strategy.kind", f"runs in one process; Slurm jobs take {multi_process_kinds()}.",
+                          kind.name)
     if tasks < 1 or (nodes is not None and not 1 <= nodes <= tasks):
         raise ConfigError("--tasks", f"must be at least 1 and at least --nodes ({nodes}).", tasks)
-    roles(kind, tasks, config.parameter_server.num_ps)  # refuses too few tasks now, not in the job
-    options = [f"--job-name=tfdist-{kind.value}", f"--ntasks={tasks}", "--output=tfdist-%j.out"]
+    roles(processes, tasks, config.parameter_server.num_ps)  # refuses too few tasks now, not in the job
+    options = [f"--job-name=tfdist-{kind.name}", f"--ntasks={tasks}", "--output=tfdist-%j.out"]
     options += [f"--nodes={nodes}"] if nodes else []
     options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
     options += [f"--partition={partition}"] if partition else []
@@ -80,10 +82,10 @@ def sbatch_script(
     train = list(command) or [*tfdist, "train", *train_args]
     lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "set -euo pipefail",
              f"cd {shlex.quote(workdir or os.getcwd())}"]
-    if command and kind != StrategyKind.HOROVOD:  # how the command's tfdist.make_strategy finds its cluster
+    if command and processes.resolves_cluster:  # how the command's tfdist.make_strategy finds its cluster
         cluster = cluster_variable("slurm", config.cluster.port_base, config.cluster.allow_non_loopback)
         lines.append(f"export {CLUSTER_VARIABLE}={shlex.quote(cluster)}")
-    if kind == StrategyKind.HOROVOD:
+    if processes is RANKS:
         if nodes and tasks % nodes:
             raise ConfigError("--tasks", f"must divide evenly over the {nodes} nodes for horovodrun's host list.",
                               tasks)
@@ -105,7 +107,7 @@ def sbatch_script(
         srun = shlex.join(["srun", "--kill-on-bad-exit=0", f"--wait={wait}"])
         if not command:
             lines.append(f"{srun} {shlex.join([*train, '--set=cluster.resolver=slurm'])}")
-        elif kind == StrategyKind.PARAMETER_SERVER and not every_task:
+        elif processes.coordinated and not every_task:
             # The chief's task (after the parameter servers, `roles`) runs the command; the others serve it.
             serve = shlex.join([*tfdist, "serve", *train_args])
             chief_or_server = f"if [ $SLURM_PROCID -eq {config.parameter_server.num_ps} ]; " \

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.config.schema import Config, StrategyKind
+from tfdist.config.schema import Config
 from tfdist.config.validation import check_devices
 from tfdist.errors import ConfigError
 
@@ -86,8 +86,7 @@ def configure_runtime(config: Config) -> int:
         tf.config.experimental.enable_op_determinism()
     gpus = physical_gpus()
     check_devices(config, gpus=gpus)
-    single_host = (StrategyKind.MIRRORED, StrategyKind.ONE_DEVICE, StrategyKind.PIPELINE, StrategyKind.TENSOR_PARALLEL)
-    if not gpus and config.strategy.kind in single_host:
+    if not gpus and config.strategy.spec.local_devices:
         ensure_logical_cpus(config.strategy.logical_devices)
     return gpus
 

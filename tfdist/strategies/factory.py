@@ -24,7 +24,8 @@ from tfdist import _compat, precision
 from tfdist.cluster.loopback import accepts_connections
 from tfdist.cluster.resolver import cluster_resolver, listening_as
 from tfdist.cluster.servers import LocalCluster, serve
-from tfdist.config.schema import AllReduce, Config, DataParallel, GradientCompression, StrategyKind
+from tfdist.config.kinds import DATA_PARALLEL, RANKS
+from tfdist.config.schema import AllReduce, Config, GradientCompression
 from tfdist.config.validation import (
     check_batch_split,
     check_pipeline_devices,
@@ -41,8 +42,8 @@ from tfdist.strategies.host_allocator import restore_allocator
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
 from tfdist.strategies.pipeline import PipelineStrategy
-from tfdist.strategies.process_group import ProcessGroup, make_process_group
-from tfdist.strategies.replica_groups import ProcessLayoutError
+from tfdist.strategies.process_group import ProcessGroup
+from tfdist.strategies.replica_groups import ProcessLayoutError, make_process_group
 from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["make_strategy", "serves_only"]
@@ -75,7 +76,7 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
     if joins and _JOINED:
         return _joined_again(config)
     gpus = configure_runtime(config)
-    strategy = _BUILDERS[config.strategy.kind](config, gpus)
+    strategy = _builder(config.strategy.kind)(config, gpus)
     check_batch_split(config, strategy.num_replicas_in_sync)
     precision.apply_policy(config.precision)
     if not config.runtime.trim_freed_memory:  # once the strategy has started TensorFlow: it runs a dataset
@@ -88,19 +89,17 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
 def _joins_a_cluster(config: Config) -> bool:
     """Whether the strategy joins this process to a cluster of others (not one of its own making): Horovod's
     ranks always (a job of one rank too), TensorFlow's when the cluster config lists tasks."""
-    if config.strategy.kind == StrategyKind.HOROVOD or config.strategy.data_parallel == DataParallel.HOROVOD:
+    processes = config.strategy.launched_as.processes
+    if processes is RANKS:
         return True
-    kinds = (StrategyKind.MULTI_WORKER_MIRRORED, StrategyKind.PARAMETER_SERVER)
-    if config.strategy.kind not in kinds and config.strategy.data_parallel != DataParallel.MULTI_WORKER:
-        return False
-    return bool(cluster_resolver(config).cluster_spec().jobs)
+    return processes.resolves_cluster and bool(cluster_resolver(config).cluster_spec().jobs)
 
 
 def _joined_again(config: Config) -> tf.distribute.Strategy:
     if _JOINED["sections"] != (config.strategy, config.cluster):
         raise ConfigError("strategy", "cannot change in a process that has joined its cluster: TensorFlow joins a "
                           "process once, so make_strategy returns the first strategy for the same `strategy` and "
-                          "`cluster` config only.", config.strategy.kind.value)
+                          "`cluster` config only.", config.strategy.kind)
     precision.apply_policy(config.precision)
     return _JOINED["strategy"]
 
@@ -108,7 +107,7 @@ def _joined_again(config: Config) -> tf.distribute.Strategy:
 def serves_only(config: Config) -> bool:
     """On a parameter-server job's worker or ps task, serves until the chief is done and returns True;
     False on every task that trains."""
-    if config.strategy.kind != StrategyKind.PARAMETER_SERVER:
+    if not config.strategy.spec.processes.coordinated:
         return False
     resolver = cluster_resolver(config)
     if resolver.cluster_spec().jobs and resolver.task_type in ("worker", "ps"):
@@ -220,7 +219,7 @@ def _horovod(config: Config, gpus: int = 0) -> HorovodStrategy:
             shard_optimizer=config.strategy.shard_optimizer,
         )
     except ImportError as error:
-        raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind.value) from None
+        raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind) from None
     except AdasumWithoutMpiError:
         raise ConfigError("horovod.op", "adasum needs Horovod's MPI controller: launch with `horovodrun --mpi` "
                           "(this job runs on Gloo, where Horovod has no Adasum).", "adasum") from None
@@ -268,24 +267,31 @@ def _tpu(config: Config, gpus: int = 0) -> tf.distribute.TPUStrategy:
     return tf.distribute.TPUStrategy(resolver)
 
 
-_BUILDERS: dict[StrategyKind, Callable[[Config, int], tf.distribute.Strategy]] = {
-    StrategyKind.ONE_DEVICE: _one_device,
-    StrategyKind.MIRRORED: _mirrored,
-    StrategyKind.MULTI_WORKER_MIRRORED: _multi_worker,
-    StrategyKind.PIPELINE: _pipeline,
-    StrategyKind.PARAMETER_SERVER: _parameter_server,
-    StrategyKind.HOROVOD: _horovod,
-    StrategyKind.TENSOR_PARALLEL: _tensor_parallel,
-    StrategyKind.TPU: _tpu,
+# Each kind's builder; what a kind is (processes, options, launchers) is its row in tfdist.config.kinds.
+_BUILDERS: dict[str, Callable[[Config, int], tf.distribute.Strategy]] = {
+    "one_device": _one_device,
+    "mirrored": _mirrored,
+    "multi_worker_mirrored": _multi_worker,
+    "pipeline": _pipeline,
+    "parameter_server": _parameter_server,
+    "horovod": _horovod,
+    "tensor_parallel": _tensor_parallel,
+    "tpu": _tpu,
 }
 
-# `strategy.data_parallel`: the strategy whose processes a pipeline or tensor-parallel job trains across.
-_DATA_PARALLEL_BACKENDS = {DataParallel.MULTI_WORKER: _multi_worker, DataParallel.HOROVOD: _horovod}
+
+def _builder(kind: str) -> Callable[[Config, int], tf.distribute.Strategy]:
+    if kind not in _BUILDERS:
+        raise ConfigError("strategy.kind", f"{kind} is in the kinds table but has no builder in "
+                          "tfdist/strategies/factory.py.", kind)
+    return _BUILDERS[kind]
 
 
 def _process_group(config: Config) -> Optional[ProcessGroup]:
-    backend = _DATA_PARALLEL_BACKENDS.get(config.strategy.data_parallel)
-    return make_process_group(backend(config)) if backend else None
+    """The processes of `strategy.data_parallel`'s backend, which a pipeline or tensor-parallel job trains
+    across: made by that kind's own builder."""
+    backend = DATA_PARALLEL.get(config.strategy.data_parallel.value)
+    return make_process_group(_builder(backend.kind)(config, 0)) if backend else None
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState
 from tfdist.contract import StrategyContract
+from tfdist.strategies.process_group import HorovodProcesses
 from tfdist.strategies.process_input import PerProcessInput
 from tfdist.strategies.data_parallel import multi_step_train_function
 from tfdist.strategies.step_watchdog import StepWatchdog
@@ -251,6 +252,9 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
     def slice_collectives(self) -> HorovodSliceCollectives:
         return HorovodSliceCollectives(self.hvd, self.extended.worker_devices[0], stage=self.shard_optimizer,
                                        op=self._op, fp16_compression=self._fp16_compression)
+
+    def process_group(self) -> HorovodProcesses:
+        return HorovodProcesses(self)
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         report = {"cluster": f"{self.size} Horovod rank(s), one process per device", **super().job_report(model)}

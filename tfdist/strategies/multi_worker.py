@@ -33,6 +33,7 @@ from tfdist.errors import ClusterError, error_reason
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
 from tfdist.contract import StrategyContract
 from tfdist.strategies.data_parallel import multi_step_train_function
+from tfdist.strategies.process_group import WorkerProcesses
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -95,6 +96,9 @@ class MultiWorkerMirroredStrategy(SplitsOptimizerState, StrategyContract, tf.dis
         if not lost:
             return None
         return ClusterError(f"lost contact with {', '.join(lost)} during training ({error_reason(error.message)}).")
+
+    def process_group(self) -> WorkerProcesses:
+        return WorkerProcesses(self)
 
     def unreachable_peers(self) -> list[str]:
         """The other tasks that do not answer TensorFlow's collective health check."""

@@ -63,8 +63,7 @@ from tfdist.parallel.placement import call_in_context
 from tfdist.reporting import megabytes
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import default_devices, split_cpu
-from tfdist.strategies.process_group import make_process_group
-from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device
+from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device, make_process_group
 
 __all__ = ["PipelineStrategy"]
 

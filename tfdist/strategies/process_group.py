@@ -37,12 +37,9 @@ from tfdist import _compat
 from tfdist._compat.tf_distribute import collective_util, context, cross_device_utils
 
 from tfdist.errors import ClusterError
-from tfdist.strategies.horovod import HorovodStrategy
-from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
-__all__ = ["DATA_PARALLEL", "HorovodProcesses", "ProcessGroup", "WorkerProcesses", "make_process_group"]
+__all__ = ["HorovodProcesses", "ProcessGroup", "WorkerProcesses"]
 
-DATA_PARALLEL = ("local", "multi_worker", "horovod")
 # Collective group keys of their own, above the ones MirroredStrategy instances number (int32 keys).
 _GROUP_KEY_START = 2_000_000_000
 
@@ -175,26 +172,3 @@ class HorovodProcesses(ProcessGroup):
     def wrap_step(self, function):
         watchdog = self.strategy._watchdog
         return watchdog.wrap(function) if watchdog else function
-
-
-def make_process_group(data_parallel) -> Optional[ProcessGroup]:
-    """None for `local`; else the process group of `multi_worker` (cluster from TF_CONFIG),
-    `horovod`, or of a strategy given for it (`MultiWorkerMirroredStrategy`, `HorovodStrategy`).
-
-    Raises:
-      ValueError: an unknown name or strategy.
-    """
-    if isinstance(data_parallel, ProcessGroup) or data_parallel is None or data_parallel == "local":
-        return data_parallel if isinstance(data_parallel, ProcessGroup) else None
-    if data_parallel == "multi_worker":
-        data_parallel = MultiWorkerMirroredStrategy()
-    elif data_parallel == "horovod":
-        data_parallel = HorovodStrategy()
-    if isinstance(data_parallel, MultiWorkerMirroredStrategy):
-        return WorkerProcesses(data_parallel)
-    if isinstance(data_parallel, HorovodStrategy):
-        return HorovodProcesses(data_parallel)
-    raise ValueError(
-        f"`data_parallel` must be one of {', '.join(DATA_PARALLEL)}, or a MultiWorkerMirroredStrategy or "
-        f"HorovodStrategy. Received: {data_parallel!r}"
-    )

@@ -47,11 +47,17 @@ from tfdist._compat.tf_distribute import (cross_device_ops_lib, device_util, dis
 from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica
 from tfdist.parallel.optimizer_shards import shards_of
+from tfdist.contract import contract
 from tfdist.strategies.data_parallel import MirroredStrategy
+from tfdist.strategies.horovod import HorovodStrategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.process_group import ProcessGroup
 from tfdist.strategies.process_input import PerProcessInput
 
-__all__ = ["ProcessLayoutError", "ReplicaGroupsStrategy", "bytes_by_device"]
+__all__ = ["ProcessLayoutError", "ReplicaGroupsStrategy", "bytes_by_device", "make_process_group"]
+
+# `data_parallel` by name: the strategy over processes whose process group the replicas train across.
+_BACKENDS = {"multi_worker": MultiWorkerMirroredStrategy, "horovod": HorovodStrategy}
 
 
 class _OnDevices:
@@ -393,3 +399,22 @@ def bytes_by_device(variables: Sequence[keras.Variable]) -> dict[str, int]:
             device = f"{spec.device_type}:{spec.device_index}"
             held[device] = held.get(device, 0) + copy.dtype.size * copy.shape.num_elements()
     return held
+
+
+def make_process_group(data_parallel) -> Optional[ProcessGroup]:
+    """None for `local`; else the process group of `multi_worker` (cluster from TF_CONFIG),
+    `horovod`, or of a strategy given for it (its contract's `process_group`).
+
+    Raises:
+      ValueError: an unknown name, or a strategy that is not over processes.
+    """
+    if data_parallel is None or isinstance(data_parallel, ProcessGroup):
+        return data_parallel
+    if isinstance(data_parallel, str):
+        if data_parallel == "local":
+            return None
+        if data_parallel not in _BACKENDS:
+            raise ValueError(f"`data_parallel` must be one of local, {', '.join(_BACKENDS)}, or a strategy over "
+                             f"processes. Received: {data_parallel!r}")
+        data_parallel = _BACKENDS[data_parallel]()
+    return contract(data_parallel).process_group()

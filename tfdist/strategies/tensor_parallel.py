@@ -43,8 +43,7 @@ from tfdist.layers.tensor_parallel import split_layers
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.placement import balance_by_memory, device_for_scope, place_computation, unknown_layers
 from tfdist.strategies.devices import default_devices, split_cpu
-from tfdist.strategies.process_group import make_process_group
-from tfdist.strategies.replica_groups import ReplicaGroupsStrategy
+from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, make_process_group
 
 __all__ = ["TensorParallelStrategy"]
 
