@@ -239,3 +239,12 @@ def _task_among(pids, variable, value, exact=False):
                 and b"tfdist.cli\0train\0" in command and b"tfdist.launch.guard" not in command:
             return zygote.forked_child(pid) or pid
     raise AssertionError(f"no task with {variable}={value} among {list(pids)}")
+
+
+def tcp_bytes(payload: float, payload_back: float) -> float:
+    """The most a link's counters should see one way for `payload` bytes of a step sent and `payload_back`
+    received: each segment's 1448 bytes of data carry 66 of Ethernet, IP and TCP headers, each segment
+    received is acknowledged by at most one 66-byte frame (every second one when idle; every one in
+    TCP's quick-ack mode, which a busy receiver falls into), and a step's requests and their headers
+    add a few KB (about 6 KB for a parameter-server worker)."""
+    return payload * 1514 / 1448 + payload_back * 66 / 1448 + 6_000

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from helpers import measure_in_fresh_process, run_tfdist
+from helpers import measure_in_fresh_process, run_tfdist, tcp_bytes
 from tfdist.bench.network import _figures, algorithm_bytes, markdown_table, overlap
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespace hosts need root")
@@ -84,15 +84,6 @@ def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
     assert figures["split_speed_ratio_horovod"] == pytest.approx(0.8)  # at the slowest link
 
 
-def _tcp_bytes(payload: float, payload_back: float) -> float:
-    """The most a link's counters should see one way for `payload` bytes of a step sent and `payload_back`
-    received: each segment's 1448 bytes of data carry 66 of Ethernet, IP and TCP headers, each segment
-    received is acknowledged by at most one 66-byte frame (every second one when idle; every one in
-    TCP's quick-ack mode, which a busy receiver falls into), and a step's requests and their headers
-    add a few KB (about 6 KB for a parameter-server worker)."""
-    return payload * 1514 / 1448 + payload_back * 66 / 1448 + 6_000
-
-
 @needs_root
 @pytest.mark.xdist_group("namespace_hosts")  # with tests/launch/test_hosts.py, which checks that no host is left
 @pytest.mark.slow
@@ -124,7 +115,7 @@ def test_a_run_measures_the_links_bytes_as_the_algorithm_counts_them():
                 assert measured[direction] - expected <= fixed + 0.1 * expected + resent, (kind, direction, row)
             else:
                 other = row["algorithm_bytes"]["received" if direction == "sent" else "sent"]
-                assert measured[direction] <= _tcp_bytes(expected, other) + resent, (kind, direction, row)
+                assert measured[direction] <= tcp_bytes(expected, other) + resent, (kind, direction, row)
         assert row["comm_ms"] == pytest.approx(1000 * max(measured.values()) * 8 / 1e9)
     assert result["figures"]["bytes_within_tolerance"] == all(
         result["figures"][f"bytes_vs_algorithm_{kind}"] <= 1.1 for kind in result["table"])

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from helpers import ROOT, launch_job, launch_output, launch_output_after, processes_with, run_tfdist, task_pid
+from helpers import (ROOT, launch_job, launch_output, launch_output_after, processes_with, run_tfdist, task_pid,
+                     tcp_bytes)
 import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.xdist_group("namespace_hosts"),
@@ -51,10 +52,12 @@ def test_every_multi_process_kind_trains_across_two_hosts_and_leaves_nothing(tmp
         assert link["sent"] >= GRADIENT_BYTES and link["received"] >= GRADIENT_BYTES, link
     else:
         # A ring all-reduce over 2 hosts: each sends and receives 2 (N - 1) / N = 1 x the gradient bytes;
-        # compressed to float16, half that.
+        # compressed to float16, half that. On top: TCP's headers and acknowledgements and a step's requests
+        # (a busy machine's receiver acknowledges every segment: 1.10 x the bytes once), and what TCP resent.
         wire_bytes = GRADIENT_BYTES / 2 if kind.endswith("fp16") else GRADIENT_BYTES
+        resent = (result.get("link_retransmits_per_step") or 0.0) * 1514
         for direction in ("sent", "received"):
-            assert 0.95 <= link[direction] / wire_bytes <= 1.10, link
+            assert 0.95 * wire_bytes <= link[direction] <= tcp_bytes(wire_bytes, wire_bytes) + resent, link
     assert "link traffic" in out
     assert leftovers() == [] and processes_with(str(metrics)) == []
 
