@@ -15,10 +15,10 @@ from helpers import ROOT, patient
 
 # The public API, facade by facade: each one's `__all__`. Everything else under tfdist/ is internal.
 PUBLIC = {
-    "tfdist": ["Checkpoint", "ClusterError", "Config", "ConfigError", "HorovodStrategy", "MirroredStrategy",
-               "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PipelineStrategy",
+    "tfdist": ["Checkpoint", "ClusterError", "Config", "ConfigError", "HorovodStrategy", "LayoutStrategy",
+               "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PipelineStrategy",
                "TensorParallelStrategy", "Throughput", "__version__", "is_chief", "load_config", "make_strategy",
-               "prepare", "run"],
+               "prepare", "run", "strategy_from"],
     "tfdist.layers": ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense",
                       "ShardedEmbedding", "shard_placement"],
     "tfdist.callbacks": ["Checkpoint", "DeviceMetrics", "EXIT_PREEMPTED", "EXIT_TERMINATED", "InputStalls",

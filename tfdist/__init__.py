@@ -26,6 +26,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "HorovodStrategy",
+    "LayoutStrategy",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
@@ -38,12 +39,14 @@ __all__ = [
     "make_strategy",
     "prepare",
     "run",
+    "strategy_from",
 ]
 
 _LAZY = {
     "Checkpoint": "tfdist.callbacks",
     "make_strategy": "tfdist.strategies",
     "HorovodStrategy": "tfdist.strategies",
+    "LayoutStrategy": "tfdist.strategies",
     "MirroredStrategy": "tfdist.strategies",
     "MultiWorkerMirroredStrategy": "tfdist.strategies",
     "ParameterServerStrategy": "tfdist.strategies",
@@ -53,6 +56,7 @@ _LAZY = {
     "is_chief": "tfdist.training",
     "prepare": "tfdist.training",
     "run": "tfdist.training",
+    "strategy_from": "tfdist.strategies",
 }
 
 

@@ -55,6 +55,12 @@ class StrategyContract:
         """The `DeviceGroup` a tensor-parallel layer built now splits over; None outside tensor parallelism."""
         return None
 
+    def reduce_gradients(self, grads_and_vars) -> Optional[list]:
+        """In a replica: the (gradient, variable) pairs with each gradient reduced over the replicas, or None
+        for the all-reduce of every gradient (Keras's, or tfdist's with `gradient_all_reduce`). A layout's
+        split variables keep their own replica's."""
+        return None
+
     def keras_hooks(self, model) -> Optional[dict[str, Callable]]:
         """Keras's step functions to replace for `model` (`train_function`, ..., `metrics_result`), or None."""
         return None
@@ -163,6 +169,7 @@ def install_patches() -> None:
                      clips_after_all_reduce=lambda strategy: contract(strategy).clips_after_all_reduce,
                      gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce,
                      gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
+                     reduce_gradients=lambda strategy, pairs: contract(strategy).reduce_gradients(pairs),
                      after_compile=lambda strategy, model: contract(strategy).after_compile(model),
                      before_save=lambda strategy, model: contract(strategy).before_save(model),
                      is_chief=lambda strategy: contract(strategy).is_chief,

@@ -4,7 +4,8 @@ distributed update, which an optimizer state split over devices takes over."""
 
 from __future__ import annotations
 
-__all__ = ["build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state",
+__all__ = ["build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state", "layout_map_of",
+           "replace_variable_value",
            "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created", "nested_layers",
            "optimizer_variables", "replace_update_step", "start_at_epoch", "variable_index"]
 
@@ -36,6 +37,16 @@ def graph_nodes(model):
                 continue
             nodes.append((node.operation, list(node.input_tensors), list(node.outputs)))
     return nodes, list(graph.inputs), list(graph.outputs)
+
+def layout_map_of(distribution):
+    """The `LayoutMap` a `keras.distribution.ModelParallel` was made with (Keras keeps no public accessor)."""
+    return distribution._layout_map
+
+def replace_variable_value(variable, value):
+    """Makes the Keras `variable` hold the backend variable `value` instead of its own (a split variable's
+    shards), keeping its path, tracking and whole shape: Keras has no public way to give a variable another
+    backing store."""
+    variable._value = value
 
 def loss_tracker(model):
     """The `Mean` metric behind the `loss` entry of Keras's training logs.

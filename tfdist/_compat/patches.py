@@ -25,7 +25,8 @@ _ASK: dict[str, Callable] = {}
 
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
-                    gradient_all_reduce: Callable, gradients_sent_as: Callable, after_compile: Callable,
+                    gradient_all_reduce: Callable, gradients_sent_as: Callable, reduce_gradients: Callable,
+                    after_compile: Callable,
                     before_save: Callable, is_chief: Callable, multi_process: Callable, any_process: Callable,
                     splits_optimizers: Callable) -> None:
     """Installs every patch, once; later calls change nothing.
@@ -37,6 +38,8 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
         gradients cross the network in ("" for their own), all-reduced last layer first.
       gradients_sent_as: `(strategy)` -> None, or the dtype name gradients cross to the parameter
         servers in: cast on the worker, and back by the optimizer's update where the variable lives.
+      reduce_gradients: `(strategy, grads_and_vars)` -> the pairs with their gradients reduced over the
+        replicas by the strategy itself, or None for the all-reduce of every gradient.
       after_compile: `(strategy, model)`, run after `model.compile` (a strategy that splits the
         optimizer's state does it then, before Keras builds the optimizer).
       before_save: `(strategy, model)`, run before `model.save` or `model.save_weights` opens its file;
@@ -50,6 +53,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
     _ASK.setdefault("gradient_all_reduce", gradient_all_reduce)
     _ASK.setdefault("gradients_sent_as", gradients_sent_as)
+    _ASK.setdefault("reduce_gradients", reduce_gradients)
     _ASK.setdefault("after_compile", after_compile)
     _ASK.setdefault("before_save", before_save)
     _ASK.setdefault("is_chief", is_chief)
@@ -320,7 +324,9 @@ def _install_gradient_all_reduce() -> None:
     all-reduce: a strategy's `gradients_sent_as` dtype casts the gradients on
     the worker, and Keras's `update_step`, which casts a gradient to its
     variable's dtype first, runs where the variable lives, so only the narrow
-    gradient crosses. Idempotent.
+    gradient crosses. A strategy may reduce the gradients itself
+    (`reduce_gradients`: a layout's split variables keep their own replica's).
+    Idempotent.
     """
     import tensorflow as tf
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -332,6 +338,9 @@ def _install_gradient_all_reduce() -> None:
     def _all_reduce_sum_gradients(self, grads_and_vars):
         context = tf.distribute.get_replica_context()
         strategy = tf.distribute.get_strategy()
+        reduced = _ASK["reduce_gradients"](strategy, grads_and_vars) if context is not None else None
+        if reduced is not None:
+            return reduced
         wire = _ASK["gradient_all_reduce"](strategy) if context is not None else None
         if wire is None:
             sent_as = _ASK["gradients_sent_as"](strategy) if context is not None else None

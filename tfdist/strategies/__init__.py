@@ -10,22 +10,26 @@ import importlib
 
 __all__ = [
     "HorovodStrategy",
+    "LayoutStrategy",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
     "TensorParallelStrategy",
     "make_strategy",
+    "strategy_from",
 ]
 
 _MODULES = {
     "HorovodStrategy": "horovod",
+    "LayoutStrategy": "layout",
     "MirroredStrategy": "data_parallel",
     "MultiWorkerMirroredStrategy": "multi_worker",
     "ParameterServerStrategy": "parameter_server",
     "PipelineStrategy": "pipeline",
     "TensorParallelStrategy": "tensor_parallel",
     "make_strategy": "factory",
+    "strategy_from": "layout",
 }
 
 

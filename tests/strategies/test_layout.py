@@ -1,0 +1,179 @@
+"""LayoutStrategy: an unchanged Keras model split by a keras.distribution LayoutMap trains as on one device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.parallel.layout import Layout, LayoutError
+from tfdist.parallel.split_variables import is_split, shards
+from tfdist.strategies.layout import LayoutStrategy
+
+X = np.random.default_rng(0).normal(size=(64, 6, 16)).astype("float32")
+Y = np.random.default_rng(1).integers(0, 5, size=(64,))
+
+
+def _model(optimizer):
+    """A plain Keras model: a MultiHeadAttention block and a Dense MLP block."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6, 16))
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="attention")(inputs, inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+    m = keras.layers.Dense(32, activation="gelu", name="mlp_up")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h + keras.layers.Dense(16, name="mlp_down")(m))
+    model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _layout_map(devices: int):
+    """Megatron's split as a Keras user writes it for JAX: heads and the MLP's hidden units over the model axis."""
+    mesh = keras.distribution.DeviceMesh((1, devices), ("batch", "model"), devices=[f"cpu:{i}" for i in range(devices)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["attention/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["attention/(query|key|value)/bias"] = ("model", None)
+    layout_map["attention/attention_output/kernel"] = ("model", None, None)
+    layout_map["mlp_up/kernel"] = (None, "model")
+    layout_map["mlp_down/kernel"] = ("model", None)
+    return layout_map
+
+
+def _trained(strategy, optimizer):
+    if strategy is None:
+        model = _model(optimizer())
+    else:
+        with strategy.scope():
+            model = _model(optimizer())
+    history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    return model, history
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_layout_map_splits_an_unchanged_model_which_trains_as_on_one_device(devices):
+    optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    one, one_history = _trained(None, optimizer)
+    split, history = _trained(LayoutStrategy(_layout_map(devices)), optimizer)
+    assert history["loss"] == pytest.approx(one_history["loss"], abs=1e-6)
+    assert history["accuracy"] == one_history["accuracy"]
+    for whole, got in zip(one.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+    matched = [v for v in split.variables if is_split(v)]
+    assert len(matched) == 9  # q, k, v kernels and biases, the output kernel, the MLP's two kernels
+    for variable in matched:  # each device holds 1/N of a split variable
+        assert [s.shape.num_elements() for s in shards(variable)] == [variable.shape.num_elements() // devices] * devices
+        assert sorted(tf.DeviceSpec.from_string(s.device).device_index for s in shards(variable)) == list(range(devices))
+    momentums = [v for v in split.optimizer.variables if is_split(v)]
+    assert len(momentums) == len(matched)  # each split variable's momentum is split beside it
+    np.testing.assert_allclose(split.predict(X[:8], verbose=0), one.predict(X[:8], verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("axes", [("model", None), (None, "model")], ids=["vocabulary", "hidden"])
+def test_an_embedding_split_along_its_vocabulary_or_its_hidden_axis_trains_as_on_one_device(axes):
+    tokens = np.random.default_rng(2).integers(0, 40, size=(32, 5))
+
+    def model():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,), dtype="int32")
+        h = keras.layers.Embedding(40, 8, name="tokens")(inputs)
+        outputs = keras.layers.Dense(5, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+        built = keras.Model(inputs, outputs)
+        built.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(True))
+        return built
+
+    one = model()
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["tokens/embeddings"] = axes
+    with LayoutStrategy(layout_map).scope():
+        split = model()
+    for trained in (one, split):
+        trained.fit(tokens, Y[:32], batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert is_split(split.get_layer("tokens").embeddings)
+    for whole, got in zip(one.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+
+
+def test_adams_two_slots_are_split_beside_each_variable_and_training_follows_one_device():
+    optimizer = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    one, one_history = _trained(None, optimizer)
+    split, history = _trained(LayoutStrategy(_layout_map(2)), optimizer)
+    assert history["loss"] == pytest.approx(one_history["loss"], abs=1e-6)
+    # Adam divides by each gradient's own scale, so a rounding difference of a near-zero gradient (the split
+    # step sums partial products in another order) moves a weight by up to about lr x 1e-2 after 8 steps.
+    for whole, got in zip(one.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=2e-4)
+    assert sum(is_split(v) for v in split.optimizer.variables) == 2 * 9
+
+
+def test_a_split_model_saves_whole_and_loads_on_one_device_and_back(tmp_path):
+    split, _ = _trained(LayoutStrategy(_layout_map(2)), lambda: keras.optimizers.SGD(0.05))
+    split.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")  # one device, the unchanged model's layout
+    for saved, got in zip(split.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(got, saved)
+    strategy = LayoutStrategy(_layout_map(2))
+    with strategy.scope():
+        again = _model(keras.optimizers.SGD(0.05))
+    again.load_weights(tmp_path / "model.keras")
+    strategy.split(again)  # as the optimizer's build would
+    for saved, got in zip(split.get_weights(), again.get_weights()):
+        np.testing.assert_array_equal(got, saved)
+    np.testing.assert_allclose(again.predict(X[:4], verbose=0), loaded.predict(X[:4], verbose=0), atol=1e-5)
+
+
+def test_a_checkpoint_holds_the_whole_variables_and_restores_them_exactly(tmp_path):
+    split, _ = _trained(LayoutStrategy(_layout_map(2)), lambda: keras.optimizers.Adam(0.01))
+    path = tf.train.Checkpoint(model=split, optimizer=split.optimizer).write(str(tmp_path / "ckpt"))
+    saved_shapes = [shape for name, shape in tf.train.list_variables(path) if "_trainable_variables/" in name]
+    assert sorted(saved_shapes) == sorted(list(v.shape) for v in split.trainable_variables)  # whole, not shards
+    saved = [w.copy() for w in split.get_weights()]
+    split.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    tf.train.Checkpoint(model=split, optimizer=split.optimizer).read(path).assert_consumed()
+    for before, after in zip(saved, split.get_weights()):
+        np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.parametrize("rule, axes, message", [
+    ("mlp_upp/kernel", (None, "model"), "Rule 'mlp_upp/kernel' matches no variable of the model"),
+    ("head/kernel", (None, "model"), r"splits axis 1 of variable 'head/kernel' \(shape \(16, 5\)\) over 2 devices"),
+    ("mlp_up/kernel", ("model",), r"gives 1 axes \('model',\) to variable 'mlp_up/kernel' of shape \(16, 32\)"),
+    ("norm/gamma", ("model",), "only the kernels, biases and embeddings of Dense, EinsumDense"),
+])
+def test_a_layout_that_does_not_fit_the_model_is_one_line_naming_the_variable_and_rule(rule, axes, message):
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[rule] = axes
+    strategy = LayoutStrategy(layout_map)
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    with pytest.raises(LayoutError, match=message):
+        strategy.split(model)
+    assert not any(is_split(v) for v in model.variables)  # refused before anything was split
+
+
+def test_a_mesh_larger_than_the_devices_or_with_a_data_axis_is_refused_in_one_line():
+    with pytest.raises(LayoutError, match="model axis has 8 devices and this process has 4"):
+        LayoutStrategy(Layout(model=8))
+    with pytest.raises(LayoutError, match="data axis 'batch' has 2 devices"):
+        LayoutStrategy(Layout(model=2, data=2))
+
+
+def test_a_model_parallel_distribution_gives_its_layout():
+    distribution = keras.distribution.ModelParallel(layout_map=_layout_map(2), batch_dim_name="batch")
+    layout = Layout.from_keras(distribution)
+    assert (layout.data, layout.model, layout.model_axis) == (1, 2, "model")
+    assert layout.split_axis("attention/query/kernel", (16, 4, 8)) == 1
+    assert layout.split_axis("head/kernel", (16, 5)) is None
+
+
+def test_a_keras_distribution_written_for_jax_becomes_a_tfdist_strategy():
+    import tfdist
+
+    model_parallel = keras.distribution.ModelParallel(layout_map=_layout_map(2), batch_dim_name="batch")
+    strategy = tfdist.strategy_from(model_parallel)
+    assert isinstance(strategy, LayoutStrategy) and strategy.num_replicas_in_sync == 2
+    data_parallel = tfdist.strategy_from(keras.distribution.DataParallel(devices=["cpu:0", "cpu:1", "cpu:2"]))
+    assert isinstance(data_parallel, tfdist.MirroredStrategy) and data_parallel.num_replicas_in_sync == 3
+    with pytest.raises(ValueError, match="must be a keras.distribution.ModelParallel, LayoutMap or DataParallel"):
+        tfdist.strategy_from("model")

@@ -1,0 +1,102 @@
+"""A Keras variable split over a strategy's replicas: each replica's device holds one shard.
+
+`split(variable, axis, strategy)` cuts a built Keras variable's value along
+`axis` into one shard per replica of a MirroredStrategy and keeps the Keras
+variable, its path and its whole shape: only what it holds changes, to a
+`SplitVariable`. In a replica (and in the optimizer's update on a device) the
+variable reads as that device's shard. Everywhere else it is the whole
+variable: `get_weights`, `set_weights`, `model.save`, `load_weights` and a
+`tf.train.Checkpoint` read and write the unsplit value, so a model trained
+split saves in the unchanged model's layout and loads on one device, and the
+reverse.
+
+Example:
+
+    >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> with strategy.scope():
+    ...     kernel = keras.Variable(np.arange(8.0).reshape(2, 4))
+    >>> split(kernel, 1, strategy)
+    >>> kernel.numpy().shape, [s.shape for s in shards(kernel)]
+    ((2, 4), [TensorShape([2, 2]), TensorShape([2, 2])])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tfdist._compat.tf_distribute import distribute_lib, values
+
+from tfdist import _compat
+
+__all__ = ["SplitVariable", "is_split", "shards", "split", "split_axis"]
+
+
+class SplitVariable(values.MirroredVariable):
+    """A MirroredVariable whose components hold different shards along `axis`, and which reads and writes
+    the whole value outside a replica or a device's update."""
+
+    def __init__(self, strategy, components, axis: int):
+        super().__init__(strategy, components, aggregation=tf.VariableAggregation.NONE)
+        self.split_axis = axis
+
+    def _get_cross_replica(self):
+        return tf.concat([component.read_value() for component in self._values], self.split_axis)
+
+    def value(self):
+        return self._get_cross_replica() if self._outside_replicas() else super().value()
+
+    def __array__(self, dtype=None, copy=None):  # what Keras saves (`np.array(variable)`)
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def assign(self, value, use_locking=False, name=None, read_value=True):
+        if not self._outside_replicas():
+            return super().assign(value, use_locking, name, read_value)
+        pieces = tf.split(tf.convert_to_tensor(value, self.dtype), len(self._values), axis=self.split_axis)
+        for component, piece in zip(self._values, pieces):
+            component.assign(piece, use_locking=use_locking)
+        return self._get_cross_replica() if read_value else None
+
+    def _outside_replicas(self) -> bool:
+        """Neither in a replica nor in a device's update: where reads and writes are whole (outside any
+        strategy's scope too, where TensorFlow counts the code as its default replica)."""
+        with distribute_lib.enter_or_assert_strategy(self._distribute_strategy):
+            return distribute_lib.in_cross_replica_context() and distribute_lib.get_update_replica_id() is None
+
+    def _serialize_to_tensors(self):  # a checkpoint holds the whole value, as one device's would
+        return {"VARIABLE_VALUE": self._get_cross_replica()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def split(variable, axis: int, strategy: tf.distribute.Strategy) -> None:
+    """Cuts the built Keras `variable` along `axis`, one shard per replica of `strategy`, in place.
+
+    Raises:
+      ValueError: the axis does not divide by the replicas.
+    """
+    whole = variable.numpy()
+    replicas = strategy.num_replicas_in_sync
+    if whole.shape[axis] % replicas:
+        raise ValueError(f"Variable {variable.path!r} of shape {whole.shape} does not split along axis {axis} "
+                         f"over {replicas} devices.")
+    pieces = np.split(whole, replicas, axis=axis)
+    with tf.init_scope(), strategy.scope():
+        mirrored = tf.Variable(pieces[0], trainable=variable.trainable, name=variable.name)
+    for component, piece in zip(mirrored.values, pieces):
+        component.assign(piece)
+    _compat.replace_variable_value(variable, SplitVariable(strategy, mirrored.values, axis))
+
+
+def is_split(variable) -> bool:
+    return isinstance(getattr(variable, "value", None), SplitVariable)
+
+
+def split_axis(variable):
+    """The axis a split variable is cut along, or None for a whole one."""
+    return variable.value.split_axis if is_split(variable) else None
+
+
+def shards(variable) -> list:
+    """The per-device variables of a split variable, in replica order."""
+    return list(variable.value.values)

@@ -1,0 +1,175 @@
+"""A model split over the model axis, run SPMD: every replica runs the whole model, a split layer its shard.
+
+Under `tfdist.LayoutStrategy` each replica runs the unchanged model on its
+device, and a split variable's value in a replica is that replica's shard
+(Megatron's scheme, with the layout saying which variables are split). Where a
+split layer meets the replicated rest of the model, one of four collectives
+joins them, each with the gradient that keeps every replicated tensor's
+gradient whole and equal on every replica:
+
+- `copy`: identity forward, the replicas' gradients summed backward (a
+  replicated input to a layer whose output is split: each shard's part of the
+  input's gradient);
+- `reduce`: the replicas' partial results summed forward, identity backward
+  (a split axis the layer contracts);
+- `gather`: the shards concatenated forward, this replica's part of the
+  gradient backward (a split axis kept in the output);
+- `scatter`: this replica's part forward, the parts' gradients concatenated
+  backward (a replicated tensor meeting a split axis).
+
+`split_call(layer, axes)` is the call of a `Dense`, `EinsumDense` or
+`Embedding` whose variables `axes` says are split. Outside a replica (Keras
+building the model symbolically), the layer computes on whole weights.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+import keras
+import tensorflow as tf
+
+__all__ = ["SPLIT_LAYERS", "copy", "gather", "in_replica", "reduce", "scatter", "split_call"]
+
+
+def _context() -> tf.distribute.ReplicaContext:
+    return tf.distribute.get_replica_context()
+
+
+def in_replica() -> bool:
+    """Whether this runs in a replica of several (where a split variable reads as this replica's shard)."""
+    context = _context()
+    return context is not None and context.num_replicas_in_sync > 1
+
+
+def _index() -> tf.Tensor:
+    return _context().replica_id_in_sync_group
+
+
+def _size() -> int:
+    return _context().num_replicas_in_sync
+
+
+def _part(t: tf.Tensor, axis: int) -> tf.Tensor:
+    size = t.shape[axis] // _size()
+    return tf.gather(t, tf.range(size) + _index() * size, axis=axis)
+
+
+def _concatenated(t: tf.Tensor, axis: int) -> tf.Tensor:
+    axis %= t.shape.rank
+    whole = _context().all_gather(t, axis=axis)
+    whole.set_shape(t.shape[:axis].concatenate([t.shape[axis] * _size()]).concatenate(t.shape[axis + 1:]))
+    return whole
+
+
+@tf.custom_gradient
+def copy(t: tf.Tensor):
+    return tf.identity(t), lambda dy: _context().all_reduce(tf.distribute.ReduceOp.SUM, dy)
+
+
+@tf.custom_gradient
+def reduce(t: tf.Tensor):
+    return _context().all_reduce(tf.distribute.ReduceOp.SUM, t), lambda dy: dy
+
+
+def gather(t: tf.Tensor, axis: int) -> tf.Tensor:
+    @tf.custom_gradient
+    def gathered(t):
+        return _concatenated(t, axis), lambda dy: _part(dy, axis)
+    return gathered(t)
+
+
+def scatter(t: tf.Tensor, axis: int) -> tf.Tensor:
+    @tf.custom_gradient
+    def scattered(t):
+        return _part(t, axis), lambda dy: _concatenated(dy, axis)
+    return scattered(t)
+
+
+def _value(variable, axis: Optional[int], needed: Optional[int]) -> tf.Tensor:
+    """A variable as the computation needs it: split along `needed` (None: whole), from its own split `axis`."""
+    value = tf.convert_to_tensor(variable)
+    if axis == needed:
+        return value
+    whole = value if axis is None else gather(value, axis)
+    return whole if needed is None else scatter(whole, needed)
+
+
+def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str):
+    """An einsum layer's output with its kernel split along `axes[kernel_name]`: the letter of that axis
+    decides the collectives (kept in the output: gathered; contracted: summed)."""
+    in_spec, rest = equation.split(",")
+    kernel_spec, out_spec = rest.split("->")
+    letter = kernel_spec[axes[kernel_name]]
+    x = tf.convert_to_tensor(inputs)
+    x = scatter(x, in_spec.index(letter) - len(in_spec)) if letter in in_spec else copy(x)
+    y = tf.einsum(equation, x, _value(getattr(layer, kernel_name), axes[kernel_name], axes[kernel_name]))
+    out_axis = out_spec.index(letter) - len(out_spec) if letter in out_spec else None
+    if out_axis is None:
+        y = reduce(y)
+    bias = getattr(layer, "bias", None)
+    if bias is not None:  # aligned with the output's last axes, of size 1 where it broadcasts
+        rank = len(bias.shape)
+        bias_axis = None if axes.get("bias") is None else axes["bias"] - rank
+        spans = out_axis is not None and out_axis >= -rank and bias.shape[out_axis] > 1
+        y = y + _value(bias, bias_axis, out_axis if spans else None)
+    if layer.activation is not None:
+        y = layer.activation(y)
+    return y if out_axis is None else gather(y, out_axis)
+
+
+def _dense(layer, axes, inputs):
+    return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel")
+
+
+def _einsum_dense(layer, axes, inputs):
+    return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel")
+
+
+def _embedding(layer, axes, inputs):
+    ids = tf.cast(inputs, "int32") if inputs.dtype not in (tf.int32, tf.int64) else inputs
+    table = tf.convert_to_tensor(layer.embeddings)
+    if axes["embeddings"] == 1:  # each replica its slice of every row
+        return tf.cast(gather(tf.gather(table, ids), -1), layer.compute_dtype)
+    rows = table.shape[0]  # this replica's rows: the ids of its range, the others zero, summed over replicas
+    local = ids - tf.cast(_index(), ids.dtype) * rows
+    inside = tf.logical_and(local >= 0, local < rows)
+    found = tf.gather(table, tf.where(inside, local, tf.zeros_like(local)))
+    return tf.cast(reduce(found * tf.cast(inside, found.dtype)[..., None]), layer.compute_dtype)
+
+
+# The layers whose variables a layout may split, and the variable each call splits by.
+SPLIT_LAYERS: dict[type, tuple[str, Callable]] = {
+    keras.layers.Dense: ("kernel", _dense),
+    keras.layers.EinsumDense: ("kernel", _einsum_dense),
+    keras.layers.Embedding: ("embeddings", _embedding),
+}
+
+
+def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]]) -> Callable:
+    """The call of `layer` with its variables split as `axes` says (attribute -> split axis or None); in a
+    replica of several, on this replica's shards, else `layer`'s own call on whole weights.
+
+    Raises:
+      ValueError: a layer of a kind `SPLIT_LAYERS` does not cover, or whose main variable is whole while
+        another is split.
+    """
+    kind = next((k for k in type(layer).__mro__ if k in SPLIT_LAYERS), None)
+    if kind is None:
+        raise ValueError(f"Layer {layer.name!r} ({type(layer).__name__}) has split variables, and only "
+                         f"{', '.join(k.__name__ for k in SPLIT_LAYERS)} layers can be split in this version.")
+    main, compute = SPLIT_LAYERS[kind]
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        raise ValueError(f"Layer {layer.name!r} is quantized or has LoRA weights; split it before either.")
+    if axes.get(main) is None:
+        raise ValueError(f"Layer {layer.name!r} splits {', '.join(a for a, x in axes.items() if x is not None)} "
+                         f"but not its {main}; split the {main} (the bias follows it).")
+    own_call = layer.call
+
+    def call(inputs, *args, **kwargs):
+        if not in_replica():
+            return own_call(inputs, *args, **kwargs)
+        return compute(layer, axes, inputs)
+
+    return call

@@ -1,0 +1,201 @@
+"""`LayoutStrategy`: an unchanged Keras model split over devices by a layout, as Keras's distribution API does on JAX.
+
+Build and compile the model under the strategy's scope, as under any
+tf.distribute strategy; its variables that the layout's rules match are split
+when the optimizer is built (`tfdist.parallel.split_variables`), each matched
+layer then computes on its shards (`tfdist.parallel.spmd`), and the optimizer's
+slots of a split variable are split beside it. Every replica runs the whole
+model on the whole batch: the layers the layout leaves whole are computed on
+each device alike, as in Megatron-LM.
+
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((1, 2), ("batch", "model")))
+    layout_map["dense.*kernel"] = (None, "model")
+    strategy = tfdist.LayoutStrategy(layout_map)
+    with strategy.scope():
+        model = build_model()
+        model.compile(...)
+    model.fit(...)
+
+In this version the mesh's data axis has one device: the model's replicas
+are the devices of its model axis.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdist import _compat
+from tfdist.parallel.layout import Layout, LayoutError
+from tfdist.parallel.spmd import SPLIT_LAYERS, split_call
+from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
+from tfdist.strategies.data_parallel import MirroredStrategy
+
+__all__ = ["LayoutStrategy", "strategy_from"]
+
+
+class LayoutStrategy(MirroredStrategy):
+    """Splits the variables of models built under its scope as `layout` says, over its devices.
+
+    Args:
+      layout: a `keras.distribution.LayoutMap` (a keras-hub backbone's `get_layout_map(mesh)` too), a
+        `keras.distribution.ModelParallel`, or a `tfdist.parallel.layout.Layout`.
+      devices: the model axis's devices (default: the mesh's, else the first ones of this process).
+
+    Raises:
+      LayoutError: a mesh with more than one device on its data axis (not in this version), or more devices
+        than this process has.
+    """
+
+    # Clipping by norm would see a split variable's shard as the whole; refused at compile (`after_compile`).
+    clips_after_all_reduce = False
+
+    def __init__(self, layout, devices: Optional[Sequence[str]] = None):
+        self.layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
+        if self.layout.data != 1:
+            raise LayoutError(f"The mesh's data axis {self.layout.data_axis!r} has {self.layout.data} devices; "
+                              "this version splits a model over the model axis alone (data axis of 1).")
+        devices = list(devices or self.layout.devices or _first_devices(self.layout.model))
+        if len(devices) != self.layout.model:
+            raise LayoutError(f"The mesh's model axis {self.layout.model_axis!r} has {self.layout.model} devices, "
+                              f"and {len(devices)} are given: {devices}.")
+        super().__init__(devices)
+        self._split_models = weakref.WeakSet()
+
+    # --- Input: every replica computes on the whole batch ---------------------------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        return super().experimental_distribute_dataset(dataset.map(self._batch_for_every_replica), options)
+
+    def _batch_for_every_replica(self, *batch):
+        repeat = self.num_replicas_in_sync
+        batch = batch if len(batch) > 1 else batch[0]
+        return tf.nest.map_structure(lambda t: tf.concat([t] * repeat, axis=0), batch)
+
+    # --- The contract ----------------------------------------------------------------------------
+    def after_compile(self, model: keras.Model) -> None:
+        optimizer = model.optimizer
+        if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
+            raise ValueError("LayoutStrategy: clipnorm and global_clipnorm would clip a split variable's "
+                             "shard by its own norm in this version; use clipvalue, or no clipping.")
+        build, add_slot = optimizer.build, optimizer.add_variable_from_reference
+
+        def build_split(variables):  # the model is built by now: split it before the optimizer's slots
+            self.split(model)
+            return build(variables)
+
+        def add_slot_beside(reference_variable, *args, **kwargs):
+            slot = add_slot(reference_variable, *args, **kwargs)
+            if is_split(reference_variable):
+                split(slot, split_axis(reference_variable), self)
+            return slot
+
+        optimizer.build, optimizer.add_variable_from_reference = build_split, add_slot_beside
+
+    def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
+        """tfdist's training function, and predictions of the first replica's copy of each batch (Keras
+        concatenates every replica's)."""
+        predict_on_every_replica = _compat.keras_step_function(model, "predict_function")
+        replicas = self.num_replicas_in_sync
+
+        def predict_function(data):
+            first = lambda t: t[: tf.shape(t)[0] // replicas]  # noqa: E731
+            return tf.nest.map_structure(first, predict_on_every_replica(data))
+
+        return {**super().keras_hooks(model), "predict_function": predict_function}
+
+    def reduce_gradients(self, grads_and_vars) -> list:
+        """A split variable's gradient is its replica's own, scaled back from Keras's 1/replicas (every
+        replica saw the whole batch); the others are summed over the replicas."""
+        context = tf.distribute.get_replica_context()
+        own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and isinstance(v, SplitVariable)]
+        summed = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in own]
+        pairs = list(grads_and_vars)
+        for i in own:
+            pairs[i] = (_scaled(pairs[i][0], self.num_replicas_in_sync), pairs[i][1])
+        for i, reduced in zip(summed, context.all_reduce(tf.distribute.ReduceOp.SUM, [pairs[i][0] for i in summed])):
+            pairs[i] = (reduced, pairs[i][1])
+        return pairs
+
+    def job_report(self, model: keras.Model) -> dict[str, Any]:
+        split_paths = [v.path for v in model.variables if is_split(v)]
+        return {"layout": {"mesh": {self.layout.data_axis: self.layout.data, self.layout.model_axis: self.layout.model},
+                           "split_variables": len(split_paths)}}
+
+    # --- Splitting -------------------------------------------------------------------------------
+    def split(self, model: keras.Model) -> None:
+        """Splits `model`'s variables that the layout's rules match, once, and has their layers compute on
+        the shards.
+
+        Raises:
+          LayoutError: a rule that matches no variable, an axis that does not divide, or a split variable
+            of a layer that cannot compute on shards.
+        """
+        if model in self._split_models:
+            return
+        axes = self.layout.split_axes(model.variables)
+        splits = []
+        for layer in _compat.nested_layers(model):
+            own = _own_variables(layer)
+            layer_axes = {name: axes.pop(v.path, None) for name, v in own.items()}
+            if any(axis is not None for axis in layer_axes.values()):
+                try:
+                    splits.append((layer, own, layer_axes, split_call(layer, layer_axes)))
+                except ValueError as error:
+                    raise LayoutError(str(error)) from None
+        if axes:  # checked before anything is split: a refused layout leaves the model as it was
+            path = next(iter(axes))
+            raise LayoutError(f"Variable {path!r} is matched by the layout, and only the kernels, biases and "
+                              f"embeddings of {', '.join(k.__name__ for k in SPLIT_LAYERS)} layers can be split "
+                              "in this version.")
+        for layer, own, layer_axes, call in splits:
+            for name, variable in own.items():
+                if layer_axes[name] is not None:
+                    split(variable, layer_axes[name], self)
+            layer.call = call
+        self._split_models.add(model)
+
+
+def strategy_from(distribution) -> tf.distribute.Strategy:
+    """The tfdist strategy of a Keras distribution written for JAX: a `keras.distribution.ModelParallel` (or
+    its `LayoutMap`) becomes a `LayoutStrategy`, a `keras.distribution.DataParallel` a `MirroredStrategy` over
+    its devices. Build and compile the model under the strategy's scope and call `fit`, as with Keras's
+    `distribution.scope()`.
+
+    Raises:
+      LayoutError: a layout this version cannot run (see `LayoutStrategy`).
+      ValueError: anything else.
+    """
+    if isinstance(distribution, keras.distribution.DataParallel):
+        devices = ["/" + str(d).lstrip("/") for d in distribution.device_mesh.devices.flatten()]
+        return MirroredStrategy(devices)
+    if isinstance(distribution, (keras.distribution.ModelParallel, keras.distribution.LayoutMap)):
+        return LayoutStrategy(distribution)
+    raise ValueError("`distribution` must be a keras.distribution.ModelParallel, LayoutMap or DataParallel. "
+                     f"Received: {distribution!r}")
+
+
+def _scaled(gradient, factor: int):
+    if isinstance(gradient, tf.IndexedSlices):  # an embedding's rows
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
+
+
+def _own_variables(layer) -> dict[str, Any]:
+    """The variables a layer the layout may split holds itself, by attribute (`kernel`, `bias`, `embeddings`)."""
+    kind = next((k for k in type(layer).__mro__ if k in SPLIT_LAYERS), None)
+    if kind is None:
+        return {}
+    names = ("embeddings",) if kind is keras.layers.Embedding else ("kernel", "bias")
+    return {name: getattr(layer, name) for name in names if getattr(layer, name, None) is not None}
+
+
+def _first_devices(count: int) -> list[str]:
+    gpus = tf.config.list_logical_devices("GPU")
+    devices = gpus or tf.config.list_logical_devices("CPU")
+    if len(devices) < count:
+        raise LayoutError(f"The mesh's model axis has {count} devices and this process has {len(devices)} "
+                          f"({', '.join(d.name for d in devices)}); raise strategy.logical_devices for more CPUs.")
+    return [d.name for d in devices[:count]]
