@@ -62,7 +62,7 @@ def main(argv):
     )
     loss, accuracy = model.evaluate(x_val, y_val, verbose=0)
     if chief:
-        print(f"strategy={config.strategy.kind.value} replicas={strategy.num_replicas_in_sync} "
+        print(f"strategy={config.strategy.kind} replicas={strategy.num_replicas_in_sync} "
               f"val_accuracy={accuracy:.4f}")
 
 

@@ -23,7 +23,7 @@ def _write(tmp_path, text, name="c.yaml"):
 def test_defaults_are_data_parallel():
     cfg = load_config(None)
     assert cfg == Config()
-    assert cfg.strategy.kind == "mirrored"
+    assert cfg.strategy.kind == "mirrored" and cfg.strategy.kind.value == "mirrored"  # as when it was an enum
     assert cfg.strategy.logical_devices == 4
 
 

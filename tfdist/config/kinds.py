@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 __all__ = [
     "DATA_PARALLEL", "GATED_OPTIONS", "KINDS", "ONE", "PARAMETER_SERVERS", "RANKS", "WORKERS",
-    "Backend", "Kind", "Processes", "backends_taking", "kinds_taking", "kinds_where",
+    "Backend", "Kind", "KindName", "Processes", "backends_taking", "kinds_taking", "kinds_where",
 ]
 
 
@@ -123,6 +123,15 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          options=("tensor_parallel_size", "data_parallel", "shard_optimizer"), sections=("placement",),
          splits_tensors=True),
 )}
+
+
+class KindName(str):
+    """A `strategy.kind` value: the kind's name, with `.value` as the enum it once was had (scripts read
+    `config.strategy.kind.value`)."""
+
+    @property
+    def value(self) -> str:
+        return str(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,6 +178,8 @@ def _plain(value):
         return to_dict(value)
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, str):  # a KindName as the plain string YAML writes
+        return str(value)
     if isinstance(value, (tuple, list)):
         return [_plain(item) for item in value]
     return value

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 from typing import Optional, Union
 
-from tfdist.config.kinds import DATA_PARALLEL, KINDS, Kind
+from tfdist.config.kinds import DATA_PARALLEL, KINDS, Kind, KindName
 
 __all__ = [
     "AllReduce",
@@ -203,6 +203,9 @@ class StrategyConfig:
     tensor_parallel_size: int = bounded(0, low=0, high=64)
     data_parallel: DataParallel = DataParallel.LOCAL
     shard_optimizer: int = bounded(0, low=0, high=2)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", KindName(self.kind))
 
     @property
     def spec(self) -> Kind:
