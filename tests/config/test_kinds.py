@@ -24,7 +24,7 @@ def _refused(overrides: list[str], message: str) -> None:
 
 
 def test_without_its_row_the_kind_is_unknown():
-    _refused([f"strategy.kind={FAKE.name}"], r"^`strategy.kind` must be one of one_device, mirrored, .*tensor_parallel\.")
+    _refused([f"strategy.kind={FAKE.name}"], r"^`strategy.kind` must be one of one_device, mirrored, .*, layout\.")
 
 
 def test_a_new_row_is_validated_by_what_it_says(fake_kind):

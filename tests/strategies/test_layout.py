@@ -1,5 +1,7 @@
 """LayoutStrategy: an unchanged Keras model split by a keras.distribution LayoutMap trains as on one device."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -177,3 +179,55 @@ def test_a_keras_distribution_written_for_jax_becomes_a_tfdist_strategy():
     assert isinstance(data_parallel, tfdist.MirroredStrategy) and data_parallel.num_replicas_in_sync == 3
     with pytest.raises(ValueError, match="must be a keras.distribution.ModelParallel, LayoutMap or DataParallel"):
         tfdist.strategy_from("model")
+
+
+def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_returns(tmp_path, monkeypatch):
+    from tfdist import load_config, make_strategy
+
+    rules = ('[[".*attention/(query|key|value)/kernel", [null, model, null]], '
+             '[".*attention/attention_output/kernel", [model, null, null]], [".*mlp_up/kernel", [null, model]]]')
+    config = load_config(None, ["strategy.kind=layout", f"layout.rules={rules}", "layout.model_devices=2"])
+    strategy = make_strategy(config)
+    assert isinstance(strategy, LayoutStrategy) and strategy.num_replicas_in_sync == 2
+    one, _ = _trained(None, lambda: keras.optimizers.SGD(0.05))
+    split, _ = _trained(strategy, lambda: keras.optimizers.SGD(0.05))
+    assert sum(is_split(v) for v in split.variables) == 5
+    for whole, got in zip(one.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+
+    (tmp_path / "my_layouts.py").write_text(
+        "import keras\n"
+        "def layout_map(device_mesh):\n"
+        "    layout_map = keras.distribution.LayoutMap(device_mesh)\n"
+        "    layout_map['.*mlp_up/kernel'] = (None, 'model')\n"
+        "    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(None, ["strategy.kind=layout", "layout.layout_map=my_layouts:layout_map"])
+    strategy = make_strategy(config)
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    strategy.check_model(model)
+    assert [v.path for v in model.variables if is_split(v)] == ["mlp_up/kernel"]
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["strategy.kind=layout"], "layout.rules", "or layout.layout_map, one of the two, says how the model is split"),
+    (["strategy.kind=layout", "layout.rules=[[a, [rows]]]"], "layout.rules[0]", "with the axes model, batch or null"),
+    (["strategy.kind=layout", "layout.rules=[['(', [model]]]"], "layout.rules[0]", "is not a regular expression"),
+    (["layout.model_devices=4"], "layout", "only applies with strategy.kind=layout"),
+])
+def test_a_layout_config_that_cannot_work_is_refused_at_load(overrides, key, message):
+    from tfdist import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(f"`{key}` ") + ".*" + re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_rules_that_do_not_fit_the_model_are_the_config_keys_error():
+    from tfdist import ConfigError, load_config, make_strategy
+
+    strategy = make_strategy(load_config(None, ["strategy.kind=layout", "layout.rules=[[mlp_upp/kernel, [null, model]]]"]))
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    with pytest.raises(ConfigError, match=r"^`layout.rules` does not fit the model: Rule 'mlp_upp/kernel' matches no"):
+        strategy.check_model(model)

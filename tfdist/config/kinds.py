@@ -122,6 +122,8 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("tensor_parallel", "layers split or placed over devices", ONE, local_devices=True,
          options=("tensor_parallel_size", "data_parallel", "shard_optimizer"), sections=("placement",),
          splits_tensors=True),
+    Kind("layout", "an unchanged model split by a layout's rules (Keras's distribution API)", ONE,
+         local_devices=True, sections=("layout",)),
 )}
 
 

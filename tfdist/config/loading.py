@@ -202,7 +202,8 @@ def _build(cls, raw: Any, prefix: str):
     values = {}
     for name, value in raw.items():
         key = _join(prefix, name)
-        values[name] = _convert(value, hints[name], key)
+        parse = fields[name].metadata.get("parse")
+        values[name] = parse(value, key) if parse else _convert(value, hints[name], key)
         _check_bounds(values[name], fields[name].metadata, key)
         _check_choices(values[name], fields[name].metadata, key)
     return cls(**values)

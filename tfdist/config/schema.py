@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Optional, Union
 
 from tfdist.config.kinds import DATA_PARALLEL, KINDS, Kind, KindName
@@ -243,6 +244,49 @@ class PlacementConfig:
 
     layers: tuple[str, ...] = ()
     balance_by_memory: bool = False
+
+
+def layout_rules(value, key: str) -> tuple:
+    """`layout.rules` from YAML: a list of `[regex, [axis or null, ...]]`."""
+    from tfdist.errors import ConfigError
+
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(key, "must be a list of [regex, [axis or null, ...]] rules.", value)
+    rules = []
+    for i, rule in enumerate(value):
+        if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+                and isinstance(rule[1], (list, tuple)) and all(a in (None, "model", "batch") for a in rule[1])):
+            raise ConfigError(f"{key}[{i}]", "must be [regex, [axis or null, ...]] with the axes model, batch or "
+                                             "null, e.g. ['.*mlp.*kernel', [null, model]].", rule)
+        try:
+            re.compile(rule[0])
+        except re.error as error:
+            raise ConfigError(f"{key}[{i}]", f"is not a regular expression ({error}).", rule[0]) from None
+        rules.append((rule[0], tuple(rule[1])))
+    return tuple(rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutConfig:
+    """An unchanged model split by a layout (strategy.kind=layout): Keras's distribution API on TensorFlow.
+
+    The mesh has a data axis `batch` of one device and a model axis `model`
+    of `model_devices` devices (the first of strategy.devices, every GPU or
+    the logical CPUs). Give `rules` or `layout_map`, not both.
+
+    Attributes:
+      model_devices: devices on the mesh's model axis.
+      rules: `[regex, [axis or null, ...]]` rules: a variable whose whole path
+        matches `regex` is split along the axis the list names `model`
+        (`['.*mlp_up/kernel', [null, model]]`).
+      layout_map: `MODULE:FUNCTION`, called with a `keras.distribution.DeviceMesh`,
+        returning a `keras.distribution.LayoutMap` or `ModelParallel` (a
+        keras-hub backbone's `get_layout_map`, say); this runs your code.
+    """
+
+    model_devices: int = bounded(2, low=1, high=64)
+    rules: tuple = dataclasses.field(default=(), metadata={"parse": layout_rules})
+    layout_map: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,6 +671,7 @@ class Config:
       parameter_server: parameter-server settings (strategy.kind=parameter_server).
       horovod: Horovod all-reduce settings (strategy.kind=horovod).
       placement: whole layers on devices (strategy.kind=tensor_parallel).
+      layout: an unchanged model split by a layout (strategy.kind=layout).
       precision: dtype policy and loss scaling.
       train: the training loop.
       data: the input data.
@@ -642,6 +687,7 @@ class Config:
     parameter_server: ParameterServerConfig = ParameterServerConfig()
     horovod: HorovodConfig = HorovodConfig()
     placement: PlacementConfig = PlacementConfig()
+    layout: LayoutConfig = LayoutConfig()
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()

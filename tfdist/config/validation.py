@@ -73,6 +73,7 @@ def check(config: Config) -> None:
     _check_pipeline(config)
     _check_data_parallel(config)
     _check_placement(config)
+    _check_layout(config)
     _check_precision(config)
     _check_train(config)
     _check_cluster(config)
@@ -238,6 +239,18 @@ def _check_placement(config: Config) -> None:
         if not name or not device:
             raise ConfigError(f"placement.layers[{i}]", "must be `layer_name=device`, e.g. block1_mlp=/cpu:1.", pair)
         parse_device(device, f"placement.layers[{i}]")
+
+
+def _check_layout(config: Config) -> None:
+    layout = config.layout
+    if not config.strategy.takes("layout"):
+        return
+    if bool(layout.rules) == bool(layout.layout_map):
+        raise ConfigError("layout.rules", "or layout.layout_map, one of the two, says how the model is split with "
+                          f"strategy.kind={config.strategy.kind}.", [list(r) for r in layout.rules] or "empty")
+    if config.strategy.devices and len(config.strategy.devices) < layout.model_devices:
+        raise ConfigError("strategy.devices", f"must name at least layout.model_devices ({layout.model_devices}) "
+                          "devices.", list(config.strategy.devices))
 
 
 def placement_pairs(config: Config) -> dict[str, str]:

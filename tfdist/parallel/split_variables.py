@@ -40,7 +40,7 @@ class SplitVariable(values.MirroredVariable):
         self.split_axis = axis
 
     def _get_cross_replica(self):
-        return tf.concat([component.read_value() for component in self._values], self.split_axis)
+        return tf.concat([component.read_value() for component in self.values], self.split_axis)
 
     def value(self):
         return self._get_cross_replica() if self._outside_replicas() else super().value()
@@ -51,15 +51,15 @@ class SplitVariable(values.MirroredVariable):
     def assign(self, value, use_locking=False, name=None, read_value=True):
         if not self._outside_replicas():
             return super().assign(value, use_locking, name, read_value)
-        pieces = tf.split(tf.convert_to_tensor(value, self.dtype), len(self._values), axis=self.split_axis)
-        for component, piece in zip(self._values, pieces):
+        pieces = tf.split(tf.convert_to_tensor(value, self.dtype), len(self.values), axis=self.split_axis)
+        for component, piece in zip(self.values, pieces):
             component.assign(piece, use_locking=use_locking)
         return self._get_cross_replica() if read_value else None
 
     def _outside_replicas(self) -> bool:
         """Neither in a replica nor in a device's update: where reads and writes are whole (outside any
         strategy's scope too, where TensorFlow counts the code as its default replica)."""
-        with distribute_lib.enter_or_assert_strategy(self._distribute_strategy):
+        with distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
             return distribute_lib.in_cross_replica_context() and distribute_lib.get_update_replica_id() is None
 
     def _serialize_to_tensors(self):  # a checkpoint holds the whole value, as one device's would

@@ -104,7 +104,7 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
     letter = kernel_spec[axes[kernel_name]]
     x = tf.convert_to_tensor(inputs)
     x = scatter(x, in_spec.index(letter) - len(in_spec)) if letter in in_spec else copy(x)
-    y = tf.einsum(equation, x, _value(getattr(layer, kernel_name), axes[kernel_name], axes[kernel_name]))
+    y = tf.einsum(equation, x, tf.convert_to_tensor(getattr(layer, kernel_name)))  # this replica's shard
     out_axis = out_spec.index(letter) - len(out_spec) if letter in out_spec else None
     if out_axis is None:
         y = reduce(y)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Optional
 
+import keras
 import tensorflow as tf
 
 from tfdist import _compat, precision
@@ -35,9 +36,11 @@ from tfdist.config.validation import (
     tensor_parallel_size,
 )
 from tfdist.errors import ClusterError, ConfigError
+from tfdist.parallel.layout import DATA, MODEL, Layout, LayoutError
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import configure_runtime, local_devices
 from tfdist.strategies.horovod import AdasumWithoutMpiError, HorovodStrategy
+from tfdist.strategies.layout import LayoutStrategy
 from tfdist.strategies.host_allocator import restore_allocator
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
@@ -45,6 +48,7 @@ from tfdist.strategies.pipeline import PipelineStrategy
 from tfdist.strategies.process_group import ProcessGroup
 from tfdist.strategies.replica_groups import ProcessLayoutError, make_process_group
 from tfdist.strategies.tensor_parallel import TensorParallelStrategy
+from tfdist.user_code import call_function
 
 __all__ = ["make_strategy", "serves_only"]
 
@@ -255,6 +259,28 @@ def _tensor_parallel(config: Config, gpus: int) -> TensorParallelStrategy:
                                       shard_optimizer=config.strategy.shard_optimizer)
 
 
+def _layout(config: Config, gpus: int) -> LayoutStrategy:
+    """The first `layout.model_devices` devices as the mesh's model axis, split by the rules or by the
+    LayoutMap the user's function returns for that mesh."""
+    settings = config.layout
+    devices = local_devices(config, gpus)[: settings.model_devices]
+    if len(devices) < settings.model_devices:
+        raise ConfigError(devices_key(config), f"must give at least layout.model_devices ({settings.model_devices}) "
+                          f"devices. This config gives {len(devices)}.",
+                          list(config.strategy.devices) or config.strategy.logical_devices)
+    key = "layout.layout_map" if settings.layout_map else "layout.rules"
+    try:
+        if settings.layout_map:
+            mesh = keras.distribution.DeviceMesh((1, len(devices)), (DATA, MODEL),
+                                                 devices=[d.lstrip("/") for d in devices])
+            layout = Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh))
+        else:
+            layout = Layout(model=len(devices), rules=settings.rules)
+        return LayoutStrategy(layout, devices, config_key=key)
+    except LayoutError as error:
+        raise ConfigError(key, str(error), settings.layout_map or "see above") from None
+
+
 def _tpu(config: Config, gpus: int = 0) -> tf.distribute.TPUStrategy:
     """TPUStrategy when TPUClusterResolver finds a TPU; else a ConfigError."""
     try:
@@ -277,6 +303,7 @@ _BUILDERS: dict[str, Callable[[Config, int], tf.distribute.Strategy]] = {
     "horovod": _horovod,
     "tensor_parallel": _tensor_parallel,
     "tpu": _tpu,
+    "layout": _layout,
 }
 
 

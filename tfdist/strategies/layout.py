@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
+from tfdist.errors import ConfigError
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.spmd import SPLIT_LAYERS, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
@@ -44,6 +45,8 @@ class LayoutStrategy(MirroredStrategy):
       layout: a `keras.distribution.LayoutMap` (a keras-hub backbone's `get_layout_map(mesh)` too), a
         `keras.distribution.ModelParallel`, or a `tfdist.parallel.layout.Layout`.
       devices: the model axis's devices (default: the mesh's, else the first ones of this process).
+      config_key: the config key the layout came from (`layout.rules`): a layout that does not fit the
+        model is then that key's ConfigError.
 
     Raises:
       LayoutError: a mesh with more than one device on its data axis (not in this version), or more devices
@@ -53,7 +56,7 @@ class LayoutStrategy(MirroredStrategy):
     # Clipping by norm would see a split variable's shard as the whole; refused at compile (`after_compile`).
     clips_after_all_reduce = False
 
-    def __init__(self, layout, devices: Optional[Sequence[str]] = None):
+    def __init__(self, layout, devices: Optional[Sequence[str]] = None, *, config_key: Optional[str] = None):
         self.layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
         if self.layout.data != 1:
             raise LayoutError(f"The mesh's data axis {self.layout.data_axis!r} has {self.layout.data} devices; "
@@ -63,7 +66,9 @@ class LayoutStrategy(MirroredStrategy):
             raise LayoutError(f"The mesh's model axis {self.layout.model_axis!r} has {self.layout.model} devices, "
                               f"and {len(devices)} are given: {devices}.")
         super().__init__(devices)
+        self.config_key = config_key
         self._split_models = weakref.WeakSet()
+        self._split_optimizers = weakref.WeakSet()
 
     # --- Input: every replica computes on the whole batch ---------------------------------------
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -80,6 +85,8 @@ class LayoutStrategy(MirroredStrategy):
         if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
             raise ValueError("LayoutStrategy: clipnorm and global_clipnorm would clip a split variable's "
                              "shard by its own norm in this version; use clipvalue, or no clipping.")
+        if optimizer in self._split_optimizers:  # compiled again with the same optimizer
+            return
         build, add_slot = optimizer.build, optimizer.add_variable_from_reference
 
         def build_split(variables):  # the model is built by now: split it before the optimizer's slots
@@ -93,6 +100,16 @@ class LayoutStrategy(MirroredStrategy):
             return slot
 
         optimizer.build, optimizer.add_variable_from_reference = build_split, add_slot_beside
+        self._split_optimizers.add(optimizer)
+
+    def check_model(self, model: keras.Model) -> None:
+        """Splits the built model now, so that a layout that does not fit it is refused before training."""
+        try:
+            self.split(model)
+        except LayoutError as error:
+            if self.config_key is None:
+                raise
+            raise ConfigError(self.config_key, f"does not fit the model: {error}", "see above") from None
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """tfdist's training function, and predictions of the first replica's copy of each batch (Keras
@@ -120,9 +137,8 @@ class LayoutStrategy(MirroredStrategy):
         return pairs
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        split_paths = [v.path for v in model.variables if is_split(v)]
-        return {"layout": {"mesh": {self.layout.data_axis: self.layout.data, self.layout.model_axis: self.layout.model},
-                           "split_variables": len(split_paths)}}
+        mesh = {self.layout.data_axis: self.layout.data, self.layout.model_axis: self.layout.model}
+        return {"layout": {"mesh": mesh, "split_variables": sum(is_split(v) for v in model.variables)}}
 
     # --- Splitting -------------------------------------------------------------------------------
     def split(self, model: keras.Model) -> None:
