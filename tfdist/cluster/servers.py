@@ -33,6 +33,8 @@ START_TIMEOUT_SECONDS = 60
 START_ATTEMPTS = 3  # on fresh ports each, when another process took one meanwhile
 STOP_TIMEOUT_SECONDS = 10
 CHIEF_POLL_SECONDS = 2.0
+# A user's chief may listen for only a few seconds (a short script): looked for this often until it comes.
+CHIEF_ARRIVAL_POLL_SECONDS = 0.1
 PORT_HELD_GRACE_SECONDS = 10  # a dead worker's port held this long is taken, not a closing socket's wait
 
 
@@ -56,7 +58,7 @@ def _exit_after_chief(address: str) -> None:
     """Ends this server (exit 0) once the chief has come and gone: under Slurm or Kubernetes a
     job's parameter servers and workers would otherwise outlive it forever."""
     while not accepts_connections(address):  # the chief starts after its servers
-        time.sleep(CHIEF_POLL_SECONDS)
+        time.sleep(CHIEF_ARRIVAL_POLL_SECONDS)
     misses = 0
     while misses < 3:  # three misses in a row: gone, not busy
         time.sleep(CHIEF_POLL_SECONDS)
