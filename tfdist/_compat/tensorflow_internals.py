@@ -3,9 +3,9 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
-__all__ = ["all_gather", "auto_shard", "broadcast", "collective_launchers", "configure_coordination_service",
+__all__ = ["all_gather", "auto_shard", "broadcast", "collective_keys", "collective_launchers", "configure_coordination_service",
            "graph_functions", "maybe_merge_call", "merge_calls_in_place", "needs_gradient", "op_flops",
-           "partition_graphs", "peer_answers", "remake_variables", "scheduled_by_coordinator", "slice_of_sum",
+           "partition_graphs", "peer_answers", "remake_variables", "replica_index", "scheduled_by_coordinator", "slice_of_sum",
            "worker_place"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
@@ -130,6 +130,13 @@ def auto_shard(dataset, num_shards: int, index):
     return input_ops.auto_shard_dataset(dataset, num_shards, index, num_shards)
 
 
+def collective_keys(strategy):
+    """The `CollectiveKeys` a mirrored strategy numbers its collective groups and instances with: launchers
+    for groups of its devices (`tfdist.parallel.mesh_groups`) take their keys from it, so that their group keys
+    cannot meet the strategy's own or another instance's. MirroredExtended keeps it as `_collective_keys`."""
+    return strategy.extended._collective_keys
+
+
 def collective_launchers(strategy) -> list:
     """One launcher of the strategy's collectives per local device, in the order of its devices.
 
@@ -145,6 +152,15 @@ def collective_launchers(strategy) -> list:
         raise ValueError(f"{type(strategy).__name__} does not reduce with TensorFlow's collective ops "
                          f"(its cross-device ops are {type(collectives).__name__}), so nothing can be reduce-scattered.")
     return launchers
+
+
+def replica_index() -> int:
+    """The current replica's index among its strategy's replicas as a Python int, while the step is traced:
+    a mirrored replica context keeps it as `_replica_id_in_sync_group`, and its public `replica_id_in_sync_group`
+    is a tensor, which cannot pick a Python object per replica (each device's collective launcher)."""
+    import tensorflow as tf
+
+    return int(tf.distribute.get_replica_context()._replica_id_in_sync_group)
 
 
 def reduce_scatter(launcher, tensor, rank: int):

@@ -270,12 +270,14 @@ def layout_rules(value, key: str) -> tuple:
 class LayoutConfig:
     """An unchanged model split by a layout (strategy.kind=layout): Keras's distribution API on TensorFlow.
 
-    The mesh has a data axis `batch` of one device and a model axis `model`
-    of `model_devices` devices (the first of strategy.devices, every GPU or
-    the logical CPUs). Give `rules` or `layout_map`, not both.
+    The mesh has a data axis `batch` of `data_devices` devices and a model
+    axis `model` of `model_devices` devices: the first data_devices x
+    model_devices of strategy.devices, every GPU or the logical CPUs,
+    data-major. Give `rules` or `layout_map`, not both.
 
     Attributes:
-      model_devices: devices on the mesh's model axis.
+      model_devices: devices on the mesh's model axis (one copy of the model split over them).
+      data_devices: devices on the mesh's data axis (copies of the model trained data parallel).
       rules: `[regex, [axis or null, ...]]` rules: a variable whose whole path
         matches `regex` is split along the axis the list names `model`
         (`['.*mlp_up/kernel', [null, model]]`).
@@ -285,6 +287,7 @@ class LayoutConfig:
     """
 
     model_devices: int = bounded(2, low=1, high=64)
+    data_devices: int = bounded(1, low=1, high=64)
     rules: tuple = dataclasses.field(default=(), metadata={"parse": layout_rules})
     layout_map: str = ""
 

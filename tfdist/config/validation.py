@@ -248,9 +248,10 @@ def _check_layout(config: Config) -> None:
     if bool(layout.rules) == bool(layout.layout_map):
         raise ConfigError("layout.rules", "or layout.layout_map, one of the two, says how the model is split with "
                           f"strategy.kind={config.strategy.kind}.", [list(r) for r in layout.rules] or "empty")
-    if config.strategy.devices and len(config.strategy.devices) < layout.model_devices:
-        raise ConfigError("strategy.devices", f"must name at least layout.model_devices ({layout.model_devices}) "
-                          "devices.", list(config.strategy.devices))
+    mesh = layout.data_devices * layout.model_devices
+    if config.strategy.devices and len(config.strategy.devices) < mesh:
+        raise ConfigError("strategy.devices", f"must name at least layout.data_devices x layout.model_devices "
+                          f"({layout.data_devices} x {layout.model_devices}) devices.", list(config.strategy.devices))
 
 
 def placement_pairs(config: Config) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """A Keras variable split over a strategy's replicas: each replica's device holds one shard.
 
-`split(variable, axis, strategy)` cuts a built Keras variable's value along
-`axis` into one shard per replica of a MirroredStrategy and keeps the Keras
+`split(variable, axis, strategy, shards)` cuts a built Keras variable's value
+along `axis` into `shards` shards over the replicas of a MirroredStrategy
+(replica `r` holds shard `r % shards`: a data x model mesh, data-major, holds
+one whole copy per row) and keeps the Keras
 variable, its path and its whole shape: only what it holds changes, to a
 `SplitVariable`. In a replica (and in the optimizer's update on a device) the
 variable reads as that device's shard. Everywhere else it is the whole
@@ -15,7 +17,7 @@ Example:
     >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     >>> with strategy.scope():
     ...     kernel = keras.Variable(np.arange(8.0).reshape(2, 4))
-    >>> split(kernel, 1, strategy)
+    >>> split(kernel, 1, strategy, shards=2)
     >>> kernel.numpy().shape, [s.shape for s in shards(kernel)]
     ((2, 4), [TensorShape([2, 2]), TensorShape([2, 2])])
 """
@@ -32,15 +34,15 @@ __all__ = ["SplitVariable", "is_split", "shards", "split", "split_axis"]
 
 
 class SplitVariable(values.MirroredVariable):
-    """A MirroredVariable whose components hold different shards along `axis`, and which reads and writes
-    the whole value outside a replica or a device's update."""
+    """A MirroredVariable whose components hold `shards` different shards along `axis` (component `r` shard
+    `r % shards`), and which reads and writes the whole value outside a replica or a device's update."""
 
-    def __init__(self, strategy, components, axis: int):
+    def __init__(self, strategy, components, axis: int, shards: int):
         super().__init__(strategy, components, aggregation=tf.VariableAggregation.NONE)
-        self.split_axis = axis
+        self.split_axis, self.shards = axis, shards
 
     def _get_cross_replica(self):
-        return tf.concat([component.read_value() for component in self.values], self.split_axis)
+        return tf.concat([component.read_value() for component in self.values[:self.shards]], self.split_axis)
 
     def value(self):
         return self._get_cross_replica() if self._outside_replicas() else super().value()
@@ -51,9 +53,9 @@ class SplitVariable(values.MirroredVariable):
     def assign(self, value, use_locking=False, name=None, read_value=True):
         if not self._outside_replicas():
             return super().assign(value, use_locking, name, read_value)
-        pieces = tf.split(tf.convert_to_tensor(value, self.dtype), len(self.values), axis=self.split_axis)
-        for component, piece in zip(self.values, pieces):
-            component.assign(piece, use_locking=use_locking)
+        pieces = tf.split(tf.convert_to_tensor(value, self.dtype), self.shards, axis=self.split_axis)
+        for r, component in enumerate(self.values):
+            component.assign(pieces[r % self.shards], use_locking=use_locking)
         return self._get_cross_replica() if read_value else None
 
     def _outside_replicas(self) -> bool:
@@ -69,23 +71,23 @@ class SplitVariable(values.MirroredVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
-def split(variable, axis: int, strategy: tf.distribute.Strategy) -> None:
-    """Cuts the built Keras `variable` along `axis`, one shard per replica of `strategy`, in place.
+def split(variable, axis: int, strategy: tf.distribute.Strategy, shards: int) -> None:
+    """Cuts the built Keras `variable` along `axis` into `shards` shards over the replicas of `strategy`
+    (replica `r` holds shard `r % shards`), in place.
 
     Raises:
-      ValueError: the axis does not divide by the replicas.
+      ValueError: the axis does not divide by `shards`.
     """
     whole = variable.numpy()
-    replicas = strategy.num_replicas_in_sync
-    if whole.shape[axis] % replicas:
+    if whole.shape[axis] % shards:
         raise ValueError(f"Variable {variable.path!r} of shape {whole.shape} does not split along axis {axis} "
-                         f"over {replicas} devices.")
-    pieces = np.split(whole, replicas, axis=axis)
+                         f"over {shards} devices.")
+    pieces = np.split(whole, shards, axis=axis)
     with tf.init_scope(), strategy.scope():
         mirrored = tf.Variable(pieces[0], trainable=variable.trainable, name=variable.name)
-    for component, piece in zip(mirrored.values, pieces):
-        component.assign(piece)
-    _compat.replace_variable_value(variable, SplitVariable(strategy, mirrored.values, axis))
+    for r, component in enumerate(mirrored.values):
+        component.assign(pieces[r % shards])
+    _compat.replace_variable_value(variable, SplitVariable(strategy, mirrored.values, axis, shards))
 
 
 def is_split(variable) -> bool:
@@ -98,5 +100,5 @@ def split_axis(variable):
 
 
 def shards(variable) -> list:
-    """The per-device variables of a split variable, in replica order."""
+    """The per-device variables of a split variable, in replica order (each shard once per data index)."""
     return list(variable.value.values)

@@ -33,44 +33,40 @@ import tensorflow as tf
 __all__ = ["SPLIT_LAYERS", "copy", "gather", "in_replica", "reduce", "scatter", "split_call"]
 
 
-def _context() -> tf.distribute.ReplicaContext:
-    return tf.distribute.get_replica_context()
+def _groups():
+    """The mesh's collectives (`MeshGroups`) of the strategy of the current replica, if it splits a model."""
+    context = tf.distribute.get_replica_context()
+    return None if context is None else getattr(context.strategy, "mesh_groups", None)
 
 
 def in_replica() -> bool:
-    """Whether this runs in a replica of several (where a split variable reads as this replica's shard)."""
-    context = _context()
-    return context is not None and context.num_replicas_in_sync > 1
-
-
-def _index() -> tf.Tensor:
-    return _context().replica_id_in_sync_group
-
-
-def _size() -> int:
-    return _context().num_replicas_in_sync
+    """Whether this runs in a replica of a strategy that splits a model (where a split variable reads as this
+    replica's shard)."""
+    groups = _groups()
+    return groups is not None and groups.model > 1
 
 
 def _part(t: tf.Tensor, axis: int) -> tf.Tensor:
-    size = t.shape[axis] // _size()
-    return tf.gather(t, tf.range(size) + _index() * size, axis=axis)
+    groups = _groups()
+    return tf.split(t, groups.model, axis=axis)[groups.model_index()]
 
 
 def _concatenated(t: tf.Tensor, axis: int) -> tf.Tensor:
+    groups = _groups()
     axis %= t.shape.rank
-    whole = _context().all_gather(t, axis=axis)
-    whole.set_shape(t.shape[:axis].concatenate([t.shape[axis] * _size()]).concatenate(t.shape[axis + 1:]))
+    whole = groups.model_gather(t, axis)
+    whole.set_shape(t.shape[:axis].concatenate([t.shape[axis] * groups.model]).concatenate(t.shape[axis + 1:]))
     return whole
 
 
 @tf.custom_gradient
 def copy(t: tf.Tensor):
-    return tf.identity(t), lambda dy: _context().all_reduce(tf.distribute.ReduceOp.SUM, dy)
+    return tf.identity(t), lambda dy: _groups().model_sum(dy)
 
 
 @tf.custom_gradient
 def reduce(t: tf.Tensor):
-    return _context().all_reduce(tf.distribute.ReduceOp.SUM, t), lambda dy: dy
+    return _groups().model_sum(t), lambda dy: dy
 
 
 def gather(t: tf.Tensor, axis: int) -> tf.Tensor:
@@ -96,18 +92,24 @@ def _value(variable, axis: Optional[int], needed: Optional[int]) -> tf.Tensor:
     return whole if needed is None else scatter(whole, needed)
 
 
+def _contract(equation: str, x, kernel, kernel_axis: int):
+    """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis`, and where the output
+    keeps that axis (None: the layer contracted it, and the partial results are summed over the replicas)."""
+    in_spec, rest = equation.split(",")
+    kernel_spec, out_spec = rest.split("->")
+    letter = kernel_spec[kernel_axis]
+    x = tf.convert_to_tensor(x)
+    x = scatter(x, in_spec.index(letter) - len(in_spec)) if letter in in_spec else copy(x)
+    y = tf.einsum(equation, x, tf.convert_to_tensor(kernel))
+    if letter in out_spec:
+        return y, out_spec.index(letter) - len(out_spec)
+    return reduce(y), None
+
+
 def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str):
     """An einsum layer's output with its kernel split along `axes[kernel_name]`: the letter of that axis
     decides the collectives (kept in the output: gathered; contracted: summed)."""
-    in_spec, rest = equation.split(",")
-    kernel_spec, out_spec = rest.split("->")
-    letter = kernel_spec[axes[kernel_name]]
-    x = tf.convert_to_tensor(inputs)
-    x = scatter(x, in_spec.index(letter) - len(in_spec)) if letter in in_spec else copy(x)
-    y = tf.einsum(equation, x, tf.convert_to_tensor(getattr(layer, kernel_name)))  # this replica's shard
-    out_axis = out_spec.index(letter) - len(out_spec) if letter in out_spec else None
-    if out_axis is None:
-        y = reduce(y)
+    y, out_axis = _contract(equation, inputs, getattr(layer, kernel_name), axes[kernel_name])
     bias = getattr(layer, "bias", None)
     if bias is not None:  # aligned with the output's last axes, of size 1 where it broadcasts
         rank = len(bias.shape)
@@ -119,24 +121,45 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
     return y if out_axis is None else gather(y, out_axis)
 
 
-def _dense(layer, axes, inputs):
+def _dense(layer, axes, inputs, **unused):
     return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel")
 
 
-def _einsum_dense(layer, axes, inputs):
+def _einsum_dense(layer, axes, inputs, **unused):
     return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel")
 
 
-def _embedding(layer, axes, inputs):
+def _embedding(layer, axes, inputs, reverse=False):
+    if reverse:
+        return _reverse_embedding(layer, axes, inputs)
     ids = tf.cast(inputs, "int32") if inputs.dtype not in (tf.int32, tf.int64) else inputs
     table = tf.convert_to_tensor(layer.embeddings)
     if axes["embeddings"] == 1:  # each replica its slice of every row
         return tf.cast(gather(tf.gather(table, ids), -1), layer.compute_dtype)
     rows = table.shape[0]  # this replica's rows: the ids of its range, the others zero, summed over replicas
-    local = ids - tf.cast(_index(), ids.dtype) * rows
+    local = ids - _groups().model_index() * rows
     inside = tf.logical_and(local >= 0, local < rows)
     found = tf.gather(table, tf.where(inside, local, tf.zeros_like(local)))
     return tf.cast(reduce(found * tf.cast(inside, found.dtype)[..., None]), layer.compute_dtype)
+
+
+def _reverse_embedding(layer, axes, inputs):
+    """A `ReversibleEmbedding`'s logits, `inputs` times the transposed table (or its own reverse table)."""
+    if layer.tie_weights:
+        kernel, axis, equation = layer.embeddings, axes["embeddings"], "...a,ba->...b"
+    elif axes.get("reverse_embeddings") is not None:
+        kernel, axis, equation = layer.reverse_embeddings, axes["reverse_embeddings"], "...a,ab->...b"
+    else:  # the table is split and its own reverse table whole: every replica computes the whole logits
+        kernel, axis, equation = layer.reverse_embeddings, None, "...a,ab->...b"
+    if layer.reverse_dtype is not None:
+        inputs, kernel = tf.cast(inputs, layer.reverse_dtype), tf.cast(kernel, layer.reverse_dtype)
+    if axis is None:
+        logits, out_axis = tf.einsum(equation, tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)), None
+    else:
+        logits, out_axis = _contract(equation, inputs, kernel, axis)
+    if layer.logit_soft_cap is not None:
+        logits = tf.tanh(logits / layer.logit_soft_cap) * layer.logit_soft_cap
+    return logits if out_axis is None else gather(logits, out_axis)
 
 
 # The layers whose variables a layout may split, and the variable each call splits by.
@@ -170,6 +193,6 @@ def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]]) -> Cal
     def call(inputs, *args, **kwargs):
         if not in_replica():
             return own_call(inputs, *args, **kwargs)
-        return compute(layer, axes, inputs)
+        return compute(layer, axes, inputs, **kwargs)
 
     return call

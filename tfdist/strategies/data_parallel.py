@@ -94,8 +94,10 @@ def multi_step_hooks(strategy: tf.distribute.Strategy, model: keras.Model) -> di
     return {"train_function": multi_step_train_function(strategy, model)}
 
 
-def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model, *, pack_logs: bool = False):
-    """`model.steps_per_execution` training steps per call, in one `tf.function`, none inside a `tf.cond`.
+def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model, *, pack_logs: bool = False,
+                              step: str = "train_step"):
+    """`model.steps_per_execution` training steps per call, in one `tf.function`, none inside a `tf.cond`
+    (`step="test_step"`: evaluation steps, for a strategy whose collectives cannot run in a `tf.cond` either).
 
     Keras's own function is slower and, over several replicas, fails with
     `steps_per_execution` > 1:
@@ -118,7 +120,7 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
     reduction (`packed_logs_step`).
     """
     steps = model.steps_per_execution
-    train_step = weighted_by_batch_share(model.train_step)
+    train_step = weighted_by_batch_share(model.train_step) if step == "train_step" else getattr(model, step)
     one_step = packed_logs_step(strategy, model, train_step) if pack_logs else (
         lambda data: _compat.keras_reduce_per_replica(strategy.run(train_step, args=(data,)), strategy))
     one_step_function = tf.function(one_step, reduce_retracing=True)

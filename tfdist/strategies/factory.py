@@ -260,22 +260,22 @@ def _tensor_parallel(config: Config, gpus: int) -> TensorParallelStrategy:
 
 
 def _layout(config: Config, gpus: int) -> LayoutStrategy:
-    """The first `layout.model_devices` devices as the mesh's model axis, split by the rules or by the
-    LayoutMap the user's function returns for that mesh."""
+    """The first `layout.data_devices` x `layout.model_devices` devices as the mesh, data-major, split by the
+    rules or by the LayoutMap the user's function returns for that mesh."""
     settings = config.layout
-    devices = local_devices(config, gpus)[: settings.model_devices]
-    if len(devices) < settings.model_devices:
-        raise ConfigError(devices_key(config), f"must give at least layout.model_devices ({settings.model_devices}) "
-                          f"devices. This config gives {len(devices)}.",
+    shape = (settings.data_devices, settings.model_devices)
+    devices = local_devices(config, gpus)[: shape[0] * shape[1]]
+    if len(devices) < shape[0] * shape[1]:
+        raise ConfigError(devices_key(config), f"must give at least layout.data_devices x layout.model_devices "
+                          f"({shape[0]} x {shape[1]}) devices. This config gives {len(devices)}.",
                           list(config.strategy.devices) or config.strategy.logical_devices)
     key = "layout.layout_map" if settings.layout_map else "layout.rules"
     try:
         if settings.layout_map:
-            mesh = keras.distribution.DeviceMesh((1, len(devices)), (DATA, MODEL),
-                                                 devices=[d.lstrip("/") for d in devices])
+            mesh = keras.distribution.DeviceMesh(shape, (DATA, MODEL), devices=[d.lstrip("/") for d in devices])
             layout = Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh))
         else:
-            layout = Layout(model=len(devices), rules=settings.rules)
+            layout = Layout(model=shape[1], data=shape[0], rules=settings.rules)
         return LayoutStrategy(layout, devices, config_key=key)
     except LayoutError as error:
         raise ConfigError(key, str(error), settings.layout_map or "see above") from None

@@ -16,8 +16,11 @@ each device alike, as in Megatron-LM.
         model.compile(...)
     model.fit(...)
 
-In this version the mesh's data axis has one device: the model's replicas
-are the devices of its model axis.
+The mesh's rows (model groups) train data parallel: each row computes on its
+share of the global batch, a split variable's gradients are summed over its
+column (`tfdist.parallel.mesh_groups`), every other gradient over all replicas.
+A weight that the layout splits over the data axis too (keras-hub's maps do,
+for fully-sharded data parallelism) is held whole along it.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.errors import ConfigError
 from tfdist.parallel.layout import Layout, LayoutError
+from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.spmd import SPLIT_LAYERS, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
-from tfdist.strategies.data_parallel import MirroredStrategy
+from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
 
 __all__ = ["LayoutStrategy", "strategy_from"]
 
@@ -44,13 +48,12 @@ class LayoutStrategy(MirroredStrategy):
     Args:
       layout: a `keras.distribution.LayoutMap` (a keras-hub backbone's `get_layout_map(mesh)` too), a
         `keras.distribution.ModelParallel`, or a `tfdist.parallel.layout.Layout`.
-      devices: the model axis's devices (default: the mesh's, else the first ones of this process).
+      devices: the mesh's devices, data-major (default: the mesh's, else the first ones of this process).
       config_key: the config key the layout came from (`layout.rules`): a layout that does not fit the
         model is then that key's ConfigError.
 
     Raises:
-      LayoutError: a mesh with more than one device on its data axis (not in this version), or more devices
-        than this process has.
+      LayoutError: other than one device per place of the mesh, or more devices than this process has.
     """
 
     # Clipping by norm would see a split variable's shard as the whole; refused at compile (`after_compile`).
@@ -58,26 +61,33 @@ class LayoutStrategy(MirroredStrategy):
 
     def __init__(self, layout, devices: Optional[Sequence[str]] = None, *, config_key: Optional[str] = None):
         self.layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
-        if self.layout.data != 1:
-            raise LayoutError(f"The mesh's data axis {self.layout.data_axis!r} has {self.layout.data} devices; "
-                              "this version splits a model over the model axis alone (data axis of 1).")
-        devices = list(devices or self.layout.devices or _first_devices(self.layout.model))
-        if len(devices) != self.layout.model:
-            raise LayoutError(f"The mesh's model axis {self.layout.model_axis!r} has {self.layout.model} devices, "
-                              f"and {len(devices)} are given: {devices}.")
+        size = self.layout.data * self.layout.model
+        devices = list(devices or self.layout.devices or _first_devices(size))
+        if len(devices) != size:
+            raise LayoutError(f"The mesh ({self.layout.data_axis!r}: {self.layout.data}, {self.layout.model_axis!r}: "
+                              f"{self.layout.model}) has {size} places, and {len(devices)} devices are given: {devices}.")
         super().__init__(devices)
+        self.mesh_groups = MeshGroups(self, self.layout.model)
         self.config_key = config_key
         self._split_models = weakref.WeakSet()
         self._split_optimizers = weakref.WeakSet()
 
-    # --- Input: every replica computes on the whole batch ---------------------------------------
+    # --- Input: each row computes on its share of the batch, every replica of a row on the same ---
     def experimental_distribute_dataset(self, dataset, options=None):
-        return super().experimental_distribute_dataset(dataset.map(self._batch_for_every_replica), options)
+        per_replica = dataset.flat_map(self._replica_batches)  # in replica order, one per replica and step
+        return self.distribute_datasets_from_function(lambda _: per_replica, options)
 
-    def _batch_for_every_replica(self, *batch):
-        repeat = self.num_replicas_in_sync
+    def _replica_batches(self, *batch):
         batch = batch if len(batch) > 1 else batch[0]
-        return tf.nest.map_structure(lambda t: tf.concat([t] * repeat, axis=0), batch)
+        rows, model = self.layout.data, self.layout.model
+        size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+
+        def row_share(replica):
+            row = replica // model
+            start, end = row * size // rows, (row + 1) * size // rows
+            return tf.nest.map_structure(lambda t: t[start:end], batch)
+
+        return tf.data.Dataset.range(rows * model).map(row_share)
 
     # --- The contract ----------------------------------------------------------------------------
     def after_compile(self, model: keras.Model) -> None:
@@ -96,7 +106,7 @@ class LayoutStrategy(MirroredStrategy):
         def add_slot_beside(reference_variable, *args, **kwargs):
             slot = add_slot(reference_variable, *args, **kwargs)
             if is_split(reference_variable):
-                split(slot, split_axis(reference_variable), self)
+                split(slot, split_axis(reference_variable), self, self.layout.model)
             return slot
 
         optimizer.build, optimizer.add_variable_from_reference = build_split, add_slot_beside
@@ -112,26 +122,33 @@ class LayoutStrategy(MirroredStrategy):
             raise ConfigError(self.config_key, f"does not fit the model: {error}", "see above") from None
 
     def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
-        """tfdist's training function, and predictions of the first replica's copy of each batch (Keras
-        concatenates every replica's)."""
-        predict_on_every_replica = _compat.keras_step_function(model, "predict_function")
-        replicas = self.num_replicas_in_sync
+        """tfdist's training and evaluation functions (Keras's put a step in a `tf.cond` with
+        `steps_per_execution` > 1, where the mesh's collectives fail), and predictions of each row's first
+        replica (Keras would concatenate every replica's, and the replicas of a row compute the same)."""
+        rows, model_devices = self.layout.data, self.layout.model
 
-        def predict_function(data):
-            first = lambda t: t[: tf.shape(t)[0] // replicas]  # noqa: E731
-            return tf.nest.map_structure(first, predict_on_every_replica(data))
+        @tf.function(reduce_retracing=True)
+        def predict_function(data):  # Keras's: a list of `steps_per_execution` batches
+            steps = []
+            for batch in data:
+                replicas = self.experimental_local_results(self.run(model.predict_step, args=(batch,)))
+                steps += [replicas[row * model_devices] for row in range(rows)]
+            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *steps)
 
-        return {**super().keras_hooks(model), "predict_function": predict_function}
+        return {**super().keras_hooks(model), "predict_function": predict_function,
+                "test_function": multi_step_train_function(self, model, step="test_step")}
 
     def reduce_gradients(self, grads_and_vars) -> list:
         """A split variable's gradient is its replica's own, scaled back from Keras's 1/replicas (every
-        replica saw the whole batch); the others are summed over the replicas."""
+        replica of a row saw the row's whole batch) and summed over its column; the others are summed over
+        the replicas."""
         context = tf.distribute.get_replica_context()
         own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and isinstance(v, SplitVariable)]
         summed = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in own]
         pairs = list(grads_and_vars)
         for i in own:
-            pairs[i] = (_scaled(pairs[i][0], self.num_replicas_in_sync), pairs[i][1])
+            gradient = _scaled(pairs[i][0], self.layout.model)
+            pairs[i] = (self.mesh_groups.data_sum(gradient), pairs[i][1])
         for i, reduced in zip(summed, context.all_reduce(tf.distribute.ReduceOp.SUM, [pairs[i][0] for i in summed])):
             pairs[i] = (reduced, pairs[i][1])
         return pairs
@@ -169,7 +186,7 @@ class LayoutStrategy(MirroredStrategy):
         for layer, own, layer_axes, call in splits:
             for name, variable in own.items():
                 if layer_axes[name] is not None:
-                    split(variable, layer_axes[name], self)
+                    split(variable, layer_axes[name], self, self.layout.model)
             layer.call = call
         self._split_models.add(model)
 
@@ -200,11 +217,12 @@ def _scaled(gradient, factor: int):
 
 
 def _own_variables(layer) -> dict[str, Any]:
-    """The variables a layer the layout may split holds itself, by attribute (`kernel`, `bias`, `embeddings`)."""
+    """The variables a layer the layout may split holds itself, by attribute (`kernel`, `bias`, `embeddings`,
+    a `ReversibleEmbedding`'s `reverse_embeddings`)."""
     kind = next((k for k in type(layer).__mro__ if k in SPLIT_LAYERS), None)
     if kind is None:
         return {}
-    names = ("embeddings",) if kind is keras.layers.Embedding else ("kernel", "bias")
+    names = ("embeddings", "reverse_embeddings") if kind is keras.layers.Embedding else ("kernel", "bias")
     return {name: getattr(layer, name) for name in names if getattr(layer, name, None) is not None}
 
 
@@ -212,6 +230,6 @@ def _first_devices(count: int) -> list[str]:
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     if len(devices) < count:
-        raise LayoutError(f"The mesh's model axis has {count} devices and this process has {len(devices)} "
+        raise LayoutError(f"The mesh has {count} devices and this process has {len(devices)} "
                           f"({', '.join(d.name for d in devices)}); raise strategy.logical_devices for more CPUs.")
     return [d.name for d in devices[:count]]

@@ -1,0 +1,74 @@
+"""Collectives within one row or one column of a data x model mesh of this process's devices.
+
+A `LayoutStrategy` runs one replica per device of a `data` x `model` mesh,
+data-major: replica `r` sits at data index `r // model` and model index
+`r % model`. A split layer's collectives join the replicas of one row (a
+model group: the devices that hold the shards of one copy of the model); a
+split variable's gradients are summed over one column (a data group: the
+devices that hold the same shard). TensorFlow's replica context reduces over
+every replica, so each group gets TensorFlow's own collective launchers
+(`CollectiveReplicaLauncher`, what MultiWorkerMirroredStrategy runs per
+device) under a group key of its own.
+
+Example (in a replica of `strategy`, a MirroredStrategy over the mesh's devices):
+
+    groups = MeshGroups(strategy, model=2)  # over /cpu:0-3
+    groups.model_sum(partial)   # summed over /cpu:0-1, or over /cpu:2-3
+    groups.data_sum(gradient)   # summed over /cpu:0 and /cpu:2, or over /cpu:1 and /cpu:3
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tfdist._compat.tf_distribute import collective_util, cross_device_utils, device_util
+
+from tfdist._compat import collective_keys, replica_index
+
+__all__ = ["MeshGroups"]
+
+class MeshGroups:
+    """The collectives of each replica's row (model group) and column (data group) of a mesh.
+
+    Args:
+      strategy: a MirroredStrategy with one replica per device of the mesh, data-major; the groups take their
+        collective keys from its own.
+      model: the devices along the model axis (the length of a row).
+    """
+
+    def __init__(self, strategy: tf.distribute.MirroredStrategy, model: int):
+        self.devices = [device_util.canonicalize(d) for d in strategy.extended.worker_devices]
+        self.model, self.data = model, len(self.devices) // model
+        keys = collective_keys(strategy)
+        rows = [self.devices[d * model:(d + 1) * model] for d in range(self.data)]
+        columns = [self.devices[m::model] for m in range(model)]
+        self._rows = [self._launcher(keys, rows[r // model], device) for r, device in enumerate(self.devices)]
+        self._columns = [self._launcher(keys, columns[r % model], device) for r, device in enumerate(self.devices)]
+
+    @staticmethod
+    def _launcher(keys, group: list[str], device: str):
+        if len(group) == 1:  # nothing to exchange
+            return None
+        return cross_device_utils.CollectiveReplicaLauncher(
+            keys.get_group_key(group), len(group), keys, device, collective_util.Options())
+
+    def model_index(self) -> int:
+        """The current replica's place along the model axis: which shard its device holds."""
+        return replica_index() % self.model
+
+    def model_sum(self, t: tf.Tensor) -> tf.Tensor:
+        launcher = self._rows[replica_index()]
+        return t if launcher is None else launcher.all_reduce(t)
+
+    def model_gather(self, t: tf.Tensor, axis: int) -> tf.Tensor:
+        """The row's tensors concatenated along `axis`, in model order."""
+        launcher = self._rows[replica_index()]
+        return t if launcher is None else launcher.all_gather(t, axis)
+
+    def data_sum(self, t):
+        """`t` (a tensor or an IndexedSlices) summed over the column."""
+        launcher = self._columns[replica_index()]
+        if launcher is None:
+            return t
+        if isinstance(t, tf.IndexedSlices):
+            return launcher.all_reduce_indexed_slices(t)
+        return launcher.all_reduce(t)
