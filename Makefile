@@ -17,8 +17,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
-$(STAMPS)/tfdist: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[cpu,monitor,plots,test,k8s,docs]"
+# keras-hub and tensorflow-text without their dependencies: both ask for `tensorflow`, which would
+# install beside tensorflow-cpu (pyproject.toml's `hub` extra has the rest).
+HUB_PACKAGES := keras-hub==0.32.0 tensorflow-text==2.21.1
+$(STAMPS)/tfdist: pyproject.toml Makefile | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[cpu,monitor,plots,test,k8s,docs,hub]"
+	$(BIN)/pip install --quiet --no-deps $(HUB_PACKAGES)
 	mkdir -p $(STAMPS) && touch $@
 
 # Debian packages: Bazel for `bazel test //...`; cmake and the headers that

@@ -1,0 +1,71 @@
+"""keras-hub's Gemma and Llama backbones, split by their own `get_layout_map`, train as on one device.
+
+Small configurations built from the constructors (random weights: nothing is
+downloaded), trained 10 steps as causal LMs on synthetic tokens, on a mesh of
+1 x 2, 1 x 4 and 2 x 2 logical CPUs (data x model).
+"""
+
+import contextlib
+import functools
+
+import keras
+import keras_hub  # the `hub` extra, which make setup installs
+import numpy as np
+import pytest
+
+from tfdist.parallel.split_variables import is_split, shards
+from tfdist.strategies.layout import strategy_from
+
+VOCABULARY, LENGTH, STEPS, BATCH = 64, 16, 10, 8
+TOKENS = np.random.default_rng(0).integers(1, VOCABULARY, size=(STEPS * BATCH, LENGTH + 1))
+FEATURES = {"token_ids": TOKENS[:, :-1], "padding_mask": np.ones((len(TOKENS), LENGTH), bool)}
+BACKBONES = {
+    "gemma": (lambda: keras_hub.models.GemmaBackbone, lambda: keras_hub.models.GemmaCausalLM,
+              dict(head_dim=8)),
+    "llama": (lambda: keras_hub.models.LlamaBackbone, lambda: keras_hub.models.LlamaCausalLM, {}),
+}
+
+
+def _trained(name: str, strategy=None):
+    backbone, causal_lm, extra = BACKBONES[name]
+    keras.utils.set_random_seed(1)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = causal_lm()(backbone=backbone()(
+            vocabulary_size=VOCABULARY, num_layers=2, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
+            intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(FEATURES, TOKENS[:, 1:], batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    return model, history["loss"]
+
+
+@functools.cache
+def _one_device(name: str):
+    model, loss = _trained(name)
+    return model.get_weights(), loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+@pytest.mark.parametrize("data, devices", [(1, 2), (1, 4), (2, 2)], ids=["1x2", "1x4", "data2x2"])
+def test_a_keras_hub_backbone_split_by_its_own_layout_map_trains_as_on_one_device(name, data, devices):
+    mesh = keras.distribution.DeviceMesh((data, devices), ("batch", "model"),
+                                         devices=[f"cpu:{i}" for i in range(data * devices)])
+    layout_map = BACKBONES[name][0]().get_layout_map(mesh)
+    strategy = strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    split, loss = _trained(name, strategy)
+    one_weights, one_loss = _one_device(name)
+    assert loss == pytest.approx(one_loss, abs=1e-5)
+    for whole, got in zip(one_weights, split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+
+    # The largest device's share of the matched variables and their Adam slots.
+    matched = [v for v in split.variables + split.optimizer.variables if is_split(v)]
+    assert len(matched) == 3 * 15  # per layer q, k, v, output, 3 feed-forward kernels; the token embedding
+    whole_bytes = sum(v.shape.num_elements() for v in matched)
+    by_device = {}
+    for variable in matched:
+        for shard in shards(variable):
+            by_device[shard.device] = by_device.get(shard.device, 0) + shard.shape.num_elements()
+    assert len(by_device) == data * devices
+    assert max(by_device.values()) / whole_bytes <= 1.15 / devices
