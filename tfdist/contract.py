@@ -55,6 +55,11 @@ class StrategyContract:
         """The `DeviceGroup` a tensor-parallel layer built now splits over; None outside tensor parallelism."""
         return None
 
+    @property
+    def mesh_groups(self):
+        """The `MeshGroups` a layout's split layers reduce over (`tfdist.parallel.spmd`); None elsewhere."""
+        return None
+
     def reduce_gradients(self, grads_and_vars) -> Optional[list]:
         """In a replica: the (gradient, variable) pairs with each gradient reduced over the replicas, or None
         for the all-reduce of every gradient (Keras's, or tfdist's with `gradient_all_reduce`). A layout's

@@ -16,11 +16,12 @@ Y = np.random.default_rng(1).integers(0, 5, size=(64,))
 
 
 def _model(optimizer):
-    """A plain Keras model: a MultiHeadAttention block and a Dense MLP block."""
+    """A plain Keras model: an input projection, a MultiHeadAttention block and a Dense MLP block."""
     keras.utils.set_random_seed(1)
     inputs = keras.Input((6, 16))
-    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="attention")(inputs, inputs)
-    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+    x = keras.layers.Dense(16, name="embed")(inputs)
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="attention")(x, x)
+    h = keras.layers.LayerNormalization(name="norm")(h + x)
     m = keras.layers.Dense(32, activation="gelu", name="mlp_up")(h)
     h = keras.layers.GlobalAveragePooling1D()(h + keras.layers.Dense(16, name="mlp_down")(m))
     model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
@@ -38,6 +39,7 @@ def _layout_map(devices: int, data: int = 1):
     layout_map["attention/(query|key|value)/bias"] = ("model", None)
     layout_map["attention/attention_output/kernel"] = ("model", None, None)
     layout_map["mlp_up/kernel"] = (None, "model")
+    layout_map["mlp_up/bias"] = ("model",)
     layout_map["mlp_down/kernel"] = ("model", None)
     return layout_map
 
@@ -62,7 +64,7 @@ def test_a_layout_map_splits_an_unchanged_model_which_trains_as_on_one_device(da
     for whole, got in zip(one.get_weights(), split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=1e-5)
     matched = [v for v in split.variables if is_split(v)]
-    assert len(matched) == 9  # q, k, v kernels and biases, the output kernel, the MLP's two kernels
+    assert len(matched) == 10  # q, k, v kernels and biases, the output kernel, the MLP's two kernels, its bias
     for variable in matched:  # each device holds 1/N of a split variable, the same shard along the data axis
         assert [s.shape.num_elements() for s in shards(variable)] == [variable.shape.num_elements() // devices] * (
             devices * data)
@@ -119,7 +121,7 @@ def test_adams_two_slots_are_split_beside_each_variable_and_training_follows_one
     # step sums partial products in another order) moves a weight by up to about lr x 1e-2 after 8 steps.
     for whole, got in zip(one.get_weights(), split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=2e-4)
-    assert sum(is_split(v) for v in split.optimizer.variables) == 2 * 9
+    assert sum(is_split(v) for v in split.optimizer.variables) == 2 * 10
 
 
 def test_a_split_model_saves_whole_and_loads_on_one_device_and_back(tmp_path):
@@ -245,3 +247,35 @@ def test_rules_that_do_not_fit_the_model_are_the_config_keys_error():
         model = _model(keras.optimizers.SGD(0.05))
     with pytest.raises(ConfigError, match=r"^`layout.rules` does not fit the model: Rule 'mlp_upp/kernel' matches no"):
         strategy.check_model(model)
+
+
+def _collectives_of_a_step(model, strategy, batch) -> dict[str, int]:
+    """The collectives one training step makes on the first device, by group and kind, read from its graph."""
+    from tfdist._compat import graph_functions
+
+    step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
+    data = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch))))
+    graph = step.get_concrete_function(data).graph
+    counts = {}
+    for op in (op for g in (graph, *graph_functions(graph)) for op in g.get_operations()):
+        group = re.search(r"(?:^|/)(model_group|data_group)(?:_\d+)?/", op.name)
+        if group and op.type.startswith("Collective") and op.device.endswith("CPU:0"):
+            key = f"{group[1]} {op.type}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("data", [1, 2], ids=["1x2", "data2x2"])
+def test_megatrons_pairs_make_two_sums_forward_and_two_backward_per_block(data):
+    """The model's attention block and MLP block each pair their column split with their row split: one
+    sum forward (the output projections), one backward (their inputs' copies, the query, key and value
+    sharing one), no gather; with a data axis, one more sum per split variable over the column."""
+    strategy = LayoutStrategy(_layout_map(2, data))
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)  # builds the optimizer, which splits the model
+    counts = _collectives_of_a_step(model, strategy, (X[:16], Y[:16]))
+    expected = {"model_group CollectiveReduceV2": 4}
+    if data > 1:
+        expected["data_group CollectiveReduceV2"] = 10
+    assert counts == expected

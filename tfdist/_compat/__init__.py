@@ -13,6 +13,7 @@ Each function names the public behaviour it needs and why no public API gives it
 """
 
 from tfdist._compat.keras_internals import (
+    attention_projections,
     build_for_training,
     build_without_slots,
     graph_nodes,
@@ -64,6 +65,7 @@ from tfdist._compat.versions import TESTED_VERSIONS, check_versions
 __all__ = [
     "TESTED_VERSIONS",
     "all_gather",
+    "attention_projections",
     "auto_shard",
     "batches_read",
     "broadcast",

@@ -4,7 +4,7 @@ distributed update, which an optimizer state split over devices takes over."""
 
 from __future__ import annotations
 
-__all__ = ["build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state", "layout_map_of",
+__all__ = ["attention_projections", "build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state", "layout_map_of",
            "replace_variable_value",
            "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created", "nested_layers",
            "optimizer_variables", "replace_update_step", "start_at_epoch", "variable_index"]
@@ -37,6 +37,12 @@ def graph_nodes(model):
                 continue
             nodes.append((node.operation, list(node.input_tensors), list(node.outputs)))
     return nodes, list(graph.inputs), list(graph.outputs)
+
+def attention_projections(layer) -> tuple:
+    """A `MultiHeadAttention`'s query, key, value and output `EinsumDense` layers (Keras keeps them as private
+    attributes): Megatron's pairing splits the four on the heads together."""
+    return layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense
+
 
 def layout_map_of(distribution):
     """The `LayoutMap` a `keras.distribution.ModelParallel` was made with (Keras keeps no public accessor)."""

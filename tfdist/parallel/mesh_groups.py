@@ -55,20 +55,29 @@ class MeshGroups:
         """The current replica's place along the model axis: which shard its device holds."""
         return replica_index() % self.model
 
+    # Each collective is made in a name scope of its group's (`model_group`, `data_group`), where a test or a
+    # benchmark counts them in the step's graph.
     def model_sum(self, t: tf.Tensor) -> tf.Tensor:
         launcher = self._rows[replica_index()]
-        return t if launcher is None else launcher.all_reduce(t)
+        if launcher is None:
+            return t
+        with tf.name_scope("model_group"):
+            return launcher.all_reduce(t)
 
     def model_gather(self, t: tf.Tensor, axis: int) -> tf.Tensor:
         """The row's tensors concatenated along `axis`, in model order."""
         launcher = self._rows[replica_index()]
-        return t if launcher is None else launcher.all_gather(t, axis)
+        if launcher is None:
+            return t
+        with tf.name_scope("model_group"):
+            return launcher.all_gather(t, axis)
 
     def data_sum(self, t):
         """`t` (a tensor or an IndexedSlices) summed over the column."""
         launcher = self._columns[replica_index()]
         if launcher is None:
             return t
-        if isinstance(t, tf.IndexedSlices):
-            return launcher.all_reduce_indexed_slices(t)
-        return launcher.all_reduce(t)
+        with tf.name_scope("data_group"):
+            if isinstance(t, tf.IndexedSlices):
+                return launcher.all_reduce_indexed_slices(t)
+            return launcher.all_reduce(t)

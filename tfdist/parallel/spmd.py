@@ -20,23 +20,85 @@ gradient whole and equal on every replica:
 `split_call(layer, axes)` is the call of a `Dense`, `EinsumDense` or
 `Embedding` whose variables `axes` says are split. Outside a replica (Keras
 building the model symbolically), the layer computes on whole weights.
+
+Megatron's pairs: a layer that splits its output's axis (a column split)
+followed by one that contracts that axis (a row split) need neither the gather
+nor the scatter between them, when what runs between them works on each part
+alone. The first then keeps its output split, the second takes it as it is,
+and the pair costs one sum forward (the second's) and one backward (the first's
+`copy`). Two pairings are known to be safe: a column-split layer whose output
+only a row-split layer consumes (`Pairing`, from a functional model's graph),
+and a `MultiHeadAttention` whose query, key, value and output kernels are all
+split on the heads (`split_attention_call`: each replica attends with its own
+heads, and an input that the query, key and value share is copied once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
+import threading
 from typing import Callable, Optional
 
 import keras
 import tensorflow as tf
 
-__all__ = ["SPLIT_LAYERS", "copy", "gather", "in_replica", "reduce", "scatter", "split_call"]
+from tfdist.contract import contract
+
+__all__ = ["SPLIT_LAYERS", "Pairing", "copy", "gather", "in_replica", "reduce", "scatter", "split_attention_call",
+           "split_call"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairing:
+    """How a split layer meets its neighbours in a Megatron pair.
+
+    Attributes:
+      keeps_shards: the output keeps this replica's part of a split axis (its consumer contracts it).
+      takes_shards: the input is already this replica's part of the axis the layer contracts.
+    """
+
+    keeps_shards: bool = False
+    takes_shards: bool = False
+
+
+UNPAIRED = Pairing()
+_IN_BLOCK = Pairing(keeps_shards=True, takes_shards=True)
+
+
+class _Block(threading.local):
+    """The paired block (a split `MultiHeadAttention`) this replica's thread is computing, if any: its inputs'
+    copies, so that an input that several projections share is copied (summed backward) once."""
+
+    def __init__(self):
+        self.copies: Optional[dict] = None
+
+
+_block = _Block()
+
+
+@contextlib.contextmanager
+def _paired_block():
+    _block.copies = {}
+    try:
+        yield
+    finally:
+        _block.copies = None
+
+
+def _copied(x: tf.Tensor) -> tf.Tensor:
+    if _block.copies is None:
+        return copy(x)
+    if id(x) not in _block.copies:
+        _block.copies[id(x)] = (x, copy(x))  # holds `x`, so that its id is not reused
+    return _block.copies[id(x)][1]
 
 
 def _groups():
     """The mesh's collectives (`MeshGroups`) of the strategy of the current replica, if it splits a model."""
     context = tf.distribute.get_replica_context()
-    return None if context is None else getattr(context.strategy, "mesh_groups", None)
+    return None if context is None else contract(context.strategy).mesh_groups
 
 
 def in_replica() -> bool:
@@ -92,24 +154,28 @@ def _value(variable, axis: Optional[int], needed: Optional[int]) -> tf.Tensor:
     return whole if needed is None else scatter(whole, needed)
 
 
-def _contract(equation: str, x, kernel, kernel_axis: int):
+def _contract(equation: str, x, kernel, kernel_axis: int, pairing: Pairing = UNPAIRED):
     """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis`, and where the output
     keeps that axis (None: the layer contracted it, and the partial results are summed over the replicas)."""
     in_spec, rest = equation.split(",")
     kernel_spec, out_spec = rest.split("->")
     letter = kernel_spec[kernel_axis]
     x = tf.convert_to_tensor(x)
-    x = scatter(x, in_spec.index(letter) - len(in_spec)) if letter in in_spec else copy(x)
+    if letter not in in_spec:
+        x = _copied(x)
+    elif not pairing.takes_shards:
+        x = scatter(x, in_spec.index(letter) - len(in_spec))
     y = tf.einsum(equation, x, tf.convert_to_tensor(kernel))
     if letter in out_spec:
         return y, out_spec.index(letter) - len(out_spec)
     return reduce(y), None
 
 
-def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str):
+def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str, pairing: Pairing):
     """An einsum layer's output with its kernel split along `axes[kernel_name]`: the letter of that axis
-    decides the collectives (kept in the output: gathered; contracted: summed)."""
-    y, out_axis = _contract(equation, inputs, getattr(layer, kernel_name), axes[kernel_name])
+    decides the collectives (kept in the output: gathered, unless its consumer takes shards; contracted:
+    summed)."""
+    y, out_axis = _contract(equation, inputs, getattr(layer, kernel_name), axes[kernel_name], pairing)
     bias = getattr(layer, "bias", None)
     if bias is not None:  # aligned with the output's last axes, of size 1 where it broadcasts
         rank = len(bias.shape)
@@ -118,18 +184,18 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
         y = y + _value(bias, bias_axis, out_axis if spans else None)
     if layer.activation is not None:
         y = layer.activation(y)
-    return y if out_axis is None else gather(y, out_axis)
+    return y if out_axis is None or pairing.keeps_shards else gather(y, out_axis)
 
 
-def _dense(layer, axes, inputs, **unused):
-    return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel")
+def _dense(layer, axes, inputs, pairing, **unused):
+    return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel", pairing)
 
 
-def _einsum_dense(layer, axes, inputs, **unused):
-    return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel")
+def _einsum_dense(layer, axes, inputs, pairing, **unused):
+    return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel", pairing)
 
 
-def _embedding(layer, axes, inputs, reverse=False):
+def _embedding(layer, axes, inputs, pairing, reverse=False):
     if reverse:
         return _reverse_embedding(layer, axes, inputs)
     ids = tf.cast(inputs, "int32") if inputs.dtype not in (tf.int32, tf.int64) else inputs
@@ -170,9 +236,10 @@ SPLIT_LAYERS: dict[type, tuple[str, Callable]] = {
 }
 
 
-def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]]) -> Callable:
+def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]], pairing: Pairing = UNPAIRED) -> Callable:
     """The call of `layer` with its variables split as `axes` says (attribute -> split axis or None); in a
-    replica of several, on this replica's shards, else `layer`'s own call on whole weights.
+    replica of several, on this replica's shards, else `layer`'s own call on whole weights. `pairing`: how it
+    meets its neighbours (in a paired block, as the block says).
 
     Raises:
       ValueError: a layer of a kind `SPLIT_LAYERS` does not cover, or whose main variable is whole while
@@ -193,6 +260,21 @@ def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]]) -> Cal
     def call(inputs, *args, **kwargs):
         if not in_replica():
             return own_call(inputs, *args, **kwargs)
-        return compute(layer, axes, inputs, **kwargs)
+        return compute(layer, axes, inputs, _IN_BLOCK if _block.copies is not None else pairing, **kwargs)
+
+    return call
+
+
+def split_attention_call(layer: keras.layers.MultiHeadAttention) -> Callable:
+    """The call of a `MultiHeadAttention` whose query, key, value and output kernels are split on the heads
+    (`split_call` each): in a replica, each replica attends with its own heads between one copy of each input
+    and one sum of the output (unless asked for the attention scores, which need every head)."""
+    own_call = layer.call
+
+    def call(*args, **kwargs):
+        if not in_replica() or kwargs.get("return_attention_scores"):
+            return own_call(*args, **kwargs)
+        with _paired_block():
+            return own_call(*args, **kwargs)
 
     return call

@@ -35,7 +35,8 @@ from tfdist import _compat
 from tfdist.errors import ConfigError
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.mesh_groups import MeshGroups
-from tfdist.parallel.spmd import SPLIT_LAYERS, split_call
+from tfdist.parallel.megatron_pairs import functional_pairs, paired_attentions
+from tfdist.parallel.spmd import SPLIT_LAYERS, UNPAIRED, split_attention_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
 
@@ -67,7 +68,7 @@ class LayoutStrategy(MirroredStrategy):
             raise LayoutError(f"The mesh ({self.layout.data_axis!r}: {self.layout.data}, {self.layout.model_axis!r}: "
                               f"{self.layout.model}) has {size} places, and {len(devices)} devices are given: {devices}.")
         super().__init__(devices)
-        self.mesh_groups = MeshGroups(self, self.layout.model)
+        self._mesh_groups = MeshGroups(self, self.layout.model)
         self.config_key = config_key
         self._split_models = weakref.WeakSet()
         self._split_optimizers = weakref.WeakSet()
@@ -90,6 +91,10 @@ class LayoutStrategy(MirroredStrategy):
         return tf.data.Dataset.range(rows * model).map(row_share)
 
     # --- The contract ----------------------------------------------------------------------------
+    @property
+    def mesh_groups(self) -> MeshGroups:
+        return self._mesh_groups
+
     def after_compile(self, model: keras.Model) -> None:
         optimizer = model.optimizer
         if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
@@ -169,25 +174,32 @@ class LayoutStrategy(MirroredStrategy):
         if model in self._split_models:
             return
         axes = self.layout.split_axes(model.variables)
-        splits = []
-        for layer in _compat.nested_layers(model):
-            own = _own_variables(layer)
-            layer_axes = {name: axes.pop(v.path, None) for name, v in own.items()}
+        layers = _compat.nested_layers(model)
+        axes_by_layer = {}
+        for layer in layers:
+            layer_axes = {name: axes.pop(v.path, None) for name, v in _own_variables(layer).items()}
             if any(axis is not None for axis in layer_axes.values()):
-                try:
-                    splits.append((layer, own, layer_axes, split_call(layer, layer_axes)))
-                except ValueError as error:
-                    raise LayoutError(str(error)) from None
+                axes_by_layer[layer] = layer_axes
         if axes:  # checked before anything is split: a refused layout leaves the model as it was
             path = next(iter(axes))
             raise LayoutError(f"Variable {path!r} is matched by the layout, and only the kernels, biases and "
                               f"embeddings of {', '.join(k.__name__ for k in SPLIT_LAYERS)} layers can be split "
                               "in this version.")
-        for layer, own, layer_axes, call in splits:
-            for name, variable in own.items():
-                if layer_axes[name] is not None:
-                    split(variable, layer_axes[name], self, self.layout.model)
+        pairings = functional_pairs(model, axes_by_layer)
+        try:
+            calls = {layer: split_call(layer, layer_axes, pairings.get(layer, UNPAIRED))
+                     for layer, layer_axes in axes_by_layer.items()}
+        except ValueError as error:
+            raise LayoutError(str(error)) from None
+        for layer, call in calls.items():
+            for name, variable in _own_variables(layer).items():
+                if axes_by_layer[layer][name] is not None:
+                    split(variable, axes_by_layer[layer][name], self, self.layout.model)
             layer.call = call
+            if pairings.get(layer, UNPAIRED).takes_shards:
+                layer.input_spec = None  # Keras's check wants the whole axis the layer now takes split
+        for attention in paired_attentions(layers, axes_by_layer):
+            attention.call = split_attention_call(attention)
         self._split_models.add(model)
 
 
