@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist.parallel.layout import Layout, LayoutError
+from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
 from tfdist.strategies.layout import LayoutStrategy
 
@@ -249,22 +250,6 @@ def test_rules_that_do_not_fit_the_model_are_the_config_keys_error():
         strategy.check_model(model)
 
 
-def _collectives_of_a_step(model, strategy, batch) -> dict[str, int]:
-    """The collectives one training step makes on the first device, by group and kind, read from its graph."""
-    from tfdist._compat import graph_functions
-
-    step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
-    data = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch))))
-    graph = step.get_concrete_function(data).graph
-    counts = {}
-    for op in (op for g in (graph, *graph_functions(graph)) for op in g.get_operations()):
-        group = re.search(r"(?:^|/)(model_group|data_group)(?:_\d+)?/", op.name)
-        if group and op.type.startswith("Collective") and op.device.endswith("CPU:0"):
-            key = f"{group[1]} {op.type}"
-            counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("data", [1, 2], ids=["1x2", "data2x2"])
 def test_megatrons_pairs_make_two_sums_forward_and_two_backward_per_block(data):
     """The model's attention block and MLP block each pair their column split with their row split: one
@@ -274,7 +259,7 @@ def test_megatrons_pairs_make_two_sums_forward_and_two_backward_per_block(data):
     with strategy.scope():
         model = _model(keras.optimizers.SGD(0.05))
     model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)  # builds the optimizer, which splits the model
-    counts = _collectives_of_a_step(model, strategy, (X[:16], Y[:16]))
+    counts = collectives_of_a_step(model, strategy, (X[:16], Y[:16]))
     expected = {"model_group CollectiveReduceV2": 4}
     if data > 1:
         expected["data_group CollectiveReduceV2"] = 10

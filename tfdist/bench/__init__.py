@@ -31,6 +31,7 @@ BENCHMARKS = {
     "data_parallel_pipeline": "benchmarks.data_parallel_pipeline",
     "horovod": "benchmarks.horovod_figures",  # not horovod.py: its scripts would import it as Horovod
     "input_pipeline": "benchmarks.input_pipeline",
+    "layout": "benchmarks.layout",
     "network": "tfdist.bench.network",
     "overhead": "tfdist.bench.overhead",
     "parameter_server": "benchmarks.parameter_server",
@@ -53,6 +54,7 @@ CONFIG_UNUSED = {
     "data_parallel_pipeline": "it sets its jobs itself.",
     "horovod": "it sets its jobs itself.",
     "input_pipeline": "it sets its own map, model and data.",
+    "layout": "it sets its own devices, threads, model and layout map.",
     "parameter_server": "it sets both jobs itself.",
     "pipeline": "it sets its own devices, threads and model.",
     "plan": "it runs the jobs it plans (the network benchmark's, or the shipped pipeline and tensor-parallel configs).",

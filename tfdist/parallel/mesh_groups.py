@@ -19,12 +19,15 @@ Example (in a replica of `strategy`, a MirroredStrategy over the mesh's devices)
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import tensorflow as tf
 from tfdist._compat.tf_distribute import collective_util, cross_device_utils, device_util
 
-from tfdist._compat import collective_keys, replica_index
+from tfdist._compat import collective_keys, graph_functions, replica_index
 
-__all__ = ["MeshGroups"]
+__all__ = ["MeshGroups", "collectives_of_a_step"]
 
 class MeshGroups:
     """The collectives of each replica's row (model group) and column (data group) of a mesh.
@@ -81,3 +84,18 @@ class MeshGroups:
             if isinstance(t, tf.IndexedSlices):
                 return launcher.all_reduce_indexed_slices(t)
             return launcher.all_reduce(t)
+
+
+def collectives_of_a_step(model, strategy, batch) -> dict[str, int]:
+    """The mesh's collectives one training step of `model` makes on the first replica's device, by group and
+    op (`"model_group CollectiveReduceV2": 4`), counted in the step's graph. `batch`: one global batch."""
+    step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
+    data = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch))))
+    graph = step.get_concrete_function(data).graph
+    first = device_util.canonicalize(strategy.extended.worker_devices[0])
+    counts = Counter()
+    for op in (op for g in (graph, *graph_functions(graph)) for op in g.get_operations()):
+        group = re.search(r"(?:^|/)(model_group|data_group)(?:_\d+)?/", op.name)
+        if group and op.type.startswith("Collective") and device_util.canonicalize(op.device) == first:
+            counts[f"{group[1]} {op.type}"] += 1
+    return dict(sorted(counts.items()))

@@ -157,10 +157,11 @@ def _value(variable, axis: Optional[int], needed: Optional[int]) -> tf.Tensor:
 def _contract(equation: str, x, kernel, kernel_axis: int, pairing: Pairing = UNPAIRED):
     """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis`, and where the output
     keeps that axis (None: the layer contracted it, and the partial results are summed over the replicas)."""
+    x = tf.convert_to_tensor(x)
+    equation = _without_ellipsis(equation, x.shape.rank)
     in_spec, rest = equation.split(",")
     kernel_spec, out_spec = rest.split("->")
     letter = kernel_spec[kernel_axis]
-    x = tf.convert_to_tensor(x)
     if letter not in in_spec:
         x = _copied(x)
     elif not pairing.takes_shards:
@@ -169,6 +170,16 @@ def _contract(equation: str, x, kernel, kernel_axis: int, pairing: Pairing = UNP
     if letter in out_spec:
         return y, out_spec.index(letter) - len(out_spec)
     return reduce(y), None
+
+
+def _without_ellipsis(equation: str, rank: int) -> str:
+    """`equation` with its `...` spelled out for an input of `rank`: TensorFlow's einsum gradient with an
+    ellipsis that the kernel lacks builds the outer product of every axis before summing it (an 8 GiB tensor
+    for a (8, 128, 512) input and a (4096, 512) table)."""
+    if "..." not in equation:
+        return equation
+    free = [c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in equation]
+    return equation.replace("...", "".join(free[: rank - (len(equation.split(",")[0]) - 3)]))
 
 
 def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str, pairing: Pairing):
@@ -220,7 +231,9 @@ def _reverse_embedding(layer, axes, inputs):
     if layer.reverse_dtype is not None:
         inputs, kernel = tf.cast(inputs, layer.reverse_dtype), tf.cast(kernel, layer.reverse_dtype)
     if axis is None:
-        logits, out_axis = tf.einsum(equation, tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)), None
+        inputs = tf.convert_to_tensor(inputs)
+        equation = _without_ellipsis(equation, inputs.shape.rank)
+        logits, out_axis = tf.einsum(equation, inputs, tf.convert_to_tensor(kernel)), None
     else:
         logits, out_axis = _contract(equation, inputs, kernel, axis)
     if layer.logit_soft_cap is not None:
