@@ -13,6 +13,7 @@ import keras_hub  # the `hub` extra, which make setup installs
 import numpy as np
 import pytest
 
+from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
 from tfdist.strategies.layout import strategy_from
 
@@ -24,6 +25,20 @@ BACKBONES = {
               dict(head_dim=8)),
     "llama": (lambda: keras_hub.models.LlamaBackbone, lambda: keras_hub.models.LlamaCausalLM, {}),
 }
+# The collectives of a step on one device, per decoder block and for the token embedding, as each backbone's
+# own layout map splits it (a gather is two ops: the shapes, then the values):
+# - Gemma's attention (heads) and feed-forward (hidden units) blocks are each one Megatron pair: one sum
+#   forward, one backward; the tied embedding sums its lookup (vocabulary split) and copies its reverse's
+#   input (one sum backward), whose logits it gathers.
+# - Llama's map splits the query, key and value kernels on their input: their shared input is scattered
+#   once (gathered backward) and each sums its output; the output projection takes whole heads (a scatter)
+#   and sums; the feed-forward block is a pair. Its reverse embedding is whole.
+COLLECTIVES = {
+    "gemma": lambda layers: {"model_group CollectiveGatherV2": 2, "model_group CollectiveReduceV2": 4 * layers + 2},
+    "llama": lambda layers: {"model_group CollectiveGatherV2": 2 * 2 * layers,
+                             "model_group CollectiveReduceV2": 6 * layers + 1},
+}
+LAYERS = 2
 
 
 def _trained(name: str, strategy=None):
@@ -31,7 +46,7 @@ def _trained(name: str, strategy=None):
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = causal_lm()(backbone=backbone()(
-            vocabulary_size=VOCABULARY, num_layers=2, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
+            vocabulary_size=VOCABULARY, num_layers=LAYERS, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
             intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -69,3 +84,5 @@ def test_a_keras_hub_backbone_split_by_its_own_layout_map_trains_as_on_one_devic
             by_device[shard.device] = by_device.get(shard.device, 0) + shard.shape.num_elements()
     assert len(by_device) == data * devices
     assert max(by_device.values()) / whole_bytes <= 1.15 / devices
+    if data == 1 and devices == 2:
+        assert collectives_of_a_step(split, strategy, (FEATURES, TOKENS[:, 1:])) == COLLECTIVES[name](LAYERS)

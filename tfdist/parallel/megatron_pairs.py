@@ -1,16 +1,21 @@
-"""Which split layers of a model can pass shards to each other (Megatron's pairs; see `tfdist.parallel.spmd`).
+"""Which split layers of a model may keep their outputs split for the layer that contracts them (Megatron's
+pairs; `tfdist.parallel.spmd` says how they compute).
 
 A column-split layer (its kernel split on an axis its output keeps) and a
 row-split layer (split on an axis it contracts) that consumes the first's
 output skip the gather and the scatter between them, when nothing between them
-needs the whole axis. Two shapes are known to be safe:
+needs the whole axis. Three shapes are known to be safe:
 
 - in a functional or Sequential model, a column-split `Dense` or `EinsumDense`
   whose output only a row-split one consumes, the kept axis being the one
   contracted (`functional_pairs`);
 - a `MultiHeadAttention` whose query, key and value kernels are split on their
-  heads and whose output kernel is split on its heads (`paired_attentions`):
-  attention works on each head alone.
+  heads and whose output kernel is split on its heads (`paired_blocks`):
+  attention works on each head alone;
+- keras-hub's decoder blocks of `KNOWN_BLOCKS`, whose split layers are all
+  column- or row-split (`paired_blocks`): what runs between their projections
+  (rotary embeddings, attention per head, the gated activation) works on each
+  head or hidden unit alone.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ from typing import Optional
 import keras
 
 from tfdist import _compat
-from tfdist.parallel.spmd import Pairing
 
-__all__ = ["functional_pairs", "paired_attentions"]
+__all__ = ["KNOWN_BLOCKS", "functional_pairs", "paired_blocks"]
+
+# keras-hub's decoder blocks that may compute on shards, by class name, each with the attributes its attention
+# layer counts heads by (and, for Gemma, the hidden size it divides by them), which a replica divides by the
+# model axis while its attention computes on its own heads.
+KNOWN_BLOCKS = {
+    "GemmaDecoderBlock": ("num_query_heads", "num_key_value_heads", "hidden_dim"),
+    "LlamaTransformerDecoder": (),  # its attention counts heads by their ratio alone
+}
 
 
 def _spec(layer) -> Optional[tuple[str, str, str]]:
@@ -36,7 +48,7 @@ def _spec(layer) -> Optional[tuple[str, str, str]]:
     return None
 
 
-def _kept_axis(layer, axes) -> Optional[int]:
+def kept_axis(layer, axes) -> Optional[int]:
     """The output axis (negative) that keeps `layer`'s kernel split, if it is column-split."""
     spec = _spec(layer)
     if spec is None or axes.get("kernel") is None:
@@ -45,7 +57,7 @@ def _kept_axis(layer, axes) -> Optional[int]:
     return spec[2].index(letter) - len(spec[2]) if letter in spec[2] else None
 
 
-def _contracted_axis(layer, axes) -> Optional[int]:
+def contracted_axis(layer, axes) -> Optional[int]:
     """The input axis (negative) `layer` contracts with its kernel's split axis, if it is row-split."""
     spec = _spec(layer)
     if spec is None or axes.get("kernel") is None:
@@ -56,47 +68,58 @@ def _contracted_axis(layer, axes) -> Optional[int]:
     return spec[0].index(letter) - len(spec[0])
 
 
-def functional_pairs(model: keras.Model, axes_by_layer: dict) -> dict:
-    """Layer -> `Pairing` for the pairs of `model`'s own layer graph (none for a subclassed model).
+def functional_pairs(model: keras.Model, axes_by_layer: dict) -> list[tuple]:
+    """The (column-split, row-split) layer pairs of `model`'s own layer graph (none for a subclassed model).
 
     `axes_by_layer`: each split layer's variables' split axes (attribute -> axis or None)."""
     try:
         nodes, _, _ = _compat.graph_nodes(model)
     except ValueError:  # subclassed: no graph to read
-        return {}
+        return []
     calls, consumers = {}, {}
-    for operation, inputs, outputs in nodes:
+    for operation, inputs, _ in nodes:
         calls[id(operation)] = calls.get(id(operation), 0) + 1
         for tensor in inputs:
             consumers.setdefault(id(tensor), []).append((operation, inputs))
-    keeps, takes = set(), set()
+    pairs = []
     for operation, _, outputs in nodes:
-        axes = axes_by_layer.get(operation)
-        kept = None if axes is None else _kept_axis(operation, axes)
+        kept = kept_axis(operation, axes_by_layer[operation]) if operation in axes_by_layer else None
         if kept is None or calls[id(operation)] != 1 or len(outputs) != 1:
             continue
         consumed_by = consumers.get(id(outputs[0]), [])
         if len(consumed_by) != 1:
             continue
         consumer, consumer_inputs = consumed_by[0]
-        consumer_axes = axes_by_layer.get(consumer)
-        if (consumer_axes is None or calls[id(consumer)] != 1 or len(consumer_inputs) != 1
-                or _contracted_axis(consumer, consumer_axes) != kept):
-            continue
-        keeps.add(operation)
-        takes.add(consumer)
-    return {layer: Pairing(keeps_shards=layer in keeps, takes_shards=layer in takes) for layer in keeps | takes}
+        if (consumer in axes_by_layer and calls[id(consumer)] == 1 and len(consumer_inputs) == 1
+                and contracted_axis(consumer, axes_by_layer[consumer]) == kept):
+            pairs.append((operation, consumer))
+    return pairs
 
 
-def paired_attentions(layers, axes_by_layer: dict) -> list:
-    """The `MultiHeadAttention` layers among `layers` whose projections are all split on the heads."""
-    paired = []
+def paired_blocks(layers, axes_by_layer: dict) -> dict:
+    """The layers among `layers` that compute as paired blocks, each with the attributes of its sublayers to
+    divide by the model axis meanwhile (sublayer -> attribute names)."""
+    blocks = {}
     for layer in layers:
-        if not isinstance(layer, keras.layers.MultiHeadAttention):
-            continue
-        *projections, output = _compat.attention_projections(layer)
-        heads_in = [axes_by_layer.get(p, {}).get("kernel") for p in projections]
-        heads_out = axes_by_layer.get(output, {}).get("kernel")
-        if heads_in == [1, 1, 1] and heads_out == 0:  # kernels (model, heads, size) and (heads, size, model)
-            paired.append(layer)
-    return paired
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            *projections, output = _compat.attention_projections(layer)
+            heads_in = [axes_by_layer.get(p, {}).get("kernel") for p in projections]
+            if heads_in == [1, 1, 1] and axes_by_layer.get(output, {}).get("kernel") == 0:  # (model, heads, size)
+                blocks[layer] = {}
+        elif type(layer).__name__ in KNOWN_BLOCKS:
+            inside = _compat.nested_layers(layer)
+            split = [sub for sub in inside if sub in axes_by_layer]
+            if not split or any(kept_axis(s, axes_by_layer[s]) is None and contracted_axis(s, axes_by_layer[s]) is None
+                                for s in split):
+                continue
+            counted = KNOWN_BLOCKS[type(layer).__name__]
+            blocks[layer] = {sub: counted for sub in inside if counted and _computes_on_split_heads(sub, axes_by_layer)
+                             and all(hasattr(sub, name) for name in counted)}
+    return blocks
+
+
+def _computes_on_split_heads(attention, axes_by_layer: dict) -> bool:
+    """Whether a layer's own projections keep their outputs split (its heads), so that it attends with a
+    replica's heads alone."""
+    return any(kept_axis(sub, axes_by_layer[sub]) is not None
+               for sub in _compat.nested_layers(attention) if sub in axes_by_layer)

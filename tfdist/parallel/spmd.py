@@ -24,19 +24,18 @@ building the model symbolically), the layer computes on whole weights.
 Megatron's pairs: a layer that splits its output's axis (a column split)
 followed by one that contracts that axis (a row split) need neither the gather
 nor the scatter between them, when what runs between them works on each part
-alone. The first then keeps its output split, the second takes it as it is,
-and the pair costs one sum forward (the second's) and one backward (the first's
-`copy`). Two pairings are known to be safe: a column-split layer whose output
-only a row-split layer consumes (`Pairing`, from a functional model's graph),
-and a `MultiHeadAttention` whose query, key, value and output kernels are all
-split on the heads (`split_attention_call`: each replica attends with its own
-heads, and an input that the query, key and value share is copied once).
+alone. The first then keeps its output split (`keeps_shards`), the second
+takes an input whose contracted axis has a shard's length as it is (a whole
+input has the whole length, so the shape tells), and the pair costs one sum
+forward (the second's) and one backward (the first's `copy`). Which layers may
+keep their shards is `tfdist.parallel.megatron_pairs`'s to say: in a paired
+block (`split_block_call`) every column-split layer keeps them, and an input
+that several of them share is copied once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 import threading
 from typing import Callable, Optional
@@ -46,33 +45,15 @@ import tensorflow as tf
 
 from tfdist.contract import contract
 
-__all__ = ["SPLIT_LAYERS", "Pairing", "copy", "gather", "in_replica", "reduce", "scatter", "split_attention_call",
-           "split_call"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Pairing:
-    """How a split layer meets its neighbours in a Megatron pair.
-
-    Attributes:
-      keeps_shards: the output keeps this replica's part of a split axis (its consumer contracts it).
-      takes_shards: the input is already this replica's part of the axis the layer contracts.
-    """
-
-    keeps_shards: bool = False
-    takes_shards: bool = False
-
-
-UNPAIRED = Pairing()
-_IN_BLOCK = Pairing(keeps_shards=True, takes_shards=True)
+__all__ = ["SPLIT_LAYERS", "copy", "gather", "in_replica", "reduce", "scatter", "split_block_call", "split_call"]
 
 
 class _Block(threading.local):
-    """The paired block (a split `MultiHeadAttention`) this replica's thread is computing, if any: its inputs'
-    copies, so that an input that several projections share is copied (summed backward) once."""
+    """The paired block this replica's thread is computing, if any: its inputs' copies and scatters, so that an
+    input several split layers share is copied or scattered (and its gradient summed or gathered) once."""
 
     def __init__(self):
-        self.copies: Optional[dict] = None
+        self.made: Optional[dict] = None
 
 
 _block = _Block()
@@ -80,19 +61,22 @@ _block = _Block()
 
 @contextlib.contextmanager
 def _paired_block():
-    _block.copies = {}
+    _block.made = {}
     try:
         yield
     finally:
-        _block.copies = None
+        _block.made = None
 
 
-def _copied(x: tf.Tensor) -> tf.Tensor:
-    if _block.copies is None:
-        return copy(x)
-    if id(x) not in _block.copies:
-        _block.copies[id(x)] = (x, copy(x))  # holds `x`, so that its id is not reused
-    return _block.copies[id(x)][1]
+def _once_in_block(collective: Callable, x: tf.Tensor, *args) -> tf.Tensor:
+    """`collective(x, *args)`, made once per block for each input and arguments (its gradient then sums the
+    block's uses of it before its own collective runs)."""
+    if _block.made is None:
+        return collective(x, *args)
+    key = (collective, id(x), *args)
+    if key not in _block.made:
+        _block.made[key] = (x, collective(x, *args))  # holds `x`, so that its id is not reused
+    return _block.made[key][1]
 
 
 def _groups():
@@ -154,19 +138,21 @@ def _value(variable, axis: Optional[int], needed: Optional[int]) -> tf.Tensor:
     return whole if needed is None else scatter(whole, needed)
 
 
-def _contract(equation: str, x, kernel, kernel_axis: int, pairing: Pairing = UNPAIRED):
-    """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis`, and where the output
-    keeps that axis (None: the layer contracted it, and the partial results are summed over the replicas)."""
+def _contract(equation: str, x, kernel, kernel_axis: int):
+    """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis` (whole outside), and
+    where the output keeps that axis (None: the layer contracted it, and the partial results are summed over
+    the replicas). An input whose contracted axis has the shard's length is this replica's part already."""
     x = tf.convert_to_tensor(x)
     equation = _without_ellipsis(equation, x.shape.rank)
     in_spec, rest = equation.split(",")
     kernel_spec, out_spec = rest.split("->")
     letter = kernel_spec[kernel_axis]
     if letter not in in_spec:
-        x = _copied(x)
-    elif not pairing.takes_shards:
-        x = scatter(x, in_spec.index(letter) - len(in_spec))
-    y = tf.einsum(equation, x, tf.convert_to_tensor(kernel))
+        x = _once_in_block(copy, x)
+    kernel = tf.convert_to_tensor(kernel)  # this replica's shard
+    if letter in in_spec and x.shape[in_spec.index(letter)] == kernel.shape[kernel_axis] * _groups().model:
+        x = _once_in_block(scatter, x, in_spec.index(letter) - len(in_spec))  # whole: this replica's part of it
+    y = tf.einsum(equation, x, kernel)
     if letter in out_spec:
         return y, out_spec.index(letter) - len(out_spec)
     return reduce(y), None
@@ -182,11 +168,11 @@ def _without_ellipsis(equation: str, rank: int) -> str:
     return equation.replace("...", "".join(free[: rank - (len(equation.split(",")[0]) - 3)]))
 
 
-def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str, pairing: Pairing):
+def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel_name: str, keeps_shards: bool):
     """An einsum layer's output with its kernel split along `axes[kernel_name]`: the letter of that axis
-    decides the collectives (kept in the output: gathered, unless its consumer takes shards; contracted:
+    decides the collectives (kept in the output: gathered, unless the layer `keeps_shards`; contracted:
     summed)."""
-    y, out_axis = _contract(equation, inputs, getattr(layer, kernel_name), axes[kernel_name], pairing)
+    y, out_axis = _contract(equation, inputs, getattr(layer, kernel_name), axes[kernel_name])
     bias = getattr(layer, "bias", None)
     if bias is not None:  # aligned with the output's last axes, of size 1 where it broadcasts
         rank = len(bias.shape)
@@ -195,18 +181,18 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
         y = y + _value(bias, bias_axis, out_axis if spans else None)
     if layer.activation is not None:
         y = layer.activation(y)
-    return y if out_axis is None or pairing.keeps_shards else gather(y, out_axis)
+    return y if out_axis is None or keeps_shards else gather(y, out_axis)
 
 
-def _dense(layer, axes, inputs, pairing, **unused):
-    return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel", pairing)
+def _dense(layer, axes, inputs, keeps_shards, **unused):
+    return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel", keeps_shards)
 
 
-def _einsum_dense(layer, axes, inputs, pairing, **unused):
-    return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel", pairing)
+def _einsum_dense(layer, axes, inputs, keeps_shards, **unused):
+    return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel", keeps_shards)
 
 
-def _embedding(layer, axes, inputs, pairing, reverse=False):
+def _embedding(layer, axes, inputs, keeps_shards, reverse=False):
     if reverse:
         return _reverse_embedding(layer, axes, inputs)
     ids = tf.cast(inputs, "int32") if inputs.dtype not in (tf.int32, tf.int64) else inputs
@@ -249,10 +235,10 @@ SPLIT_LAYERS: dict[type, tuple[str, Callable]] = {
 }
 
 
-def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]], pairing: Pairing = UNPAIRED) -> Callable:
+def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]], keeps_shards: bool = False) -> Callable:
     """The call of `layer` with its variables split as `axes` says (attribute -> split axis or None); in a
-    replica of several, on this replica's shards, else `layer`'s own call on whole weights. `pairing`: how it
-    meets its neighbours (in a paired block, as the block says).
+    replica of several, on this replica's shards, else `layer`'s own call on whole weights. `keeps_shards`:
+    a column-split layer returns this replica's part of its output (as every one does in a paired block).
 
     Raises:
       ValueError: a layer of a kind `SPLIT_LAYERS` does not cover, or whose main variable is whole while
@@ -273,21 +259,31 @@ def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]], pairin
     def call(inputs, *args, **kwargs):
         if not in_replica():
             return own_call(inputs, *args, **kwargs)
-        return compute(layer, axes, inputs, _IN_BLOCK if _block.copies is not None else pairing, **kwargs)
+        return compute(layer, axes, inputs, keeps_shards or _block.made is not None, **kwargs)
 
     return call
 
 
-def split_attention_call(layer: keras.layers.MultiHeadAttention) -> Callable:
-    """The call of a `MultiHeadAttention` whose query, key, value and output kernels are split on the heads
-    (`split_call` each): in a replica, each replica attends with its own heads between one copy of each input
-    and one sum of the output (unless asked for the attention scores, which need every head)."""
-    own_call = layer.call
+def split_block_call(block: keras.layers.Layer, divided: dict = None, model: int = 1) -> Callable:
+    """The call of a layer whose split layers pass shards among themselves (a paired block): in a replica,
+    every column-split layer inside keeps its shards, and an input several of them share is copied once.
+    `divided`: sublayer -> its attributes that count what is split (heads), divided by `model` meanwhile,
+    since the block now computes on this replica's part. Asked for attention scores (which need every head),
+    a block computes as a split layer alone would."""
+    own_call = block.call
+    divided = divided or {}
 
     def call(*args, **kwargs):
         if not in_replica() or kwargs.get("return_attention_scores"):
             return own_call(*args, **kwargs)
+        counts = {(layer, name): getattr(layer, name) for layer, names in divided.items() for name in names}
         with _paired_block():
-            return own_call(*args, **kwargs)
+            for (layer, name), count in counts.items():
+                setattr(layer, name, count // model)
+            try:
+                return own_call(*args, **kwargs)
+            finally:
+                for (layer, name), count in counts.items():
+                    setattr(layer, name, count)
 
     return call

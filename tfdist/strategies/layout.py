@@ -35,8 +35,8 @@ from tfdist import _compat
 from tfdist.errors import ConfigError
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.mesh_groups import MeshGroups
-from tfdist.parallel.megatron_pairs import functional_pairs, paired_attentions
-from tfdist.parallel.spmd import SPLIT_LAYERS, UNPAIRED, split_attention_call, split_call
+from tfdist.parallel.megatron_pairs import functional_pairs, paired_blocks
+from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
 
@@ -185,21 +185,24 @@ class LayoutStrategy(MirroredStrategy):
             raise LayoutError(f"Variable {path!r} is matched by the layout, and only the kernels, biases and "
                               f"embeddings of {', '.join(k.__name__ for k in SPLIT_LAYERS)} layers can be split "
                               "in this version.")
-        pairings = functional_pairs(model, axes_by_layer)
+        pairs = functional_pairs(model, axes_by_layer)
+        blocks = paired_blocks(layers, axes_by_layer)
+        keeping = {column for column, _ in pairs}
         try:
-            calls = {layer: split_call(layer, layer_axes, pairings.get(layer, UNPAIRED))
+            calls = {layer: split_call(layer, layer_axes, keeps_shards=layer in keeping)
                      for layer, layer_axes in axes_by_layer.items()}
         except ValueError as error:
             raise LayoutError(str(error)) from None
+        taking = {row for _, row in pairs} | {sub for block in blocks for sub in _compat.nested_layers(block)}
         for layer, call in calls.items():
             for name, variable in _own_variables(layer).items():
                 if axes_by_layer[layer][name] is not None:
                     split(variable, axes_by_layer[layer][name], self, self.layout.model)
             layer.call = call
-            if pairings.get(layer, UNPAIRED).takes_shards:
-                layer.input_spec = None  # Keras's check wants the whole axis the layer now takes split
-        for attention in paired_attentions(layers, axes_by_layer):
-            attention.call = split_attention_call(attention)
+            if layer in taking:
+                layer.input_spec = None  # Keras's check wants the whole axis the layer may now take split
+        for block, divided in blocks.items():
+            block.call = split_block_call(block, divided, self.layout.model)
         self._split_models.add(model)
 
 
