@@ -177,7 +177,7 @@ BAD_OVERRIDES = [
     (["strategy.kind=horovod", "checkpoint.every_seconds=60"], "checkpoint.every_seconds",
      "saves at the same step in every process"),
     (["checkpoint.keep=0"], "checkpoint.keep", ">= 1"),
-    (["strategy.data_parallel=horovod"], "strategy.data_parallel", "only applies to strategy.kind=pipeline or tensor_parallel"),
+    (["strategy.data_parallel=horovod"], "strategy.data_parallel", "only applies to strategy.kind=pipeline, tensor_parallel or layout"),
     (["strategy.data_parallel=everywhere"], "strategy.data_parallel", "one of"),
     (["strategy.kind=pipeline", "strategy.data_parallel=horovod", "horovod.backward_passes_per_step=2"],
      "horovod.backward_passes_per_step", "accumulates over pipeline.num_micro_batches"),

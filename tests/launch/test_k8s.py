@@ -367,12 +367,8 @@ def test_every_user_config_goes_through_config_and_k8s(text, tmp_path):
     # A one-process job goes to Kubernetes as several processes: data parallel across them.
     kind = resolved.strategy.kind
     spread = {"mirrored": ["strategy.kind=multi_worker_mirrored"], "pipeline": ["strategy.data_parallel=multi_worker"],
-              "tensor_parallel": ["strategy.data_parallel=multi_worker"]}.get(kind, [])
-    if not spread and not resolved.strategy.launched_as.processes.several:
-        # A kind with no multi-process form in this version (a layout's model axis) is refused in one line.
-        proc = run_tfdist("k8s", "--config", str(path), "--image", "repo/tfdist:0.1", "--out", str(tmp_path / "k8s"))
-        assert proc.returncode == 2 and proc.stderr.startswith("tfdist: error: `strategy.kind` runs in one process")
-        return
+              "tensor_parallel": ["strategy.data_parallel=multi_worker"],
+              "layout": ["strategy.data_parallel=multi_worker"]}.get(kind, [])
     objects = _write(tmp_path, str(path), "--workers", "2", sets=spread)
     for config_map in (o for o in objects if o["kind"] == "ConfigMap"):
         deployed = from_dict(yaml.safe_load(config_map["data"]["config.yaml"]))

@@ -54,14 +54,18 @@ class MeshGroups:
         return cross_device_utils.CollectiveReplicaLauncher(
             keys.get_group_key(group), len(group), keys, device, collective_util.Options())
 
+    def local_index(self) -> int:
+        """The current replica's index among this process's (TensorFlow's counts every process's replicas)."""
+        return replica_index() % len(self.devices)
+
     def model_index(self) -> int:
         """The current replica's place along the model axis: which shard its device holds."""
-        return replica_index() % self.model
+        return self.local_index() % self.model
 
     # Each collective is made in a name scope of its group's (`model_group`, `data_group`), where a test or a
     # benchmark counts them in the step's graph.
     def model_sum(self, t: tf.Tensor) -> tf.Tensor:
-        launcher = self._rows[replica_index()]
+        launcher = self._rows[self.local_index()]
         if launcher is None:
             return t
         with tf.name_scope("model_group"):
@@ -69,7 +73,7 @@ class MeshGroups:
 
     def model_gather(self, t: tf.Tensor, axis: int) -> tf.Tensor:
         """The row's tensors concatenated along `axis`, in model order."""
-        launcher = self._rows[replica_index()]
+        launcher = self._rows[self.local_index()]
         if launcher is None:
             return t
         with tf.name_scope("model_group"):
@@ -77,7 +81,7 @@ class MeshGroups:
 
     def data_sum(self, t):
         """`t` (a tensor or an IndexedSlices) summed over the column."""
-        launcher = self._columns[replica_index()]
+        launcher = self._columns[self.local_index()]
         if launcher is None:
             return t
         with tf.name_scope("data_group"):

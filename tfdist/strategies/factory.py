@@ -276,7 +276,8 @@ def _layout(config: Config, gpus: int) -> LayoutStrategy:
             layout = Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh))
         else:
             layout = Layout(model=shape[1], data=shape[0], rules=settings.rules)
-        return LayoutStrategy(layout, devices, config_key=key)
+        with _same_layout_in_every_process(config):
+            return LayoutStrategy(layout, devices, data_parallel=_process_group(config), config_key=key)
     except LayoutError as error:
         raise ConfigError(key, str(error), settings.layout_map or "see above") from None
 

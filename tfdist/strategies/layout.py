@@ -39,17 +39,21 @@ from tfdist.parallel.megatron_pairs import functional_pairs, paired_blocks
 from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
+from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, make_process_group
 
 __all__ = ["LayoutStrategy", "strategy_from"]
 
 
-class LayoutStrategy(MirroredStrategy):
+class LayoutStrategy(ReplicaGroupsStrategy):
     """Splits the variables of models built under its scope as `layout` says, over its devices.
 
     Args:
       layout: a `keras.distribution.LayoutMap` (a keras-hub backbone's `get_layout_map(mesh)` too), a
         `keras.distribution.ModelParallel`, or a `tfdist.parallel.layout.Layout`.
       devices: the mesh's devices, data-major (default: the mesh's, else the first ones of this process).
+      data_parallel: `multi_worker`, `horovod` (or a strategy over processes): every process of that job runs
+        this mesh on its own devices and the meshes' rows train data parallel, the data axis spanning the
+        processes; `local` or None: this process alone.
       config_key: the config key the layout came from (`layout.rules`): a layout that does not fit the
         model is then that key's ConfigError.
 
@@ -60,14 +64,15 @@ class LayoutStrategy(MirroredStrategy):
     # Clipping by norm would see a split variable's shard as the whole; refused at compile (`after_compile`).
     clips_after_all_reduce = False
 
-    def __init__(self, layout, devices: Optional[Sequence[str]] = None, *, config_key: Optional[str] = None):
+    def __init__(self, layout, devices: Optional[Sequence[str]] = None, *, data_parallel=None,
+                 config_key: Optional[str] = None):
         self.layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
         size = self.layout.data * self.layout.model
         devices = list(devices or self.layout.devices or _first_devices(size))
         if len(devices) != size:
             raise LayoutError(f"The mesh ({self.layout.data_axis!r}: {self.layout.data}, {self.layout.model_axis!r}: "
                               f"{self.layout.model}) has {size} places, and {len(devices)} devices are given: {devices}.")
-        super().__init__(devices)
+        super().__init__([[device] for device in devices], processes=make_process_group(data_parallel))
         self._mesh_groups = MeshGroups(self, self.layout.model)
         self.config_key = config_key
         self._split_models = weakref.WeakSet()
@@ -79,16 +84,18 @@ class LayoutStrategy(MirroredStrategy):
         return self.distribute_datasets_from_function(lambda _: per_replica, options)
 
     def _replica_batches(self, *batch):
+        """This process's replicas' batches of one global batch: the rows of every process's mesh share it."""
         batch = batch if len(batch) > 1 else batch[0]
-        rows, model = self.layout.data, self.layout.model
+        processes, process = self.input_workers()
+        rows, model = self.layout.data * processes, self.layout.model
         size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
 
         def row_share(replica):
-            row = replica // model
+            row = process * self.layout.data + replica // model
             start, end = row * size // rows, (row + 1) * size // rows
             return tf.nest.map_structure(lambda t: t[start:end], batch)
 
-        return tf.data.Dataset.range(rows * model).map(row_share)
+        return tf.data.Dataset.range(self.layout.data * model).map(row_share)
 
     # --- The contract ----------------------------------------------------------------------------
     @property
@@ -126,7 +133,7 @@ class LayoutStrategy(MirroredStrategy):
                 raise
             raise ConfigError(self.config_key, f"does not fit the model: {error}", "see above") from None
 
-    def keras_hooks(self, model: keras.Model) -> dict[str, Any]:
+    def local_keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """tfdist's training and evaluation functions (Keras's put a step in a `tf.cond` with
         `steps_per_execution` > 1, where the mesh's collectives fail), and predictions of each row's first
         replica (Keras would concatenate every replica's, and the replicas of a row compute the same)."""
@@ -140,7 +147,7 @@ class LayoutStrategy(MirroredStrategy):
                 steps += [replicas[row * model_devices] for row in range(rows)]
             return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *steps)
 
-        return {**super().keras_hooks(model), "predict_function": predict_function,
+        return {**super().local_keras_hooks(model), "predict_function": predict_function,
                 "test_function": multi_step_train_function(self, model, step="test_step")}
 
     def reduce_gradients(self, grads_and_vars) -> list:
@@ -151,16 +158,22 @@ class LayoutStrategy(MirroredStrategy):
         own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and isinstance(v, SplitVariable)]
         summed = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in own]
         pairs = list(grads_and_vars)
+        device = self.extended.worker_devices[self.mesh_groups.local_index()]
         for i in own:
-            gradient = _scaled(pairs[i][0], self.layout.model)
-            pairs[i] = (self.mesh_groups.data_sum(gradient), pairs[i][1])
+            gradient = self.mesh_groups.data_sum(_scaled(pairs[i][0], self.layout.model))
+            if self.processes is not None:  # and over the same column of every process's mesh
+                gradient, = self.processes.all_reduce(tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(gradient)],
+                                                      device)
+            pairs[i] = (gradient, pairs[i][1])
         for i, reduced in zip(summed, context.all_reduce(tf.distribute.ReduceOp.SUM, [pairs[i][0] for i in summed])):
             pairs[i] = (reduced, pairs[i][1])
         return pairs
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        mesh = {self.layout.data_axis: self.layout.data, self.layout.model_axis: self.layout.model}
-        return {"layout": {"mesh": mesh, "split_variables": sum(is_split(v) for v in model.variables)}}
+        processes = self.processes.size if self.processes else 1
+        mesh = {self.layout.data_axis: self.layout.data * processes, self.layout.model_axis: self.layout.model}
+        return {"layout": {"mesh": mesh, "processes": processes,
+                           "split_variables": sum(is_split(v) for v in model.variables)}}
 
     # --- Splitting -------------------------------------------------------------------------------
     def split(self, model: keras.Model) -> None:

@@ -331,7 +331,7 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         """The pipeline's layout, partition and per-stage bytes, for the summary and `--metrics_out`."""
         partition = self.partition_of(model)
         report: dict[str, Any] = {
-            "layout": self.layout(self.num_stages, self.tensor_parallel_size),
+            "layout": self.device_layout(self.num_stages, self.tensor_parallel_size),
             "pipeline": {
                 "num_stages": self.num_stages,
                 "num_micro_batches": self.num_micro_batches,

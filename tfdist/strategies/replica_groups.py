@@ -271,7 +271,7 @@ class ReplicaGroupsStrategy(MirroredStrategy):
     def replicas_per_process(self) -> int:
         return len(self.replicas)
 
-    def layout(self, stages: int = 1, tensor_parallel_size: int = 1) -> dict:
+    def device_layout(self, stages: int = 1, tensor_parallel_size: int = 1) -> dict:
         """How the devices are used: processes x replicas per process x stages x tensor-parallel size."""
         processes = self.processes.size if self.processes else 1
         return {

@@ -139,7 +139,7 @@ class TensorParallelStrategy(ReplicaGroupsStrategy):
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The groups layers split over (when they hold more than one device) and where placed layers went."""
-        report: dict[str, Any] = {"layout": self.layout(tensor_parallel_size=self.groups[0].size)}
+        report: dict[str, Any] = {"layout": self.device_layout(tensor_parallel_size=self.groups[0].size)}
         if self.groups[0].size > 1:
             report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
         if self.placement:
