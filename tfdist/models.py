@@ -187,12 +187,12 @@ def _builtin(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int
             layers.Flatten(),
             layers.Dense(2 * config.width, activation="relu"),
         ]
-    else:
+    else:  # named, so that a layout's rules (`hidden0/kernel`) and a placement by name are stable
         body = [layers.Flatten()]
-        body += [layers.Dense(config.width, activation="relu") for _ in range(config.depth)]
+        body += [layers.Dense(config.width, activation="relu", name=f"hidden{i}") for i in range(config.depth)]
     head = [
         layers.Dropout(config.dropout),
-        layers.Dense(num_classes),
+        layers.Dense(num_classes, name="classifier"),
         layers.Activation("softmax", dtype="float32"),
     ]
     return keras.Sequential(

@@ -127,6 +127,9 @@ JOBS = {
     "tensor_parallel": ("configs/tensor_parallel.yaml", [], Layout(1, tensor_parallel=2), ["CPU:0"]),
     "pipeline_tensor_parallel": ("configs/pipeline_tensor_parallel.yaml", ["pipeline.balance_by=params"],
                                  Layout(1, stages=2, tensor_parallel=2), ["CPU:0", "CPU:2"]),
+    "layout": ("configs/layout.yaml", [], Layout(1, tensor_parallel=2, mesh=True), ["CPU:0"]),
+    "layout_data_axis": ("configs/layout.yaml", ["strategy.logical_devices=4", "layout.data_devices=2"],
+                         Layout(2, tensor_parallel=2, mesh=True), ["CPU:0"]),
 }
 
 

@@ -40,7 +40,7 @@ def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None,
     predictions = [predict(model, cluster, layout, global_batch=batch, micro_batches=pipeline.num_micro_batches,
                            schedule=pipeline.schedule.value, recompute=pipeline.recompute,
                            balance_by=pipeline.balance_by.value, measured=measured)
-                   for layout in layouts(model, cluster, global_batch=batch)]
+                   for layout in layouts(model, cluster, global_batch=batch, model_axis=_model_axis(config))]
     if not cluster.device_flops:  # a step time of communication alone would rank the layouts wrongly
         predictions = [dataclasses.replace(p, step_ms={}, samples_per_sec=0.0, scaling_efficiency=0.0)
                        for p in predictions]
@@ -53,12 +53,21 @@ def make_plan(config, cluster: Cluster, model: Optional[ModelProfile] = None,
             "recommended_overrides": layout_overrides(best.layout, cluster, batch) if best else []}
 
 
+def _model_axis(config) -> int:
+    """A layout config's model axis, which its plan keeps (0: the planner chooses how to split)."""
+    return config.layout.model_devices if config.strategy.kind == "layout" else 0
+
+
 def layout_overrides(layout: Layout, cluster: Cluster, global_batch: int) -> list[str]:
     """The `--set` overrides that make a config train with `layout` on `cluster`'s devices."""
     across = cluster.hosts > 1
     if layout.parameter_server:  # a parameter-server job's batch is one worker's
         return ["strategy.kind=parameter_server", f"parameter_server.num_workers={layout.dp}",
                 f"parameter_server.num_ps={cluster.hosts}", f"train.global_batch_size={global_batch // layout.dp}"]
+    if layout.mesh:  # the config's own layout: its mesh over a host's devices, data parallel across hosts
+        return [f"strategy.logical_devices={cluster.per_host}",
+                f"layout.data_devices={cluster.per_host // layout.tensor_parallel}",
+                f"strategy.data_parallel={'multi_worker' if across else 'local'}"]
     overrides = [f"strategy.logical_devices={cluster.per_host}", f"strategy.shard_optimizer={layout.zero}"]
     if layout.stages > 1:
         overrides += ["strategy.kind=pipeline", f"pipeline.num_stages={layout.stages}",

@@ -63,11 +63,14 @@ class Layout:
     tensor_parallel: int = 1
     zero: int = 0
     parameter_server: bool = False
+    mesh: bool = False  # `strategy.kind: layout`: its variables split over `tensor_parallel` devices
 
     @property
     def name(self) -> str:
         if self.parameter_server:
             return f"parameter servers, {self.dp} workers"
+        if self.mesh:
+            return f"layout: data {self.dp} x model {self.tensor_parallel}"
         parts = [f"data {self.dp}"]
         if self.stages > 1:
             parts.append(f"pipeline {self.stages}")
@@ -95,9 +98,15 @@ class Prediction:
                 "note": self.note}
 
 
-def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int) -> list[Layout]:
+def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int, model_axis: int = 0) -> list[Layout]:
     """Every layout of `cluster`'s devices: stages and tensor-parallel groups within a host, dividing
-    its devices; tensor parallelism only for a model with tensor-parallel layers."""
+    its devices; tensor parallelism only for a model with tensor-parallel layers. With `model_axis` (a
+    config's `strategy.kind: layout`), its mesh alone: the model axis within a host, data parallel over
+    the rest."""
+    if model_axis:
+        dp = cluster.devices // model_axis
+        fits = cluster.per_host % model_axis == 0 and global_batch % dp == 0
+        return [Layout(dp, tensor_parallel=model_axis, mesh=True)] if fits else []
     divisors = [k for k in range(1, cluster.per_host + 1) if cluster.per_host % k == 0]
     has_parallel_layers = any(layer.tensor_parallel for layer in model.layers)
     found = []
@@ -139,14 +148,17 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     starts = [0, *balance(costs, k), len(model.layers)] if k > 1 else [0, len(model.layers)]
     stages = [model.layers[a:b] for a, b in zip(starts, starts[1:])]
 
-    def share(layer, value):  # a tensor-parallel layer's share on one device of its group
+    def share(layer, value):  # a layer's share on one device: what is split divided by the group, the rest whole
+        return value * (1 - layer.split_fraction + layer.split_fraction / t)
+
+    def other_share(layer, value):  # non-trainable weights: split by tfdist's tensor-parallel layers alone
         return value / t if layer.tensor_parallel else value
 
     memory_by_stage, compute_ms, tp_ms = [], [], []
     rate = cluster.device_flops
     for index, layers in enumerate(stages):
         trainable = sum(share(layer, layer.trainable_bytes) for layer in layers)
-        other = sum(share(layer, layer.other_bytes) for layer in layers)
+        other = sum(other_share(layer, layer.other_bytes) for layer in layers)
         slots = model.slot_bytes * trainable / max(model.trainable_bytes, 1) / (dp if layout.zero else 1)
         in_flight = 1 if k == 1 else (m if schedule == "gpipe" else min(m, k - index))
         # The micro-batches waiting for their backward pass hold what it keeps (with recompute: only the
@@ -161,7 +173,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
         # Each tensor-parallel layer's output is summed (or gathered) across the group, and its input
         # gradient in the backward pass: two ring all-reduces of the micro-batch's output.
         tp_bytes = sum(2 * 2 * (t - 1) / t * layer.output_bytes_per_example * micro
-                       for layer in layers if layer.tensor_parallel and t > 1)
+                       for layer in layers if layer.split_fraction and t > 1)
         tp_ms.append(1000 * tp_bytes / cluster.intra_link if tp_bytes and cluster.intra_link else 0.0)
     stage_ms = measured.stage_ms(k, micro) if measured is not None and k > 1 and t == 1 else []
     timed = bool(stage_ms)

@@ -16,7 +16,9 @@ optimizer and reads, per top-level layer:
   which they leave out, counted from their shapes); a
   training step costs about three times that (forward, and the backward's
   two products);
-- whether tensor parallelism splits it (tfdist's tensor-parallel layers).
+- whether tensor parallelism splits it (tfdist's tensor-parallel layers), and
+  with `strategy.kind: layout`, the bytes of its variables the layout splits
+  over the mesh's model axis.
 
 The optimizer's slot bytes come from building the configured optimizer on
 the model's trainable variables.
@@ -44,6 +46,14 @@ class LayerCost:
     kept_bytes_per_example: int  # what the backward pass reads of its forward tensors, per example
     tensor_parallel: bool  # tfdist splits its weights and matmuls over a tensor-parallel group
     trainable_variables: int = 0  # each read and updated by an RPC of its own under parameter servers
+    split_bytes: int = 0  # of its trainable bytes, those a layout (`strategy.kind: layout`) splits
+
+    @property
+    def split_fraction(self) -> float:
+        """The share of its trainable bytes (and, as an estimate, of its work) split over the devices."""
+        if self.tensor_parallel:
+            return 1.0
+        return self.split_bytes / self.trainable_bytes if self.trainable_bytes else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +115,8 @@ def profile(config, *, activations: bool = True) -> ModelProfile:
             _, kept_two = _traced_step(model, source.input_shape, 2)
             kept = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}  # what grows per example
         outputs = _layer_outputs(model, np.zeros((2, *source.input_shape), "float32"))
-        layers = tuple(_layer_cost(layer, output, flops, kept) for layer, output in outputs)
+        split = _split_paths(config, model)
+        layers = tuple(_layer_cost(layer, output, flops, kept, split) for layer, output in outputs)
         compute_dtype = keras.mixed_precision.dtype_policy().compute_dtype
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
@@ -129,7 +140,27 @@ def _layer_outputs(model, batch) -> list:
     return list(zip(layers, values if isinstance(values, (list, tuple)) else [values]))
 
 
-def _layer_cost(layer, output, flops: dict, kept: dict) -> LayerCost:
+def _split_paths(config, model) -> set:
+    """The paths of the variables `config`'s layout splits (none for another kind).
+
+    Raises:
+      ConfigError: a layout that does not fit the model, as `tfdist train` would say it.
+    """
+    if config.strategy.kind != "layout":
+        return set()
+    from tfdist.errors import ConfigError
+    from tfdist.parallel.layout import LayoutError
+    from tfdist.strategies.factory import layout_of
+
+    places = config.layout.data_devices * config.layout.model_devices
+    layout, key = layout_of(config, [f"/cpu:{i}" for i in range(places)])  # the mesh's names; nothing runs on it
+    try:
+        return set(layout.split_axes(model.variables))
+    except LayoutError as error:
+        raise ConfigError(key, f"does not fit the model: {error}", "see above") from None
+
+
+def _layer_cost(layer, output, flops: dict, kept: dict, split: set) -> LayerCost:
     import keras
     import tensorflow as tf
 
@@ -148,6 +179,7 @@ def _layer_cost(layer, output, flops: dict, kept: dict) -> LayerCost:
         kept_bytes_per_example=kept.get(layer.name, 0),
         tensor_parallel=isinstance(layer, parallel),
         trainable_variables=len(layer.trainable_weights),
+        split_bytes=sum(_nbytes(v) for v in layer.trainable_weights if v.path in split),
     )
 
 

@@ -66,7 +66,7 @@ class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.Mir
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
         devices, 2 also reduce-scatters the gradients; 0 keeps a whole copy on each."""
         self.shard_optimizer = collective_ops_stage(shard_optimizer)
-        _make_named_cpus(devices)
+        make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)
         # tf.distribute.MirroredStrategy.__init__ would make a plain MirroredExtended.
@@ -78,7 +78,7 @@ class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.Mir
         return multi_step_hooks(self, model)
 
 
-def _make_named_cpus(devices) -> None:
+def make_named_cpus(devices) -> None:
     """Makes the logical CPU devices `devices` names (`/cpu:1`, ...) if TensorFlow has not started yet:
     a replica on a CPU device that does not exist would wait for its peers forever."""
     if not devices or not all(isinstance(d, str) for d in devices):

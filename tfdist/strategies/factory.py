@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -50,7 +50,7 @@ from tfdist.strategies.replica_groups import ProcessLayoutError, make_process_gr
 from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 from tfdist.user_code import call_function
 
-__all__ = ["make_strategy", "serves_only"]
+__all__ = ["layout_of", "make_strategy", "serves_only"]
 
 # The strategy, and its config, with which this process joined its cluster: TensorFlow joins a process to
 # one cluster once (a second multi-worker strategy resets the collectives of the first; its first broadcast
@@ -263,21 +263,35 @@ def _layout(config: Config, gpus: int) -> LayoutStrategy:
     """The first `layout.data_devices` x `layout.model_devices` devices as the mesh, data-major, split by the
     rules or by the LayoutMap the user's function returns for that mesh."""
     settings = config.layout
-    shape = (settings.data_devices, settings.model_devices)
-    devices = local_devices(config, gpus)[: shape[0] * shape[1]]
-    if len(devices) < shape[0] * shape[1]:
+    size = settings.data_devices * settings.model_devices
+    devices = local_devices(config, gpus)[:size]
+    if len(devices) < size:
         raise ConfigError(devices_key(config), f"must give at least layout.data_devices x layout.model_devices "
-                          f"({shape[0]} x {shape[1]}) devices. This config gives {len(devices)}.",
-                          list(config.strategy.devices) or config.strategy.logical_devices)
+                          f"({settings.data_devices} x {settings.model_devices}) devices. This config gives "
+                          f"{len(devices)}.", list(config.strategy.devices) or config.strategy.logical_devices)
+    layout, key = layout_of(config, devices)
+    try:
+        with _same_layout_in_every_process(config):
+            return LayoutStrategy(layout, devices, data_parallel=_process_group(config), config_key=key)
+    except LayoutError as error:
+        raise ConfigError(key, str(error), settings.layout_map or "see above") from None
+
+
+def layout_of(config: Config, devices: Sequence[str]) -> tuple[Layout, str]:
+    """The config's layout over `devices` (the mesh's, data-major), and the config key it came from: the rules,
+    or the LayoutMap the user's function returns for the mesh. `tfdist plan` reads it too.
+
+    Raises:
+      ConfigError: the user's function fails or returns no layout this version runs.
+    """
+    settings = config.layout
+    shape = (settings.data_devices, settings.model_devices)
     key = "layout.layout_map" if settings.layout_map else "layout.rules"
     try:
         if settings.layout_map:
             mesh = keras.distribution.DeviceMesh(shape, (DATA, MODEL), devices=[d.lstrip("/") for d in devices])
-            layout = Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh))
-        else:
-            layout = Layout(model=shape[1], data=shape[0], rules=settings.rules)
-        with _same_layout_in_every_process(config):
-            return LayoutStrategy(layout, devices, data_parallel=_process_group(config), config_key=key)
+            return Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh)), key
+        return Layout(model=shape[1], data=shape[0], rules=settings.rules), key
     except LayoutError as error:
         raise ConfigError(key, str(error), settings.layout_map or "see above") from None
 

@@ -48,7 +48,7 @@ from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica
 from tfdist.parallel.optimizer_shards import shards_of
 from tfdist.contract import contract
-from tfdist.strategies.data_parallel import MirroredStrategy
+from tfdist.strategies.data_parallel import MirroredStrategy, make_named_cpus
 from tfdist.strategies.horovod import HorovodStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.process_group import ProcessGroup
@@ -246,6 +246,7 @@ class ReplicaGroupsStrategy(MirroredStrategy):
             raise ValueError(
                 f"`replica_devices` must give every replica the same number of devices. Received: {replica_devices}"
             )
+        make_named_cpus([d for devices in replica_devices for d in devices])  # if TensorFlow has not started
         DeviceGroup([d for devices in replica_devices for d in devices])  # one check for missing and repeated devices
         self.replicas = [DeviceGroup(devices) for devices in replica_devices]
         super().__init__(devices=[group.devices[0] for group in self.replicas],
