@@ -12,6 +12,7 @@ import keras
 import keras_hub  # the `hub` extra, which make setup installs
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
@@ -41,7 +42,7 @@ COLLECTIVES = {
 LAYERS = 2
 
 
-def _trained(name: str, strategy=None):
+def _causal_lm(name: str, strategy=None):
     backbone, causal_lm, extra = BACKBONES[name]
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
@@ -50,6 +51,11 @@ def _trained(name: str, strategy=None):
             intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _trained(name: str, strategy=None):
+    model = _causal_lm(name, strategy)
     history = model.fit(FEATURES, TOKENS[:, 1:], batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
     return model, history["loss"]
 
@@ -86,3 +92,52 @@ def test_a_keras_hub_backbone_split_by_its_own_layout_map_trains_as_on_one_devic
     assert max(by_device.values()) / whole_bytes <= 1.15 / devices
     if data == 1 and devices == 2:
         assert collectives_of_a_step(split, strategy, (FEATURES, TOKENS[:, 1:])) == COLLECTIVES[name](LAYERS)
+
+
+def _split_strategy():
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+    return strategy_from(keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh), batch_dim_name="batch"))
+
+
+def _fit(model, steps):
+    model.fit(FEATURES, TOKENS[:, 1:], batch_size=BATCH, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.slow
+def test_a_split_keras_hub_model_saves_as_keras_hubs_own_and_resumes_bit_exact(tmp_path):
+    """Saved split, a Gemma loads into keras-hub's own class on one device (`.keras` and weights), one trained
+    on one device loads split, and a checkpoint of the split model and its optimizer resumes bit-exact."""
+    strategy = _split_strategy()
+    split = _causal_lm("gemma", strategy)
+    _fit(split, 3)
+    split.save(tmp_path / "gemma.keras")
+    split.save_weights(tmp_path / "gemma.weights.h5")
+    loaded = keras.models.load_model(tmp_path / "gemma.keras")
+    assert type(loaded) is keras_hub.models.GemmaCausalLM
+    plain = _causal_lm("gemma")
+    plain.load_weights(tmp_path / "gemma.weights.h5")
+    for saved, *got in zip(split.get_weights(), loaded.get_weights(), plain.get_weights()):
+        for weights in got:
+            np.testing.assert_array_equal(weights, saved)
+    tokens = {key: value[:4] for key, value in FEATURES.items()}
+    np.testing.assert_allclose(split.predict(tokens, verbose=0), plain.predict(tokens, verbose=0), atol=1e-5)
+
+    _fit(plain, 2)  # the reverse: trained on one device, loaded split
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    again = _causal_lm("gemma", strategy)
+    again.load_weights(tmp_path / "plain.weights.h5")
+    strategy.split(again)
+    for saved, got in zip(plain.get_weights(), again.get_weights()):
+        np.testing.assert_array_equal(got, saved)
+
+    checkpoint = tf.train.Checkpoint(model=split, optimizer=split.optimizer)
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    _fit(split, 2)
+    continued = [w.copy() for w in split.get_weights()]
+    resumed = _causal_lm("gemma", strategy)
+    _fit(resumed, 1)  # built, split and its optimizer's slots made, then overwritten by the checkpoint
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).read(path).assert_consumed()
+    _fit(resumed, 2)
+    for want, got in zip(continued, resumed.get_weights()):
+        np.testing.assert_array_equal(got, want)
