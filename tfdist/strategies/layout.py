@@ -109,11 +109,16 @@ class LayoutStrategy(ReplicaGroupsStrategy):
                              "shard by its own norm in this version; use clipvalue, or no clipping.")
         if optimizer in self._split_optimizers:  # compiled again with the same optimizer
             return
-        build, add_slot = optimizer.build, optimizer.add_variable_from_reference
+        build = optimizer.build
 
         def build_split(variables):  # the model is built by now: split it before the optimizer's slots
             self.split(model)
             return build(variables)
+
+        optimizer.build = build_split
+        # A LossScaleOptimizer (mixed_float16) makes no slots; the optimizer it wraps does.
+        slot_maker = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+        add_slot = slot_maker.add_variable_from_reference
 
         def add_slot_beside(reference_variable, *args, **kwargs):
             slot = add_slot(reference_variable, *args, **kwargs)
@@ -121,7 +126,7 @@ class LayoutStrategy(ReplicaGroupsStrategy):
                 split(slot, split_axis(reference_variable), self, self.layout.model)
             return slot
 
-        optimizer.build, optimizer.add_variable_from_reference = build_split, add_slot_beside
+        slot_maker.add_variable_from_reference = add_slot_beside
         self._split_optimizers.add(optimizer)
 
     def check_model(self, model: keras.Model) -> None:
