@@ -118,6 +118,7 @@ bench: setup
 	OMP_NUM_THREADS=1 tfdist bench horovod --json results/horovod.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench data_parallel_pipeline --json results/data_parallel_pipeline.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench tensor_parallel --json results/tensor_parallel.json --repeats 5
+	OMP_NUM_THREADS=1 tfdist bench layout --json results/layout.json --repeats 5
 	OMP_NUM_THREADS=1 tfdist bench sharded_optimizer --json results/sharded_optimizer.json --repeats 7
 	OMP_NUM_THREADS=1 tfdist bench network --json results/network.json --plot results/network.png --repeats 3
 	OMP_NUM_THREADS=1 tfdist bench network --model sparse_embedding --json results/network_sparse.json \

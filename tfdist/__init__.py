@@ -39,6 +39,7 @@ __all__ = [
     "make_strategy",
     "prepare",
     "run",
+    "set_distribution",
     "strategy_from",
 ]
 
@@ -56,6 +57,7 @@ _LAZY = {
     "is_chief": "tfdist.training",
     "prepare": "tfdist.training",
     "run": "tfdist.training",
+    "set_distribution": "tfdist.strategies",
     "strategy_from": "tfdist.strategies",
 }
 

@@ -17,6 +17,7 @@ __all__ = [
     "PipelineStrategy",
     "TensorParallelStrategy",
     "make_strategy",
+    "set_distribution",
     "strategy_from",
 ]
 
@@ -29,6 +30,7 @@ _MODULES = {
     "PipelineStrategy": "pipeline",
     "TensorParallelStrategy": "tensor_parallel",
     "make_strategy": "factory",
+    "set_distribution": "layout",
     "strategy_from": "layout",
 }
 

@@ -39,9 +39,10 @@ from tfdist.parallel.megatron_pairs import functional_pairs, paired_blocks
 from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
+from tfdist.strategies.devices import default_devices
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, make_process_group
 
-__all__ = ["LayoutStrategy", "strategy_from"]
+__all__ = ["LayoutStrategy", "set_distribution", "strategy_from"]
 
 
 class LayoutStrategy(ReplicaGroupsStrategy):
@@ -243,6 +244,20 @@ def strategy_from(distribution) -> tf.distribute.Strategy:
                      f"Received: {distribution!r}")
 
 
+def set_distribution(distribution) -> tf.distribute.Strategy:
+    """Keras's `keras.distribution.set_distribution` on TensorFlow: `strategy_from(distribution)` made the
+    strategy of everything built after it in this process (TensorFlow's `experimental_set_strategy`), so a
+    script written for JAX changes this one line and builds, compiles and fits with no `scope()`. Returns
+    the strategy.
+
+    Raises:
+      LayoutError, ValueError: as `strategy_from`.
+    """
+    strategy = strategy_from(distribution)
+    tf.distribute.experimental_set_strategy(strategy)
+    return strategy
+
+
 def _scaled(gradient, factor: int):
     if isinstance(gradient, tf.IndexedSlices):  # an embedding's rows
         return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
@@ -260,9 +275,11 @@ def _own_variables(layer) -> dict[str, Any]:
 
 
 def _first_devices(count: int) -> list[str]:
-    gpus = tf.config.list_logical_devices("GPU")
-    devices = gpus or tf.config.list_logical_devices("CPU")
+    """The first `count` GPUs, else logical CPUs (the CPU split into them if TensorFlow has not started)."""
+    try:
+        devices = default_devices(count)
+    except ValueError as error:
+        raise LayoutError(f"The mesh has {count} devices: {error}") from None
     if len(devices) < count:
-        raise LayoutError(f"The mesh has {count} devices and this process has {len(devices)} "
-                          f"({', '.join(d.name for d in devices)}); raise strategy.logical_devices for more CPUs.")
-    return [d.name for d in devices[:count]]
+        raise LayoutError(f"The mesh has {count} devices and this process has {len(devices)} ({', '.join(devices)}).")
+    return devices[:count]
