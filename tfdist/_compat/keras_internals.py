@@ -4,10 +4,10 @@ distributed update, which an optimizer state split over devices takes over."""
 
 from __future__ import annotations
 
-__all__ = ["attention_projections", "build_for_training", "build_without_slots", "graph_nodes", "keras_global_seed_state", "layout_map_of",
-           "replace_variable_value",
-           "keras_reduce_per_replica", "loss_tracker", "make_slots_where_created", "nested_layers",
-           "optimizer_variables", "replace_update_step", "start_at_epoch", "variable_index"]
+__all__ = ["attention_projections", "build_for_training", "build_without_slots", "graph_nodes",
+           "keras_global_seed_state", "keras_reduce_per_replica", "layout_map_of", "loss_tracker",
+           "make_slots_where_created", "nested_layers", "optimizer_variables", "replace_update_step",
+           "replace_variable_value", "start_at_epoch", "variable_index"]
 
 def graph_nodes(model):
     """The layer graph of a Sequential or functional Keras model.

@@ -3,10 +3,10 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
-__all__ = ["all_gather", "auto_shard", "broadcast", "collective_keys", "collective_launchers", "configure_coordination_service",
-           "graph_functions", "maybe_merge_call", "merge_calls_in_place", "needs_gradient", "op_flops",
-           "partition_graphs", "peer_answers", "remake_variables", "replica_index", "scheduled_by_coordinator", "slice_of_sum",
-           "worker_place"]
+__all__ = ["all_gather", "auto_shard", "broadcast", "collective_keys", "collective_launchers",
+           "configure_coordination_service", "graph_functions", "maybe_merge_call", "merge_calls_in_place",
+           "needs_gradient", "op_flops", "partition_graphs", "peer_answers", "remake_variables", "replica_index",
+           "scheduled_by_coordinator", "slice_of_sum", "worker_place"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
     """Whether task `peer` (e.g. "/job:worker/replica:0/task:1") answers TensorFlow's

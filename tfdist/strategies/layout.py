@@ -71,8 +71,8 @@ class LayoutStrategy(ReplicaGroupsStrategy):
         size = self.layout.data * self.layout.model
         devices = list(devices or self.layout.devices or _first_devices(size))
         if len(devices) != size:
-            raise LayoutError(f"The mesh ({self.layout.data_axis!r}: {self.layout.data}, {self.layout.model_axis!r}: "
-                              f"{self.layout.model}) has {size} places, and {len(devices)} devices are given: {devices}.")
+            mesh = f"{self.layout.data_axis!r}: {self.layout.data}, {self.layout.model_axis!r}: {self.layout.model}"
+            raise LayoutError(f"The mesh ({mesh}) has {size} places, and {len(devices)} devices are given: {devices}.")
         super().__init__([[device] for device in devices], processes=make_process_group(data_parallel))
         self._mesh_groups = MeshGroups(self, self.layout.model)
         self.config_key = config_key
@@ -118,7 +118,8 @@ class LayoutStrategy(ReplicaGroupsStrategy):
 
         optimizer.build = build_split
         # A LossScaleOptimizer (mixed_float16) makes no slots; the optimizer it wraps does.
-        slot_maker = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+        wraps = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        slot_maker = optimizer.inner_optimizer if wraps else optimizer
         add_slot = slot_maker.add_variable_from_reference
 
         def add_slot_beside(reference_variable, *args, **kwargs):
