@@ -4,7 +4,8 @@
 (the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
 CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4), `tensor_parallel` (a
-group of 2) or `layout` (a plain Keras MLP split by a LayoutMap over 2). Process 0 saves the trained
+group of 2), `layout` (a plain Keras MLP split by a LayoutMap over 2) or
+`layout_gemma` (keras-hub's Gemma causal LM split by its own layout map over 2). Process 0 saves the trained
 weights (unsharded), the per-epoch loss, and the predictions and evaluation
 loss over the training data to OUT (.npz). Every process
 trains on its shard of the same global batches as the one-device reference.
@@ -38,7 +39,10 @@ from tfdist.strategies import LayoutStrategy, PipelineStrategy, TensorParallelSt
 GLOBAL_BATCH = 16
 
 
-def data():
+def data(layout=""):
+    if layout == "layout_gemma":  # next-token prediction on random tokens
+        tokens = np.random.default_rng(0).integers(1, 64, size=(64, 9))
+        return {"token_ids": tokens[:, :-1], "padding_mask": np.ones((64, 8), bool)}, tokens[:, 1:]
     x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
     y = np.random.default_rng(1).integers(0, 3, 64)
     return x, y
@@ -46,6 +50,13 @@ def data():
 
 def model(layout):
     keras.utils.set_random_seed(0)
+    if layout == "layout_gemma":
+        import keras_hub
+
+        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                                                  num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                                  head_dim=8, dropout=0.0)
+        return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     if layout.startswith("pipeline"):
         hidden = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16, activation="relu"),
                   keras.layers.Dense(16, activation="tanh")]
@@ -60,8 +71,12 @@ def model(layout):
 def strategy_for(backend, layout, shard=0):
     if backend == "one_device":
         return DeviceGroup(["/cpu:0"])
-    if layout == "layout":
+    if layout.startswith("layout"):
         mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+        if layout == "layout_gemma":
+            import keras_hub
+
+            return LayoutStrategy(keras_hub.models.GemmaBackbone.get_layout_map(mesh), data_parallel=backend)
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*up/kernel"], layout_map[".*up/bias"] = (None, "model"), ("model",)
         layout_map[".*down/kernel"] = ("model", None)
@@ -77,8 +92,12 @@ def train(backend, layout, shard=None):
     with strategy.scope():
         trained = model(layout)
         optimizer = keras.optimizers.SGD(0.1) if shard is None else keras.optimizers.Adam(0.01)
-        trained.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
-    x, y = data()
+        if layout == "layout_gemma":
+            trained.compile(optimizer=optimizer, weighted_metrics=[],
+                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        else:
+            trained.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    x, y = data(layout)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     history = trained.fit(dataset, epochs=3, verbose=0)
     weights = [w for layer in trained.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
@@ -88,9 +107,9 @@ def train(backend, layout, shard=None):
                                         "evaluated": evaluated}
 
 
-def cross_process_reductions(strategy, trained):
+def cross_process_reductions(strategy, trained, layout):
     """Devices of the step's cross-process all-reduces: TensorFlow collectives or Horovod ops."""
-    x, y = data()
+    x, y = data(layout)
     batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
 
     @tf.function(autograph=False)  # the step as Keras builds it
@@ -124,7 +143,7 @@ if __name__ == "__main__":
     backend, layout, out = sys.argv[1:4]
     shard = int(sys.argv[4]) if len(sys.argv) > 4 else None
     strategy, trained, weights, results = train(backend, layout, shard)
-    devices = cross_process_reductions(strategy, trained) if backend != "one_device" else []
+    devices = cross_process_reductions(strategy, trained, layout) if backend != "one_device" else []
     if shard is not None and backend != "one_device":
         split_state(strategy, trained, out)
     elif shard is not None and layout.startswith("pipeline"):  # the reference's optimizer state, to compare saved ones

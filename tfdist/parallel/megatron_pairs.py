@@ -73,10 +73,10 @@ def functional_pairs(model: keras.Model, axes_by_layer: dict) -> list[tuple]:
 
     `axes_by_layer`: each split layer's variables' split axes (attribute -> axis or None)."""
     try:
-        nodes, _, _ = _compat.graph_nodes(model)
+        nodes, _, model_outputs = _compat.graph_nodes(model)
     except ValueError:  # subclassed: no graph to read
         return []
-    calls, consumers = {}, {}
+    calls, consumers = {}, {id(tensor): [(None, [])] for tensor in model_outputs}  # a model output is whole
     for operation, inputs, _ in nodes:
         calls[id(operation)] = calls.get(id(operation), 0) + 1
         for tensor in inputs:
@@ -90,8 +90,10 @@ def functional_pairs(model: keras.Model, axes_by_layer: dict) -> list[tuple]:
         if len(consumed_by) != 1:
             continue
         consumer, consumer_inputs = consumed_by[0]
-        if (consumer in axes_by_layer and calls[id(consumer)] == 1 and len(consumer_inputs) == 1
-                and contracted_axis(consumer, axes_by_layer[consumer]) == kept):
+        if consumer is None or consumer not in axes_by_layer:  # the model's output, or a whole layer
+            continue
+        if calls[id(consumer)] == 1 and len(consumer_inputs) == 1 and contracted_axis(
+                consumer, axes_by_layer[consumer]) == kept:
             pairs.append((operation, consumer))
     return pairs
 

@@ -61,11 +61,11 @@ _block = _Block()
 
 @contextlib.contextmanager
 def _paired_block():
-    _block.made = {}
+    outer, _block.made = _block.made, {}
     try:
         yield
     finally:
-        _block.made = None
+        _block.made = outer
 
 
 def _once_in_block(collective: Callable, x: tf.Tensor, *args) -> tf.Tensor:
@@ -139,9 +139,9 @@ def _value(variable, axis: Optional[int], needed: Optional[int]) -> tf.Tensor:
 
 
 def _contract(equation: str, x, kernel, kernel_axis: int):
-    """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis` (whole outside), and
-    where the output keeps that axis (None: the layer contracted it, and the partial results are summed over
-    the replicas). An input whose contracted axis has the shard's length is this replica's part already."""
+    """`einsum(equation, x, kernel)` with `kernel` this replica's shard along `kernel_axis`, and where the output
+    keeps that axis (None: the layer contracted it, and the partial results are summed over the replicas). An
+    input whose contracted axis has the shard's length is this replica's part already."""
     x = tf.convert_to_tensor(x)
     equation = _without_ellipsis(equation, x.shape.rank)
     in_spec, rest = equation.split(",")
@@ -229,7 +229,7 @@ def _reverse_embedding(layer, axes, inputs):
     if axis is None:
         inputs = tf.convert_to_tensor(inputs)
         equation = _without_ellipsis(equation, inputs.shape.rank)
-        logits, out_axis = tf.einsum(equation, inputs, tf.convert_to_tensor(kernel)), None
+        logits, out_axis = _product(equation, inputs, tf.convert_to_tensor(kernel)), None
     else:
         logits, out_axis = _contract(equation, inputs, kernel, axis)
     if layer.logit_soft_cap is not None:
@@ -274,7 +274,7 @@ def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]], keeps_
     return call
 
 
-def split_block_call(block: keras.layers.Layer, divided: dict = None, model: int = 1) -> Callable:
+def split_block_call(block: keras.layers.Layer, divided: Optional[dict] = None, model: int = 1) -> Callable:
     """The call of a layer whose split layers pass shards among themselves (a paired block): in a replica,
     every column-split layer inside keeps its shards, and an input several of them share is copied once.
     `divided`: sublayer -> its attributes that count what is split (heads), divided by `model` meanwhile,
