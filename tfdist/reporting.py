@@ -64,7 +64,8 @@ def _optimizer_state(split: Mapping[str, Any]) -> str:
 def format_summary(result: Mapping[str, Any]) -> str:
     """A short block of text: strategy, devices, batch, throughput, final metrics."""
     replicas = result["num_replicas"]
-    per_replica = result["global_batch_size"] // max(replicas, 1)
+    # A layout's replicas of one copy of the model compute on the same examples: the batch splits over the copies.
+    per_replica = result["global_batch_size"] // max(result.get("layout", {}).get("model_copies", replicas), 1)
     lines = [
         "tfdist summary",
         f"  strategy        {result['strategy']} ({replicas} replica(s))",

@@ -287,3 +287,15 @@ def test_mixed_precision_splits_the_slots_of_the_optimizer_a_loss_scale_wraps_an
     assert history["loss"] == pytest.approx(one_history["loss"], rel=tolerance)
     for whole, got in zip(one.get_weights(), split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=tolerance)
+
+
+@pytest.mark.slow
+def test_tfdist_train_runs_the_shipped_layout_config_and_reports_its_mesh(tmp_path):
+    from helpers import train_with_metrics
+
+    proc, result = train_with_metrics(tmp_path, "configs/layout.yaml", "train.epochs=2")
+    assert result["strategy"] == "layout" and result["devices"] == ["/cpu:0", "/cpu:1"]
+    assert result["layout"]["mesh"] == {"batch": 1, "model": 2} and result["layout"]["split_variables"] == 3
+    assert result["final"]["val_accuracy"] >= 0.9
+    assert "layout          mesh batch 1 x model 2 over 1 process(es), 3 variable(s) split" in proc.stdout
+    assert "global batch    64 (64 per replica" in proc.stdout  # both replicas of the one copy see every example

@@ -179,8 +179,11 @@ class LayoutStrategy(ReplicaGroupsStrategy):
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         processes = self.processes.size if self.processes else 1
         mesh = {self.layout.data_axis: self.layout.data * processes, self.layout.model_axis: self.layout.model}
-        return {"layout": {"mesh": mesh, "processes": processes,
-                           "split_variables": sum(is_split(v) for v in model.variables)}}
+        split_variables = sum(is_split(v) for v in model.variables)
+        text = (f"mesh {' x '.join(f'{axis} {size}' for axis, size in mesh.items())} over {processes} process(es), "
+                f"{split_variables} variable(s) split")
+        return {"layout": {"mesh": mesh, "processes": processes, "split_variables": split_variables, "text": text,
+                           "model_copies": self.layout.data * processes}}
 
     # --- Splitting -------------------------------------------------------------------------------
     def split(self, model: keras.Model) -> None:
