@@ -299,3 +299,27 @@ def test_tfdist_train_runs_the_shipped_layout_config_and_reports_its_mesh(tmp_pa
     assert result["final"]["val_accuracy"] >= 0.9
     assert "layout          mesh batch 1 x model 2 over 1 process(es), 3 variable(s) split" in proc.stdout
     assert "global batch    64 (64 per replica" in proc.stdout  # both replicas of the one copy see every example
+
+
+def test_a_custom_training_loop_is_refused_in_one_line():
+    """TensorFlow's custom-loop guide divides each replica's loss by the global batch, counting each example
+    once; under a layout every device of the model axis sees the same examples, which would count each one
+    model-axis times: refused, where `fit` (whose loss scaling tfdist knows) trains as one device does."""
+    strategy = LayoutStrategy(_layout_map(2))
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    strategy.split(model)
+    model.optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)), global_batch_size=16)
+            model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                                model.trainable_variables))
+        strategy.run(replica_step, args=(x, y))
+
+    with pytest.raises(ValueError, match="LayoutStrategy trains with Keras's fit .* in this version: a custom"):
+        step(X[:16], Y[:16])

@@ -78,6 +78,9 @@ class LayoutStrategy(ReplicaGroupsStrategy):
         self.config_key = config_key
         self._split_models = weakref.WeakSet()
         self._split_optimizers = weakref.WeakSet()
+        # Replicas in Keras's training step (not thread-local: a LossScaleOptimizer applies from a merge_call,
+        # in the strategy's own thread, while the replicas wait inside the step).
+        self._keras_steps = 0
 
     # --- Input: each row computes on its share of the batch, every replica of a row on the same ---
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -145,6 +148,8 @@ class LayoutStrategy(ReplicaGroupsStrategy):
         `steps_per_execution` > 1, where the mesh's collectives fail), and predictions of each row's first
         replica (Keras would concatenate every replica's, and the replicas of a row compute the same)."""
         rows, model_devices = self.layout.data, self.layout.model
+        if not getattr(model.train_step, "marks_keras_steps", False):  # once, however often it is compiled
+            model.train_step = self._marking_keras_steps(model.train_step)
 
         @tf.function(reduce_retracing=True)
         def predict_function(data):  # Keras's: a list of `steps_per_execution` batches
@@ -157,10 +162,30 @@ class LayoutStrategy(ReplicaGroupsStrategy):
         return {**super().local_keras_hooks(model), "predict_function": predict_function,
                 "test_function": multi_step_train_function(self, model, step="test_step")}
 
+    def _marking_keras_steps(self, train_step):
+        def marked(data):
+            self._keras_steps += 1
+            try:
+                return train_step(data)
+            finally:
+                self._keras_steps -= 1
+
+        marked.marks_keras_steps = True
+        return marked
+
     def reduce_gradients(self, grads_and_vars) -> list:
         """A split variable's gradient is its replica's own, scaled back from Keras's 1/replicas (every
         replica of a row saw the row's whole batch) and summed over its column; the others are summed over
-        the replicas."""
+        the replicas.
+
+        Raises:
+          ValueError: gradients applied outside Keras's training step (a custom training loop), whose loss
+            scaling this version does not know.
+        """
+        if not self._keras_steps:
+            raise ValueError("LayoutStrategy trains with Keras's fit (or train_on_batch) in this version: a custom "
+                             "training loop's loss, divided by the examples of every replica, would count each "
+                             "example once per device of the model axis.")
         context = tf.distribute.get_replica_context()
         own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and isinstance(v, SplitVariable)]
         summed = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in own]
