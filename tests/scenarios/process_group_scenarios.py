@@ -4,8 +4,8 @@
 (the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
 CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4), `tensor_parallel` (a
-group of 2), `layout` (a plain Keras MLP split by a LayoutMap over 2) or
-`layout_gemma` (keras-hub's Gemma causal LM split by its own layout map over 2). Process 0 saves the trained
+group of 2) or `layout_gemma` (keras-hub's Gemma causal LM split by its own
+layout map over 2). Process 0 saves the trained
 weights (unsharded), the per-epoch loss, and the predictions and evaluation
 loss over the training data to OUT (.npz). Every process
 trains on its shard of the same global batches as the one-device reference.
@@ -60,8 +60,6 @@ def model(layout):
     if layout.startswith("pipeline"):
         hidden = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16, activation="relu"),
                   keras.layers.Dense(16, activation="tanh")]
-    elif layout == "layout":
-        hidden = [keras.layers.Dense(16, activation="relu", name="up"), keras.layers.Dense(8, name="down")]
     else:
         hidden = [ColumnParallelDense(8, activation="relu"), RowParallelDense(8), ParallelMLP(16)]
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), *hidden,
@@ -71,16 +69,11 @@ def model(layout):
 def strategy_for(backend, layout, shard=0):
     if backend == "one_device":
         return DeviceGroup(["/cpu:0"])
-    if layout.startswith("layout"):
-        mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
-        if layout == "layout_gemma":
-            import keras_hub
+    if layout == "layout_gemma":
+        import keras_hub
 
-            return LayoutStrategy(keras_hub.models.GemmaBackbone.get_layout_map(mesh), data_parallel=backend)
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map[".*up/kernel"], layout_map[".*up/bias"] = (None, "model"), ("model",)
-        layout_map[".*down/kernel"] = ("model", None)
-        return LayoutStrategy(layout_map, data_parallel=backend)
+        mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+        return LayoutStrategy(keras_hub.models.GemmaBackbone.get_layout_map(mesh), data_parallel=backend)
     if layout.startswith("pipeline"):
         return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(2 * REPLICAS)],
                                 balance_by="params", verbose=False, data_parallel=backend, shard_optimizer=shard)

@@ -57,11 +57,11 @@ def _run(backend, layout, out, *shard):
 def one_device(tmp_path_factory):
     directory = tmp_path_factory.mktemp("one_device")
     return {layout: _run("one_device", layout, str(directory / f"{layout}.npz"))
-            for layout in ("pipeline", "tensor_parallel", "layout", "layout_gemma")}
+            for layout in ("pipeline", "tensor_parallel", "layout_gemma")}
 
 
 @pytest.mark.xdist_group("process_groups_one_device")  # one pytest worker: the reference runs once
-@pytest.mark.parametrize("layout", ["pipeline", "tensor_parallel", "layout", "layout_gemma"])
+@pytest.mark.parametrize("layout", ["pipeline", "tensor_parallel", "layout_gemma"])
 @pytest.mark.parametrize("backend", ["multi_worker", pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, backend, layout):
     result = _run(backend, layout, str(tmp_path / "chief.npz"))
