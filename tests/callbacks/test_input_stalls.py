@@ -78,9 +78,10 @@ def test_a_slow_input_is_reported_with_the_hint(capsys):
 
 def test_a_prefetched_in_memory_input_does_not_stall(capsys):
     stalls = InputStalls(start_step=3, steps=10)
-    # Batches of 256 make a step of about 20 ms: with 32 (3 ms), a 0.3 ms scheduling hiccup on a busy
-    # 2-core machine was already 10% of the step.
-    _fit(_examples().batch(256).cache().repeat().prefetch(tf.data.AUTOTUNE), stalls)
+    # Batches of 2048 make a step of 20 ms or more on every machine here: with 32 (3 ms), a 0.3 ms scheduling
+    # hiccup on a busy 2-core machine was already 10% of the step, and with 256 the AVX-512 EPYC's 3.5 ms step
+    # saw a 0.5 ms one as 14%.
+    _fit(_examples().repeat(4).batch(2048).cache().repeat().prefetch(tf.data.AUTOTUNE), stalls)
     assert 0 <= stalls.input_wait_share < 0.1
     assert "hint" not in capsys.readouterr().out
 
