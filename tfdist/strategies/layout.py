@@ -202,7 +202,7 @@ class LayoutStrategy(ReplicaGroupsStrategy):
         return pairs
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
-        processes = self.processes.size if self.processes else 1
+        processes, _ = self.input_workers()
         mesh = {self.layout.data_axis: self.layout.data * processes, self.layout.model_axis: self.layout.model}
         split_variables = sum(is_split(v) for v in model.variables)
         text = (f"mesh {' x '.join(f'{axis} {size}' for axis, size in mesh.items())} over {processes} process(es), "
