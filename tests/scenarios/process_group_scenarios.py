@@ -5,7 +5,8 @@
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
 CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4), `tensor_parallel` (a
 group of 2) or `layout_gemma` (keras-hub's Gemma causal LM split by its own
-layout map over 2). Process 0 saves the trained
+layout map over 2, its ModelParallel made a strategy by `tfdist.strategy_from`,
+which also makes a Keras DataParallel one of the launcher's). Process 0 saves the trained
 weights (unsharded), the per-epoch loss, and the predictions and evaluation
 loss over the training data to OUT (.npz). Every process
 trains on its shard of the same global batches as the one-device reference.
@@ -34,7 +35,8 @@ import numpy as np  # noqa: E402
 from tfdist._compat import graph_functions  # noqa: E402
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense  # noqa: E402
 from tfdist.parallel import DeviceGroup  # noqa: E402
-from tfdist.strategies import LayoutStrategy, PipelineStrategy, TensorParallelStrategy  # noqa: E402
+from tfdist.strategies import PipelineStrategy, TensorParallelStrategy  # noqa: E402
+import tfdist  # noqa: E402
 
 GLOBAL_BATCH = 16
 
@@ -72,8 +74,10 @@ def strategy_for(backend, layout, shard=0):
     if layout == "layout_gemma":
         import keras_hub
 
+        # A JAX user's ModelParallel; the launcher (TF_CONFIG, or horovodrun's ranks) picks the data axis's backend.
         mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
-        return LayoutStrategy(keras_hub.models.GemmaBackbone.get_layout_map(mesh), data_parallel=backend)
+        layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        return tfdist.strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     if layout.startswith("pipeline"):
         return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(2 * REPLICAS)],
                                 balance_by="params", verbose=False, data_parallel=backend, shard_optimizer=shard)
@@ -115,6 +119,24 @@ def cross_process_reductions(strategy, trained, layout):
                    if op.type == "CollectiveReduceV2" or op.type.startswith("HorovodGroupedAllreduce")})
 
 
+def keras_data_parallel():
+    """A Keras DataParallel over this process's device, as the launcher made it (tfdist.strategy_from): the
+    strategy's name and replicas, and a small model's weights after 3 steps with the one-device ones."""
+    x, y = data()
+
+    def trained(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            small = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3, activation="softmax")])
+            small.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+        small.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).take(3), verbose=0)
+        return np.concatenate([w.ravel() for w in small.get_weights()])
+
+    strategy = tfdist.strategy_from(keras.distribution.DataParallel(devices=["cpu:0"]))
+    return {"data_parallel_strategy": type(strategy).__name__, "data_parallel_replicas": strategy.num_replicas_in_sync,
+            "data_parallel_weights": trained(strategy), "one_device_weights": trained(tf.distribute.get_strategy())}
+
+
 def split_state(strategy, trained, out):
     """This process's optimizer slot bytes and weight bytes by device (every process writes its own
     OUT-pN.json, OUT without .npz), and for a pipeline the model saved by every process at once."""
@@ -137,6 +159,8 @@ if __name__ == "__main__":
     shard = int(sys.argv[4]) if len(sys.argv) > 4 else None
     strategy, trained, weights, results = train(backend, layout, shard)
     devices = cross_process_reductions(strategy, trained, layout) if backend != "one_device" else []
+    if layout == "layout_gemma" and backend != "one_device":
+        results.update(keras_data_parallel())
     if shard is not None and backend != "one_device":
         split_state(strategy, trained, out)
     elif shard is not None and layout.startswith("pipeline"):  # the reference's optimizer state, to compare saved ones

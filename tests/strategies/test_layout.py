@@ -198,6 +198,32 @@ def test_a_keras_distribution_written_for_jax_becomes_a_tfdist_strategy():
     assert isinstance(data_parallel, tfdist.MirroredStrategy) and data_parallel.num_replicas_in_sync == 3
     with pytest.raises(ValueError, match="must be a keras.distribution.ModelParallel, LayoutMap or DataParallel"):
         tfdist.strategy_from("model")
+    # Several local devices are not how a multi-process launcher runs data parallel (tests/strategies/
+    # test_process_groups.py runs one device per process under both launchers).
+    with pytest.raises(ValueError, match=r"DataParallel over 2 devices of one process \(/cpu:0, /cpu:1\) cannot run "
+                                         "under horovod, which runs one replica per process"):
+        tfdist.strategy_from(keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"]), data_parallel="horovod")
+    with pytest.raises(ValueError, match="`data_parallel` must be local, multi_worker or horovod. Received: 'mpi'"):
+        tfdist.strategy_from(model_parallel, data_parallel="mpi")
+
+
+@pytest.mark.parametrize("environment, launched", [
+    ({}, "local"),
+    ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}'},
+     "multi_worker"),
+    ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}'}, "local"),
+    ({"HOROVOD_SIZE": "2", "HOROVOD_RANK": "1"}, "horovod"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "horovod"),
+    ({"HOROVOD_SIZE": "1"}, "local"),
+])
+def test_the_launcher_picks_the_data_axis_backend(monkeypatch, environment, launched):
+    from tfdist.strategies.layout import launched_data_parallel
+
+    for name in ("TF_CONFIG", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert launched_data_parallel() == launched
 
 
 def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_returns(tmp_path, monkeypatch):

@@ -78,6 +78,10 @@ def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, bac
     # Each gradient crosses processes on the device that holds its variable: stage 1's (or shard 1's)
     # on /cpu:1, never gathered on the first device.
     assert list(result["reduced_on"]) == ["CPU:0", "CPU:1"]
+    if layout == "layout_gemma":  # the launcher's processes also ran a Keras DataParallel, data parallel over them
+        expected = {"multi_worker": "MultiWorkerMirroredStrategy", "horovod": "HorovodStrategy"}[backend]
+        assert (str(result["data_parallel_strategy"]), int(result["data_parallel_replicas"])) == (expected, 2)
+        np.testing.assert_allclose(result["data_parallel_weights"], result["one_device_weights"], atol=1e-5)
 
 
 @pytest.fixture(scope="module")

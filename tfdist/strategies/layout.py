@@ -25,6 +25,8 @@ for fully-sharded data parallelism) is held whole along it.
 
 from __future__ import annotations
 
+import json
+import os
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -40,9 +42,11 @@ from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
 from tfdist.strategies.devices import default_devices
+from tfdist.strategies.horovod import HorovodStrategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, make_process_group
 
-__all__ = ["LayoutStrategy", "set_distribution", "strategy_from"]
+__all__ = ["LayoutStrategy", "launched_data_parallel", "set_distribution", "strategy_from"]
 
 
 class LayoutStrategy(ReplicaGroupsStrategy):
@@ -254,26 +258,55 @@ class LayoutStrategy(ReplicaGroupsStrategy):
         self._split_models.add(model)
 
 
-def strategy_from(distribution) -> tf.distribute.Strategy:
+def strategy_from(distribution, data_parallel=None) -> tf.distribute.Strategy:
     """The tfdist strategy of a Keras distribution written for JAX: a `keras.distribution.ModelParallel` (or
     its `LayoutMap`) becomes a `LayoutStrategy`, a `keras.distribution.DataParallel` a `MirroredStrategy` over
-    its devices. Build and compile the model under the strategy's scope and call `fit`, as with Keras's
-    `distribution.scope()`.
+    its devices (across the processes of a job, tfdist's `MultiWorkerMirroredStrategy` or `HorovodStrategy`).
+    Build and compile the model under the strategy's scope and call `fit`, as with Keras's `distribution.scope()`.
+
+    Args:
+      distribution: the Keras distribution (its mesh holds this process's devices: TensorFlow's
+        `keras.distribution.list_devices()` lists the local ones).
+      data_parallel: `local`, `multi_worker` or `horovod`; None: the launcher's (`launched_data_parallel`).
 
     Raises:
       LayoutError: a layout this version cannot run (see `LayoutStrategy`).
-      ValueError: anything else.
+      ValueError: anything else, such as a DataParallel mesh of several devices in a process of a Horovod job
+        (one replica per process) or of several CPUs in a multi-worker job (one per process, or one per GPU).
     """
+    data_parallel = data_parallel or launched_data_parallel()
+    if data_parallel not in ("local", "multi_worker", "horovod"):
+        raise ValueError(f"`data_parallel` must be local, multi_worker or horovod. Received: {data_parallel!r}")
     if isinstance(distribution, keras.distribution.DataParallel):
         devices = ["/" + str(d).lstrip("/") for d in distribution.device_mesh.devices.flatten()]
-        return MirroredStrategy(devices)
+        if data_parallel == "local":
+            return MirroredStrategy(devices)
+        gpus = all("GPU" in d.upper() for d in devices)
+        if len(devices) > 1 and (data_parallel == "horovod" or not gpus):
+            raise ValueError(f"A DataParallel over {len(devices)} devices of one process ({', '.join(devices)}) "
+                             f"cannot run under {data_parallel}, which runs one replica per process "
+                             f"{'' if data_parallel == 'horovod' else 'on a CPU '}(one per GPU with multi_worker); "
+                             "give it one device, or use a ModelParallel mesh with a data axis.")
+        if data_parallel == "horovod":
+            return HorovodStrategy(device=devices[0])
+        return MultiWorkerMirroredStrategy()
     if isinstance(distribution, (keras.distribution.ModelParallel, keras.distribution.LayoutMap)):
-        return LayoutStrategy(distribution)
+        return LayoutStrategy(distribution, data_parallel=data_parallel)
     raise ValueError("`distribution` must be a keras.distribution.ModelParallel, LayoutMap or DataParallel. "
                      f"Received: {distribution!r}")
 
 
-def set_distribution(distribution) -> tf.distribute.Strategy:
+def launched_data_parallel() -> str:
+    """How the launcher started this process: `multi_worker` (a TF_CONFIG of several chief and worker tasks),
+    `horovod` (`horovodrun`'s or `mpirun`'s ranks, more than one) or `local`."""
+    cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+    if len(cluster.get("chief", [])) + len(cluster.get("worker", [])) > 1:
+        return "multi_worker"
+    ranks = os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
+    return "horovod" if int(ranks) > 1 else "local"
+
+
+def set_distribution(distribution, data_parallel=None) -> tf.distribute.Strategy:
     """Keras's `keras.distribution.set_distribution` on TensorFlow: `strategy_from(distribution)` made the
     strategy of everything built after it in this process (TensorFlow's `experimental_set_strategy`), so a
     script written for JAX changes this one line and builds, compiles and fits with no `scope()`. Returns
@@ -282,7 +315,7 @@ def set_distribution(distribution) -> tf.distribute.Strategy:
     Raises:
       LayoutError, ValueError: as `strategy_from`.
     """
-    strategy = strategy_from(distribution)
+    strategy = strategy_from(distribution, data_parallel)
     tf.distribute.experimental_set_strategy(strategy)
     return strategy
 
