@@ -20,12 +20,12 @@ needs the whole axis. Three shapes are known to be safe:
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import keras
 
 from tfdist import _compat
+from tfdist.parallel.spmd import einsum_parts, layer_equation
 
 __all__ = ["KNOWN_BLOCKS", "functional_pairs", "paired_blocks"]
 
@@ -40,12 +40,8 @@ KNOWN_BLOCKS = {
 
 def _spec(layer) -> Optional[tuple[str, str, str]]:
     """The einsum of a Dense or EinsumDense layer as (input, kernel, output) letters, else None."""
-    if isinstance(layer, keras.layers.EinsumDense):
-        inputs, rest = re.sub(r"\s", "", layer.equation).split(",")
-        return (inputs, *rest.split("->"))
-    if isinstance(layer, keras.layers.Dense):
-        return "...a", "ab", "...b"
-    return None
+    equation = layer_equation(layer)
+    return None if equation is None else einsum_parts(equation)
 
 
 def kept_axis(layer, axes) -> Optional[int]:

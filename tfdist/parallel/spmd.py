@@ -45,7 +45,8 @@ import tensorflow as tf
 
 from tfdist.contract import contract
 
-__all__ = ["SPLIT_LAYERS", "copy", "gather", "in_replica", "reduce", "scatter", "split_block_call", "split_call"]
+__all__ = ["SPLIT_LAYERS", "copy", "einsum_parts", "gather", "in_replica", "layer_equation", "reduce", "scatter",
+           "split_block_call", "split_call"]
 
 
 class _Block(threading.local):
@@ -144,8 +145,7 @@ def _contract(equation: str, x, kernel, kernel_axis: int):
     input whose contracted axis has the shard's length is this replica's part already."""
     x = tf.convert_to_tensor(x)
     equation = _without_ellipsis(equation, x.shape.rank)
-    in_spec, rest = equation.split(",")
-    kernel_spec, out_spec = rest.split("->")
+    in_spec, kernel_spec, out_spec = einsum_parts(equation)
     letter = kernel_spec[kernel_axis]
     if letter not in in_spec:
         x = _once_in_block(copy, x)
@@ -161,11 +161,24 @@ def _contract(equation: str, x, kernel, kernel_axis: int):
 def _product(equation: str, x: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
     """`einsum(equation, x, kernel)`, as a matmul where it is one (a Dense layer's: TensorFlow's einsum is
     slower there), else as an einsum."""
-    in_spec, rest = equation.split(",")
-    kernel_spec, out_spec = rest.split("->")
+    in_spec, kernel_spec, out_spec = einsum_parts(equation)
     if len(kernel_spec) == 2 and in_spec[-1] == kernel_spec[0] and out_spec == in_spec[:-1] + kernel_spec[1]:
         return tf.tensordot(x, kernel, axes=1) if x.shape.rank > 2 else tf.linalg.matmul(x, kernel)
     return tf.einsum(equation, x, kernel)
+
+
+def layer_equation(layer) -> Optional[str]:
+    """The einsum a `Dense` or `EinsumDense` layer computes with its kernel, else None."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        return re.sub(r"\s", "", layer.equation)
+    return "...a,ab->...b" if isinstance(layer, keras.layers.Dense) else None
+
+
+def einsum_parts(equation: str) -> tuple[str, str, str]:
+    """The (input, kernel, output) letters of a two-operand einsum equation."""
+    inputs, rest = equation.split(",")
+    kernel, output = rest.split("->")
+    return inputs, kernel, output
 
 
 def _without_ellipsis(equation: str, rank: int) -> str:
@@ -194,12 +207,8 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
     return y if out_axis is None or keeps_shards else gather(y, out_axis)
 
 
-def _dense(layer, axes, inputs, keeps_shards, **unused):
-    return _einsum(layer, axes, "...a,ab->...b", inputs, "kernel", keeps_shards)
-
-
-def _einsum_dense(layer, axes, inputs, keeps_shards, **unused):
-    return _einsum(layer, axes, re.sub(r"\s", "", layer.equation), inputs, "kernel", keeps_shards)
+def _dense(layer, axes, inputs, keeps_shards, **unused):  # Dense and EinsumDense
+    return _einsum(layer, axes, layer_equation(layer), inputs, "kernel", keeps_shards)
 
 
 def _embedding(layer, axes, inputs, keeps_shards, reverse=False):
@@ -240,7 +249,7 @@ def _reverse_embedding(layer, axes, inputs):
 # The layers whose variables a layout may split, and the variable each call splits by.
 SPLIT_LAYERS: dict[type, tuple[str, Callable]] = {
     keras.layers.Dense: ("kernel", _dense),
-    keras.layers.EinsumDense: ("kernel", _einsum_dense),
+    keras.layers.EinsumDense: ("kernel", _dense),
     keras.layers.Embedding: ("embeddings", _embedding),
 }
 
