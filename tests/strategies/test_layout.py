@@ -1,5 +1,6 @@
 """LayoutStrategy: an unchanged Keras model split by a keras.distribution LayoutMap trains as on one device."""
 
+import contextlib
 import re
 
 import keras
@@ -123,6 +124,45 @@ def test_adams_two_slots_are_split_beside_each_variable_and_training_follows_one
     for whole, got in zip(one.get_weights(), split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=2e-4)
     assert sum(is_split(v) for v in split.optimizer.variables) == 2 * 10
+
+
+def test_ordinary_keras_training_on_a_2x2_mesh_follows_one_device(tmp_path):
+    """Sample and class weights, a validation split, a synchronized BatchNormalization, clipvalue, a learning
+    rate callback and ModelCheckpoint: the History, the weights and every checkpoint as on one device."""
+    weights = np.random.default_rng(4).uniform(0.5, 1.5, 64).astype("float32")
+
+    def run(strategy, directory):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((6, 16))
+            h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="attention")(inputs, inputs)
+            h = keras.layers.BatchNormalization(synchronized=True, name="norm")(h + inputs)
+            m = keras.layers.Dense(32, activation="relu", name="mlp_up")(h)
+            h = keras.layers.GlobalAveragePooling1D()(h + keras.layers.Dense(16, name="mlp_down")(m))
+            model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, clipvalue=0.5),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"], weighted_metrics=["accuracy"])
+        callbacks = [keras.callbacks.ModelCheckpoint(str(directory / "epoch{epoch}.keras")),
+                     keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5)]
+        history = model.fit(X, Y, sample_weight=weights, batch_size=16, epochs=2, validation_split=0.25,
+                            shuffle=False, callbacks=callbacks, verbose=0).history
+        history.update(model.fit(X, Y, class_weight={0: 2.0, 1: 0.5}, batch_size=16, epochs=1, shuffle=False,
+                                 verbose=0).history)
+        return model, history
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "split").mkdir()
+    one, one_history = run(None, tmp_path / "one")
+    split, history = run(LayoutStrategy(_layout_map(2, data=2)), tmp_path / "split")
+    assert history.keys() == one_history.keys() and "val_weighted_accuracy" in history
+    for key, values in one_history.items():
+        assert history[key] == pytest.approx(values, abs=1e-5), key
+    for whole, got in zip(one.get_weights(), split.get_weights()):  # moving statistics included
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+    for epoch in (1, 2):  # the checkpoints the split run wrote load on one device as the one-device run's
+        saved = [keras.saving.load_model(tmp_path / run / f"epoch{epoch}.keras") for run in ("one", "split")]
+        np.testing.assert_allclose(saved[1].predict(X, verbose=0), saved[0].predict(X, verbose=0), atol=1e-5)
 
 
 def test_a_split_model_saves_whole_and_loads_on_one_device_and_back(tmp_path):
