@@ -6,7 +6,7 @@ batches, four ways to train take turns, each peeling off one layer:
 
 - `fit`: tfdist's job (`training.prepare`) under `model.fit`, timed by Throughput;
 - `train_function`: the training function fit calls (tfdist's,
-  `data_parallel.multi_step_train_function`), called in a loop, without fit's
+  `data_parallel.multi_step_function`), called in a loop, without fit's
   loop and callbacks around it;
 - `keras_train_function`: Keras's own training function for the same model,
   which tfdist's replaces, called the same way;

@@ -341,7 +341,7 @@ def test_a_stall_shutdown_of_0_turns_the_step_watchdog_off():
     # Off: the step functions themselves (tfdist's training, Keras's evaluation); by default, the watchdog's wrappers.
     assert step_functions("0") == [
         "HorovodStrategy.keras_hooks.<locals>.predict_function", "TensorFlowTrainer._make_function.<locals>.function",
-        "multi_step_train_function.<locals>.train_function",
+        "multi_step_function.<locals>.train_function",
     ]
     assert step_functions("") == ["StepWatchdog.wrap.<locals>.watched"]
 

@@ -6,7 +6,7 @@ runtime failure for choices the machine cannot honour (nccl without GPUs, tpu
 without a TPU), and a `MirroredStrategy` that can share a process with other
 instances, whose gradient clipping sees the all-reduced gradient as on one
 device, and whose training function is faster than Keras's and trains with
-`steps_per_execution` > 1 (`multi_step_train_function`).
+`steps_per_execution` > 1 (`multi_step_function`).
 Multi-worker all-reduce is in `multi_worker.py`.
 """
 
@@ -27,7 +27,7 @@ from tfdist.contract import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import ensure_logical_cpus
 
-__all__ = ["MirroredStrategy", "multi_step_train_function"]
+__all__ = ["MirroredStrategy", "multi_step_function"]
 
 
 class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.MirroredStrategy):
@@ -90,14 +90,14 @@ def make_named_cpus(devices) -> None:
 
 
 def multi_step_hooks(strategy: tf.distribute.Strategy, model: keras.Model) -> dict[str, Any]:
-    """tfdist's training function (`multi_step_train_function`) in place of Keras's."""
-    return {"train_function": multi_step_train_function(strategy, model)}
+    """tfdist's training function (`multi_step_function`) in place of Keras's."""
+    return {"train_function": multi_step_function(strategy, model)}
 
 
-def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Model, *, pack_logs: bool = False,
-                              step: str = "train_step"):
-    """`model.steps_per_execution` training steps per call, in one `tf.function`, none inside a `tf.cond`
-    (`step="test_step"`: evaluation steps, for a strategy whose collectives cannot run in a `tf.cond` either).
+def multi_step_function(strategy: tf.distribute.Strategy, model: keras.Model, *, pack_logs: bool = False,
+                        step: str = "train_step"):
+    """`model.steps_per_execution` training steps per call (`step="test_step"`: evaluation steps, for a
+    strategy whose collectives cannot run in a `tf.cond` either), in one `tf.function`, none inside a `tf.cond`.
 
     Keras's own function is slower and, over several replicas, fails with
     `steps_per_execution` > 1:
@@ -120,9 +120,9 @@ def multi_step_train_function(strategy: tf.distribute.Strategy, model: keras.Mod
     reduction (`packed_logs_step`).
     """
     steps = model.steps_per_execution
-    train_step = weighted_by_batch_share(model.train_step) if step == "train_step" else getattr(model, step)
-    one_step = packed_logs_step(strategy, model, train_step) if pack_logs else (
-        lambda data: _compat.keras_reduce_per_replica(strategy.run(train_step, args=(data,)), strategy))
+    model_step = weighted_by_batch_share(model.train_step) if step == "train_step" else getattr(model, step)
+    one_step = packed_logs_step(strategy, model, model_step) if pack_logs else (
+        lambda data: _compat.keras_reduce_per_replica(strategy.run(model_step, args=(data,)), strategy))
     one_step_function = tf.function(one_step, reduce_retracing=True)
 
     @tf.function

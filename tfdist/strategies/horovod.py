@@ -53,7 +53,7 @@ from tfdist.parallel.optimizer_shards import SplitsOptimizerState
 from tfdist.contract import StrategyContract
 from tfdist.strategies.process_group import HorovodProcesses
 from tfdist.strategies.process_input import PerProcessInput
-from tfdist.strategies.data_parallel import multi_step_train_function
+from tfdist.strategies.data_parallel import multi_step_function
 from tfdist.strategies.step_watchdog import StepWatchdog
 
 __all__ = ["AdasumWithoutMpiError", "HorovodStrategy"]
@@ -302,7 +302,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
             return tf.nest.map_structure(self.hvd.allgather, outputs)
 
         functions = {
-            "train_function": multi_step_train_function(self, model),
+            "train_function": multi_step_function(self, model),
             "test_function": _compat.keras_step_function(model, "test_function"),
             "predict_function": predict_function,
         }

@@ -40,7 +40,7 @@ from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.megatron_pairs import functional_pairs, paired_blocks
 from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
-from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_train_function
+from tfdist.strategies.data_parallel import MirroredStrategy, multi_step_function
 from tfdist.strategies.devices import default_devices
 from tfdist.strategies.horovod import HorovodStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
@@ -164,7 +164,7 @@ class LayoutStrategy(ReplicaGroupsStrategy):
             return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *steps)
 
         return {**super().local_keras_hooks(model), "predict_function": predict_function,
-                "test_function": multi_step_train_function(self, model, step="test_step")}
+                "test_function": multi_step_function(self, model, step="test_step")}
 
     def _marking_keras_steps(self, train_step):
         def marked(data):

@@ -12,7 +12,7 @@ Keras 3's `fit` (keras-team/keras#20585), because Keras calls
 `MultiWorkerMirroredStrategy.reduce` here maps over nests and reduces rank-0
 values across replicas only (`axis=None`), which is the same mean for a value
 that has one element per replica. Its training function
-(`data_parallel.multi_step_train_function`) averages a step's logs across the
+(`data_parallel.multi_step_function`) averages a step's logs across the
 workers in one collective instead of one per log, and trains with
 `steps_per_execution` > 1, which Keras's own loop cannot do over several
 replicas. Everything else is TensorFlow's.
@@ -32,7 +32,7 @@ from tfdist._compat import peer_answers
 from tfdist.errors import ClusterError, error_reason
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
 from tfdist.contract import StrategyContract
-from tfdist.strategies.data_parallel import multi_step_train_function
+from tfdist.strategies.data_parallel import multi_step_function
 from tfdist.strategies.process_group import WorkerProcesses
 
 __all__ = ["MultiWorkerMirroredStrategy"]
@@ -71,7 +71,7 @@ class MultiWorkerMirroredStrategy(SplitsOptimizerState, StrategyContract, tf.dis
 
     def keras_hooks(self, model):
         # Keras's own train function would reduce every log in a collective of its own, every step.
-        return {"train_function": multi_step_train_function(self, model, pack_logs=True)}
+        return {"train_function": multi_step_function(self, model, pack_logs=True)}
 
     def reduce(self, reduce_op, value, axis):
         parent = super()
