@@ -248,3 +248,39 @@ def tcp_bytes(payload: float, payload_back: float) -> float:
     TCP's quick-ack mode, which a busy receiver falls into), and a step's requests and their headers
     add a few KB (about 6 KB for a parameter-server worker)."""
     return payload * 1514 / 1448 + payload_back * 66 / 1448 + 6_000
+
+
+def attention_and_mlp(features: int, optimizer=None):
+    """A plain Keras model that `megatron_layout_map` splits: an input projection, a MultiHeadAttention block
+    and a Dense MLP block on (6, features) inputs, 5 logits; compiled with `optimizer` if given."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6, features))
+    x = keras.layers.Dense(16, name="embed")(inputs)
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="attention")(x, x)
+    h = keras.layers.LayerNormalization(name="norm")(h + x)
+    m = keras.layers.Dense(32, activation="gelu", name="mlp_up")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h + keras.layers.Dense(16, name="mlp_down")(m))
+    model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+    if optimizer is not None:
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    return model
+
+
+def megatron_layout_map(devices: int, data: int = 1):
+    """Megatron's split as a Keras user writes it for JAX: the heads of a MultiHeadAttention named `attention`
+    and the hidden units of an MLP of Dense `mlp_up` and `mlp_down` over the model axis."""
+    import keras
+
+    mesh = keras.distribution.DeviceMesh((data, devices), ("batch", "model"),
+                                         devices=[f"cpu:{i}" for i in range(data * devices)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["attention/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["attention/(query|key|value)/bias"] = ("model", None)
+    layout_map["attention/attention_output/kernel"] = ("model", None, None)
+    layout_map["mlp_up/kernel"] = (None, "model")
+    layout_map["mlp_up/bias"] = ("model",)
+    layout_map["mlp_down/kernel"] = ("model", None)
+    return layout_map

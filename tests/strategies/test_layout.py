@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import attention_and_mlp, megatron_layout_map
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
@@ -18,32 +19,7 @@ Y = np.random.default_rng(1).integers(0, 5, size=(64,))
 
 
 def _model(optimizer):
-    """A plain Keras model: an input projection, a MultiHeadAttention block and a Dense MLP block."""
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6, 16))
-    x = keras.layers.Dense(16, name="embed")(inputs)
-    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="attention")(x, x)
-    h = keras.layers.LayerNormalization(name="norm")(h + x)
-    m = keras.layers.Dense(32, activation="gelu", name="mlp_up")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h + keras.layers.Dense(16, name="mlp_down")(m))
-    model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
-
-
-def _layout_map(devices: int, data: int = 1):
-    """Megatron's split as a Keras user writes it for JAX: heads and the MLP's hidden units over the model axis."""
-    mesh = keras.distribution.DeviceMesh((data, devices), ("batch", "model"),
-                                         devices=[f"cpu:{i}" for i in range(data * devices)])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["attention/(query|key|value)/kernel"] = (None, "model", None)
-    layout_map["attention/(query|key|value)/bias"] = ("model", None)
-    layout_map["attention/attention_output/kernel"] = ("model", None, None)
-    layout_map["mlp_up/kernel"] = (None, "model")
-    layout_map["mlp_up/bias"] = ("model",)
-    layout_map["mlp_down/kernel"] = ("model", None)
-    return layout_map
+    return attention_and_mlp(16, optimizer)
 
 
 def _trained(strategy, optimizer):
@@ -60,7 +36,7 @@ def _trained(strategy, optimizer):
 def test_a_layout_map_splits_an_unchanged_model_which_trains_as_on_one_device(data, devices):
     optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
     one, one_history = _trained(None, optimizer)
-    split, history = _trained(LayoutStrategy(_layout_map(devices, data)), optimizer)
+    split, history = _trained(LayoutStrategy(megatron_layout_map(devices, data)), optimizer)
     assert history["loss"] == pytest.approx(one_history["loss"], abs=1e-6)
     assert history["accuracy"] == one_history["accuracy"]
     for whole, got in zip(one.get_weights(), split.get_weights()):
@@ -117,7 +93,7 @@ def test_an_embedding_split_along_its_vocabulary_or_its_hidden_axis_trains_as_on
 def test_adams_two_slots_are_split_beside_each_variable_and_training_follows_one_device():
     optimizer = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
     one, one_history = _trained(None, optimizer)
-    split, history = _trained(LayoutStrategy(_layout_map(2)), optimizer)
+    split, history = _trained(LayoutStrategy(megatron_layout_map(2)), optimizer)
     assert history["loss"] == pytest.approx(one_history["loss"], abs=1e-6)
     # Adam divides by each gradient's own scale, so a rounding difference of a near-zero gradient (the split
     # step sums partial products in another order) moves a weight by up to about lr x 1e-2 after 8 steps.
@@ -154,7 +130,7 @@ def test_ordinary_keras_training_on_a_2x2_mesh_follows_one_device(tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "split").mkdir()
     one, one_history = run(None, tmp_path / "one")
-    split, history = run(LayoutStrategy(_layout_map(2, data=2)), tmp_path / "split")
+    split, history = run(LayoutStrategy(megatron_layout_map(2, data=2)), tmp_path / "split")
     assert history.keys() == one_history.keys() and "val_weighted_accuracy" in history
     for key, values in one_history.items():
         assert history[key] == pytest.approx(values, abs=1e-5), key
@@ -166,12 +142,12 @@ def test_ordinary_keras_training_on_a_2x2_mesh_follows_one_device(tmp_path):
 
 
 def test_a_split_model_saves_whole_and_loads_on_one_device_and_back(tmp_path):
-    split, _ = _trained(LayoutStrategy(_layout_map(2)), lambda: keras.optimizers.SGD(0.05))
+    split, _ = _trained(LayoutStrategy(megatron_layout_map(2)), lambda: keras.optimizers.SGD(0.05))
     split.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")  # one device, the unchanged model's layout
     for saved, got in zip(split.get_weights(), loaded.get_weights()):
         np.testing.assert_array_equal(got, saved)
-    strategy = LayoutStrategy(_layout_map(2))
+    strategy = LayoutStrategy(megatron_layout_map(2))
     with strategy.scope():
         again = _model(keras.optimizers.SGD(0.05))
     again.load_weights(tmp_path / "model.keras")
@@ -182,7 +158,7 @@ def test_a_split_model_saves_whole_and_loads_on_one_device_and_back(tmp_path):
 
 
 def test_a_checkpoint_holds_the_whole_variables_and_restores_them_exactly(tmp_path):
-    split, _ = _trained(LayoutStrategy(_layout_map(2)), lambda: keras.optimizers.Adam(0.01))
+    split, _ = _trained(LayoutStrategy(megatron_layout_map(2)), lambda: keras.optimizers.Adam(0.01))
     path = tf.train.Checkpoint(model=split, optimizer=split.optimizer).write(str(tmp_path / "ckpt"))
     saved_shapes = [shape for name, shape in tf.train.list_variables(path) if "_trainable_variables/" in name]
     assert sorted(saved_shapes) == sorted(list(v.shape) for v in split.trainable_variables)  # whole, not shards
@@ -221,7 +197,7 @@ def test_a_mesh_larger_than_the_devices_or_than_the_devices_given_is_refused_in_
 
 
 def test_a_model_parallel_distribution_gives_its_layout():
-    distribution = keras.distribution.ModelParallel(layout_map=_layout_map(2), batch_dim_name="batch")
+    distribution = keras.distribution.ModelParallel(layout_map=megatron_layout_map(2), batch_dim_name="batch")
     layout = Layout.from_keras(distribution)
     assert (layout.data, layout.model, layout.model_axis) == (1, 2, "model")
     assert layout.split_axis("attention/query/kernel", (16, 4, 8)) == 1
@@ -231,7 +207,7 @@ def test_a_model_parallel_distribution_gives_its_layout():
 def test_a_keras_distribution_written_for_jax_becomes_a_tfdist_strategy():
     import tfdist
 
-    model_parallel = keras.distribution.ModelParallel(layout_map=_layout_map(2), batch_dim_name="batch")
+    model_parallel = keras.distribution.ModelParallel(layout_map=megatron_layout_map(2), batch_dim_name="batch")
     strategy = tfdist.strategy_from(model_parallel)
     assert isinstance(strategy, LayoutStrategy) and strategy.num_replicas_in_sync == 2
     data_parallel = tfdist.strategy_from(keras.distribution.DataParallel(devices=["cpu:0", "cpu:1", "cpu:2"]))
@@ -323,7 +299,7 @@ def test_megatrons_pairs_make_two_sums_forward_and_two_backward_per_block(data):
     """The model's attention block and MLP block each pair their column split with their row split: one
     sum forward (the output projections), one backward (their inputs' copies, the query, key and value
     sharing one), no gather; with a data axis, one more sum per split variable over the column."""
-    strategy = LayoutStrategy(_layout_map(2, data))
+    strategy = LayoutStrategy(megatron_layout_map(2, data))
     with strategy.scope():
         model = _model(keras.optimizers.SGD(0.05))
     model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)  # builds the optimizer, which splits the model
@@ -345,7 +321,7 @@ def test_mixed_precision_splits_the_slots_of_the_optimizer_a_loss_scale_wraps_an
     try:
         optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
         one, one_history = _trained(None, optimizer)
-        split, history = _trained(LayoutStrategy(_layout_map(2)), optimizer)
+        split, history = _trained(LayoutStrategy(megatron_layout_map(2)), optimizer)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     assert isinstance(split.optimizer, keras.optimizers.LossScaleOptimizer) == (policy == "mixed_float16")
@@ -371,7 +347,7 @@ def test_a_custom_training_loop_is_refused_in_one_line():
     """TensorFlow's custom-loop guide divides each replica's loss by the global batch, counting each example
     once; under a layout every device of the model axis sees the same examples, which would count each one
     model-axis times: refused, where `fit` (whose loss scaling tfdist knows) trains as one device does."""
-    strategy = LayoutStrategy(_layout_map(2))
+    strategy = LayoutStrategy(megatron_layout_map(2))
     with strategy.scope():
         model = _model(keras.optimizers.SGD(0.05))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -387,5 +363,5 @@ def test_a_custom_training_loop_is_refused_in_one_line():
                                                 model.trainable_variables))
         strategy.run(replica_step, args=(x, y))
 
-    with pytest.raises(ValueError, match="LayoutStrategy trains with Keras's fit .* in this version: a custom"):
+    with pytest.raises(ValueError, match="LayoutStrategy trains a layout with Keras.s fit .* in this version: a custom"):
         step(X[:16], Y[:16])

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import ops_per_device, train_with_metrics
+from helpers import attention_and_mlp, megatron_layout_map, ops_per_device, train_with_metrics
 from tfdist import ConfigError, PipelineStrategy, load_config, make_strategy
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
 from tfdist.parallel import DeviceGroup
+from tfdist.parallel.layout import Layout
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 STEPS = 5
@@ -172,6 +173,40 @@ def test_tensor_parallel_stages_match_one_device(recompute):
     assert counts["CPU:2"] > counts["CPU:3"] > 0 and counts["CPU:0"] > counts["CPU:1"] > 0, counts
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_layout_splits_each_stage_over_its_devices_and_trains_as_one_device(recompute):
+    from tfdist.parallel.split_variables import is_split, shards
+
+    x = rng.standard_normal((64, 6, 12)).astype("float32")
+    y = rng.integers(0, 5, 64).astype("int32")
+    strategy = PipelineStrategy(2, 2, devices=FOUR, layout=megatron_layout_map(2), boundaries=["norm"],
+                                recompute=recompute, verbose=False)
+    assert strategy.stage_devices == [[FOUR[0], FOUR[2]], [FOUR[1], FOUR[3]]]  # the model axis's two pipelines
+    def compiled():
+        return attention_and_mlp(12, keras.optimizers.SGD(0.05, momentum=0.9))
+
+    with strategy.scope():
+        model = compiled()
+    reference = compiled()
+    histories = [m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history for m in (model, reference)]
+    assert histories[0]["loss"] == pytest.approx(histories[1]["loss"], abs=1e-6)
+    _assert_same(reference, model)
+    held = {v.path: sorted(s.device[-5:] for s in shards(v)) for v in model.weights if is_split(v)}
+    # Stage 0 (the attention) splits over /cpu:0 and /cpu:1, stage 1 (the MLP) over /cpu:2 and /cpu:3.
+    assert held == {**{f"attention/{p}/{w}": ["CPU:0", "CPU:1"] for p in ("query", "key", "value")
+                       for w in ("kernel", "bias")}, "attention/attention_output/kernel": ["CPU:0", "CPU:1"],
+                    "mlp_up/kernel": ["CPU:2", "CPU:3"], "mlp_up/bias": ["CPU:2", "CPU:3"],
+                    "mlp_down/kernel": ["CPU:2", "CPU:3"]}
+    assert [s.shape for s in shards(model.get_layer("mlp_up").kernel)] == [(16, 16)] * 2
+    assert sum(is_split(v) for v in model.optimizer.variables) == len(held)  # each momentum beside its variable
+    np.testing.assert_allclose(model.predict(x[:23], batch_size=8, verbose=0), reference.predict(x[:23], verbose=0),
+                               atol=1e-5)
+    assert model.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(reference.evaluate(x, y, verbose=0),
+                                                                          abs=1e-5)
+    assert strategy.job_report(model)["layout"]["text"] == \
+        "1 process(es) x 1 replica(s) x 2 stage(s) x 2 split by the layout"
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_and_dropout_train(policy):
     keras.mixed_precision.set_dtype_policy(policy)
@@ -248,6 +283,10 @@ def test_more_stages_than_layers():
         (dict(num_stages=2, devices=FOUR[:3], tensor_parallel_size=2),
          r"multiple of `num_stages` \(2\) x `tensor_parallel_size` \(2\): each pipeline replica takes 4"),
         (dict(tensor_parallel_size=0), "`tensor_parallel_size` must be >= 1"),
+        (dict(num_stages=2, devices=FOUR[:3], layout=Layout(model=2)),
+         r"multiple of `num_stages` \(2\) x the layout's model axis \(2\): each pipeline replica takes 4"),
+        (dict(devices=FOUR, layout=Layout(model=2), shard_optimizer=1),
+         "A pipeline split by a `layout` .* runs without `tensor_parallel_size`, `shard_optimizer`"),
         (dict(schedule="interleaved"), "must be one of gpipe, 1f1b"),
         (dict(num_micro_batches=0), "must be >= 1"),
         (dict(balance_by="flops"), "must be one of"),

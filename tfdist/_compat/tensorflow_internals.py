@@ -3,9 +3,12 @@ gives it. (The private classes tfdist's strategies extend are in `tf_distribute`
 
 from __future__ import annotations
 
+import contextlib
+
 __all__ = ["all_gather", "auto_shard", "broadcast", "collective_keys", "collective_launchers",
            "configure_coordination_service", "graph_functions", "maybe_merge_call", "merge_calls_in_place",
-           "needs_gradient", "op_flops", "partition_graphs", "peer_answers", "remake_variables", "replica_index",
+           "needs_gradient", "op_flops", "optimizer_keys_kept", "partition_graphs", "peer_answers", "remake_variables",
+           "replica_index",
            "scheduled_by_coordinator", "slice_of_sum", "worker_place"]
 
 def peer_answers(peer: str, timeout_ms: int) -> bool:
@@ -68,26 +71,32 @@ def remake_variables(variables_in_contexts, optimizer=None) -> None:
     object stays (so `model.weights`, names, checkpoints and optimizer slot
     lists do not change); its storage (`_value`) is made again the way Keras
     makes it, by the variable creators and device of the context, and every
-    copy takes the value of the old copy at its position. Keras optimizers key
-    the variables they train by their storage's id (`_var_key`), so
-    `optimizer` (and the optimizer it wraps, for loss scaling) is re-keyed.
+    copy takes the value of the old copy at its position, and `optimizer` is
+    re-keyed (`optimizer_keys_kept`).
 
     Args:
       variables_in_contexts: (Keras variable, context manager) pairs.
       optimizer: the Keras optimizer training these variables, if any.
     """
+    with optimizer_keys_kept(optimizer, [variable for variable, _ in variables_in_contexts]):
+        for variable, context in variables_in_contexts:
+            old = variable._value
+            with context:
+                variable._initialize(old.read_value())
+            for new_copy, old_copy in zip(getattr(variable._value, "values", ()), getattr(old, "values", ())):
+                new_copy.assign(old_copy.read_value())  # copies of sync-on-read state may differ
+
+
+@contextlib.contextmanager
+def optimizer_keys_kept(optimizer, variables):
+    """Re-keys `optimizer` (and the optimizer it wraps, for loss scaling) for `variables`, whose storage the
+    block replaces: Keras optimizers key the variables they train by their storage's id (`_var_key`)."""
     optimizers = []
     while optimizer is not None:
         optimizers.append(optimizer)
         optimizer = getattr(optimizer, "inner_optimizer", None)
-    remade = [variable for variable, _ in variables_in_contexts]
-    old_keys = [{o._var_key(v): v for v in remade} for o in optimizers]
-    for variable, context in variables_in_contexts:
-        old = variable._value
-        with context:
-            variable._initialize(old.read_value())
-        for new_copy, old_copy in zip(getattr(variable._value, "values", ()), getattr(old, "values", ())):
-            new_copy.assign(old_copy.read_value())  # copies of sync-on-read state may differ
+    old_keys = [{o._var_key(v): v for v in variables} for o in optimizers]
+    yield
     for o, keys in zip(optimizers, old_keys):
         if o.built:
             o._trainable_variables_indices = {o._var_key(v): i for i, v in enumerate(o._trainable_variables)}

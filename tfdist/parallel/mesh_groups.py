@@ -33,13 +33,15 @@ class MeshGroups:
     """The collectives of each replica's row (model group) and column (data group) of a mesh.
 
     Args:
-      strategy: a MirroredStrategy with one replica per device of the mesh, data-major; the groups take their
+      strategy: a MirroredStrategy with one replica per place of the mesh, data-major; the groups take their
         collective keys from its own.
       model: the devices along the model axis (the length of a row).
+      devices: per replica of this process, the device its collectives run on; default: the replica's own
+        (a pipeline's replicas give their stage's).
     """
 
-    def __init__(self, strategy: tf.distribute.MirroredStrategy, model: int):
-        self.devices = [device_util.canonicalize(d) for d in strategy.extended.worker_devices]
+    def __init__(self, strategy: tf.distribute.MirroredStrategy, model: int, devices=None):
+        self.devices = [device_util.canonicalize(d) for d in devices or strategy.extended.worker_devices]
         self.model, self.data = model, len(self.devices) // model
         keys = collective_keys(strategy)
         rows = [self.devices[d * model:(d + 1) * model] for d in range(self.data)]

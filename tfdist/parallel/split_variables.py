@@ -73,21 +73,23 @@ class SplitVariable(values.MirroredVariable):
 
 def split(variable, axis: int, strategy: tf.distribute.Strategy, shards: int) -> None:
     """Cuts the built Keras `variable` along `axis` into `shards` shards over the replicas of `strategy`
-    (replica `r` holds shard `r % shards`), in place.
+    (replica `r` holds shard `r % shards`), in place, each on the device that holds the replica's copy now.
 
     Raises:
       ValueError: the axis does not divide by `shards`.
     """
-    whole = variable.numpy()
-    if whole.shape[axis] % shards:
-        raise ValueError(f"Variable {variable.path!r} of shape {whole.shape} does not split along axis {axis} "
-                         f"over {shards} devices.")
-    pieces = np.split(whole, shards, axis=axis)
-    with tf.init_scope(), strategy.scope():
-        mirrored = tf.Variable(pieces[0], trainable=variable.trainable, name=variable.name)
-    for r, component in enumerate(mirrored.values):
-        component.assign(pieces[r % shards])
-    _compat.replace_variable_value(variable, SplitVariable(strategy, mirrored.values, axis, shards))
+    with tf.init_scope():  # eager, also when a pipeline splits its stages as its first step is traced
+        whole = variable.numpy()
+        if whole.shape[axis] % shards:
+            raise ValueError(f"Variable {variable.path!r} of shape {whole.shape} does not split along axis {axis} "
+                             f"over {shards} devices.")
+        pieces = np.split(whole, shards, axis=axis)
+        first = getattr(variable.value, "values", (variable.value,))[0].device  # and its counterparts (a stage's)
+        with strategy.scope(), tf.device(first):
+            mirrored = tf.Variable(pieces[0], trainable=variable.trainable, name=variable.name)
+        for r, component in enumerate(mirrored.values):
+            component.assign(pieces[r % shards])
+        _compat.replace_variable_value(variable, SplitVariable(strategy, mirrored.values, axis, shards))
 
 
 def is_split(variable) -> bool:

@@ -93,40 +93,52 @@ def in_replica() -> bool:
     return groups is not None and groups.model > 1
 
 
-def _part(t: tf.Tensor, axis: int) -> tf.Tensor:
-    groups = _groups()
+def _part(groups, t: tf.Tensor, axis: int) -> tf.Tensor:
     return tf.split(t, groups.model, axis=axis)[groups.model_index()]
 
 
-def _concatenated(t: tf.Tensor, axis: int) -> tf.Tensor:
-    groups = _groups()
+def _concatenated(groups, t: tf.Tensor, axis: int) -> tf.Tensor:
     axis %= t.shape.rank
     whole = groups.model_gather(t, axis)
     whole.set_shape(t.shape[:axis].concatenate([t.shape[axis] * groups.model]).concatenate(t.shape[axis + 1:]))
     return whole
 
 
-@tf.custom_gradient
-def copy(t: tf.Tensor):
-    return tf.identity(t), lambda dy: _groups().model_sum(dy)
+# Each collective's gradient runs in the groups of its forward pass (a pipeline stage's own, say), whatever is in
+# scope when the gradient is taken.
+def copy(t: tf.Tensor) -> tf.Tensor:
+    groups = _groups()
+
+    @tf.custom_gradient
+    def copied(t):
+        return tf.identity(t), groups.model_sum
+    return copied(t)
 
 
-@tf.custom_gradient
-def reduce(t: tf.Tensor):
-    return _groups().model_sum(t), lambda dy: dy
+def reduce(t: tf.Tensor) -> tf.Tensor:
+    groups = _groups()
+
+    @tf.custom_gradient
+    def reduced(t):
+        return groups.model_sum(t), lambda dy: dy
+    return reduced(t)
 
 
 def gather(t: tf.Tensor, axis: int) -> tf.Tensor:
+    groups = _groups()
+
     @tf.custom_gradient
     def gathered(t):
-        return _concatenated(t, axis), lambda dy: _part(dy, axis)
+        return _concatenated(groups, t, axis), lambda dy: _part(groups, dy, axis)
     return gathered(t)
 
 
 def scatter(t: tf.Tensor, axis: int) -> tf.Tensor:
+    groups = _groups()
+
     @tf.custom_gradient
     def scattered(t):
-        return _part(t, axis), lambda dy: _concatenated(dy, axis)
+        return _part(groups, t, axis), lambda dy: _concatenated(groups, dy, axis)
     return scattered(t)
 
 

@@ -44,9 +44,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import sys
+import threading
 from typing import Any, Optional, Sequence, Union
 
 import keras
@@ -56,19 +58,24 @@ from tfdist import _compat
 from tfdist.errors import ConfigError
 from tfdist.parallel import partition as partition_lib
 from tfdist.parallel import schedules
+from tfdist.parallel.layout import Layout
+from tfdist.parallel.mesh_groups import MeshGroups
+from tfdist.parallel.split_variables import is_split, split, split_axis
 from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
 from tfdist.parallel.optimizer_shards import held_variables
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
 from tfdist.reporting import megabytes
 from tfdist.strategies.batch_share import weighted_by_batch_share
+from tfdist.strategies.data_parallel import make_named_cpus
 from tfdist.strategies.devices import default_devices, split_cpu
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device, make_process_group
+from tfdist.strategies.split_by_layout import SplitsByLayout
 
 __all__ = ["PipelineStrategy"]
 
 
-class PipelineStrategy(ReplicaGroupsStrategy):
+class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
     """Pipeline-parallel training (GPipe or 1F1B) inside data-parallel replicas.
 
     Args:
@@ -104,6 +111,14 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         stage 1), each slice of a stage's variable on that stage's device of
         its replica, over the replicas of every process with `data_parallel`;
         2 also reduce-scatters the gradients (stage 2).
+      layout: a `keras.distribution.LayoutMap` or `ModelParallel` (or a
+        `tfdist.parallel.layout.Layout`) that splits every stage over its
+        model axis (M devices a stage, in place of `tensor_parallel_size`),
+        as `LayoutStrategy` splits a whole model: the M pipelines of a
+        replica run SPMD, stage k of each on device k*M + m of the replica's
+        K x M. Its mesh's data axis and devices are not used: the replicas are
+        the devices' K x M groups. In this version, in one process, without
+        `shard_optimizer`.
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
@@ -126,17 +141,26 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         place_variables: bool = True,
         data_parallel: Union[str, tf.distribute.Strategy] = "local",
         shard_optimizer: int = 0,
+        layout=None,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
+        if layout is not None:
+            layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
+            if tensor_parallel_size != 1 or shard_optimizer or data_parallel != "local":
+                raise ValueError("A pipeline split by a `layout` takes its devices per stage from the layout's model "
+                                 "axis, and runs without `tensor_parallel_size`, `shard_optimizer` and "
+                                 "`data_parallel` in this version.")
+        split_size = layout.model if layout is not None else max(tensor_parallel_size, 1)  # devices a stage
         if devices is None:
-            split_cpu(num_stages * max(tensor_parallel_size, 1))
+            split_cpu(num_stages * split_size)
         processes = make_process_group(data_parallel)  # joining a cluster must come before TensorFlow starts
-        devices = list(devices or default_devices(num_stages * max(tensor_parallel_size, 1)))
+        devices = list(devices or default_devices(num_stages * split_size))
         if tensor_parallel_size < 1:
             raise ValueError(f"`tensor_parallel_size` must be >= 1. Received: {tensor_parallel_size}")
-        per_replica = num_stages * tensor_parallel_size
+        per_replica = num_stages * split_size
         if len(devices) < per_replica or len(devices) % per_replica:
             sizes = f"`num_stages` ({num_stages})" + (
+                f" x the layout's model axis ({split_size})" if layout is not None else
                 f" x `tensor_parallel_size` ({tensor_parallel_size})" if tensor_parallel_size > 1 else ""
             )
             raise ValueError(
@@ -147,11 +171,16 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             raise ValueError(
                 f"`balance_by` must be one of {partition_lib.BALANCE_BASES}. Received: {balance_by!r}"
             )
+        if layout is not None:  # each of the M pipelines of a replica's K x M devices, stage by stage
+            devices = [devices[r + s * split_size + m] for r in range(0, len(devices), per_replica)
+                       for m in range(split_size) for s in range(num_stages)]
+            per_replica = num_stages
         self.num_stages = num_stages
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         self.recompute = recompute
         self.place_variables = place_variables
+        make_named_cpus(devices)  # before the groups ask TensorFlow for its devices
         self.groups = split_into_groups(devices, tensor_parallel_size)  # every stage of every replica
         self.stage_groups = [self.groups[i : i + num_stages] for i in range(0, len(self.groups), num_stages)]
         self.stage_devices = [[group.devices[0] for group in replica] for replica in self.stage_groups]
@@ -165,6 +194,12 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         self._micro_batch_sizes: dict[int, int] = {}  # per model: the micro-batch its step was traced with
         super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)],
                          processes=processes, shard_optimizer=shard_optimizer)
+        self._stage = _CurrentStage()
+        if layout is not None:
+            self._start_splitting(dataclasses.replace(layout, data=len(self.stage_devices) // layout.model,
+                                                      devices=()))
+            self._stage_mesh_groups = [MeshGroups(self, layout.model, [replica[s] for replica in self.stage_devices])
+                                       for s in range(num_stages)]
 
     @property
     def peak_stashed_micro_batches(self) -> list[int]:
@@ -176,6 +211,21 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         """The first stage's group of the replica whose step is being built (the
         pipelined training step puts each stage's own group in scope)."""
         return self.stage_groups[current_replica()][0]
+
+    @property
+    def mesh_groups(self) -> Optional[MeshGroups]:
+        """With a layout, the mesh groups of the stage being computed (its devices' rows and columns)."""
+        return None if self.layout is None else self._stage_mesh_groups[self._stage.index]
+
+    def groups_holding(self, variable) -> MeshGroups:
+        """The mesh groups of the stage whose devices hold `variable`."""
+        device = tf.DeviceSpec.from_string(variable.values[0].device)
+        first = [tf.DeviceSpec.from_string(d) for d in self.stage_devices[0]]
+        return self._stage_mesh_groups[[(d.device_type, d.device_index) for d in first].index(
+            (device.device_type, device.device_index))]
+
+    def split_at_optimizer_build(self, model: keras.Model) -> None:
+        """Nothing: a pipeline splits its stages once they are placed (`_prepare`)."""
 
     def partition_of(self, model: keras.Model) -> Optional[partition_lib.Partition]:
         """The partition used for `model`, once its first training step was built."""
@@ -206,13 +256,14 @@ class PipelineStrategy(ReplicaGroupsStrategy):
     def local_keras_hooks(self, model: keras.Model) -> dict:
         """Keras's predict function, preceded by cutting and placing the model if no step did yet
         (Keras hands `run` a closure for predictions, not the model's bound `predict_step`)."""
-        predict = _compat.keras_step_function(model, "predict_function")
+        hooks = super().local_keras_hooks(model)  # with a layout, each row's first replica's predictions
+        predict = hooks.get("predict_function") or _compat.keras_step_function(model, "predict_function")
 
         def predict_function(data):
             self._prepare(model, _static_batch(data[0]) if data else None)
             return predict(data)
 
-        return {**super().local_keras_hooks(model), "predict_function": predict_function}
+        return {**hooks, "predict_function": predict_function}
 
     @contextlib.contextmanager
     def stage_scope(self, stage_index: int):
@@ -222,8 +273,12 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             yield
             return
         group = self.stage_groups[current_replica()][stage_index]
-        with tf.device(group.devices[0]), group.scope():
-            yield
+        outer, self._stage.index = self._stage.index, stage_index
+        try:
+            with tf.device(group.devices[0]), group.scope():
+                yield
+        finally:
+            self._stage.index = outer
 
     def _prepare(self, model: keras.Model, batch: Optional[int]) -> partition_lib.Partition:
         """Cuts `model` into stages, once, and puts each stage's variables and layers on its devices."""
@@ -243,8 +298,13 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 )
             if self.recompute:
                 _refuse_random_layers(partition)
-            if self.place_variables:
-                self._place_variables(model, partition)
+            slots = self._place_variables(model, partition) if self.place_variables else []
+            if self.layout is not None:  # each stage's variables split over its devices, after they moved there
+                with _compat.optimizer_keys_kept(getattr(model, "optimizer", None), model.trainable_variables):
+                    self.split(model)
+                for slot, variable in slots:
+                    if is_split(variable):
+                        split(slot, split_axis(variable), self, self.layout.model)
             for stage in partition.stages:
                 for operation in stage.operations:
                     call_in_context(operation, functools.partial(self.stage_scope, stage.index))
@@ -257,8 +317,9 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         """The stage starts process 0 chose: every process must cut the model the same way."""
         return [int(i) for i in self.processes.broadcast(tf.constant(starts, tf.int32)).numpy()]
 
-    def _place_variables(self, model: keras.Model, partition: partition_lib.Partition) -> None:
-        """Moves every stage's variables (weights, statistics, seeds) and their optimizer slots to its devices."""
+    def _place_variables(self, model: keras.Model, partition: partition_lib.Partition) -> list[tuple]:
+        """Moves every stage's variables (weights, statistics, seeds) and their optimizer slots to its devices;
+        returns the (slot, variable) pairs moved beside each other."""
         destinations, owner = [], {}
         for stage in partition.stages:
             for variable in stage.model.variables:
@@ -268,10 +329,11 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                         f"{stage.index}: a weight shared between layers must stay in one stage. Move the boundary."
                     )
                 destinations.append((variable, self._stage_device(variable, stage.index)))
-        self.move_variables(destinations, getattr(model, "optimizer", None))
+        slots = self.move_variables(destinations, getattr(model, "optimizer", None))
         for variable, device in destinations:
             if variable.regularizer is not None:
                 variable.regularizer = _RegularizerOnDevice(variable.regularizer, self, device)
+        return slots
 
     def _stage_device(self, variable: keras.Variable, stage_index: int) -> str:
         """The device of the first replica's stage that holds `variable`: a tensor-parallel shard
@@ -282,8 +344,9 @@ class PipelineStrategy(ReplicaGroupsStrategy):
 
     def _describe(self, model: keras.Model, partition: partition_lib.Partition) -> str:
         processes = f"{self.processes.describe()} x " if self.processes else ""
+        copies = len(self.stage_devices) // (self.layout.model if self.layout else 1)
         lines = [
-            f"tfdist pipeline: {processes}{len(self.stage_devices)} replica(s) x {self.num_stages} stages, "
+            f"tfdist pipeline: {processes}{copies} replica(s) x {self.num_stages} stages, "
             f"{self.num_micro_batches} micro-batches, {self.schedule}"
             f"{', recompute' if self.recompute else ''}; partition by {partition.basis}"
         ]
@@ -296,6 +359,9 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             )
             group = self.stage_groups[0][stage.index]
             where = group.devices[0] if group.size == 1 else f"{', '.join(group.devices)} (tensor parallel)"
+            if self.layout:  # the stage's devices along the model axis
+                split = [replica[stage.index] for replica in self.stage_devices[:self.layout.model]]
+                where = f"{', '.join(split)} (split by the layout; bytes of the first)"
             held = memory[stage.index]
             lines.append(
                 f"  stage {stage.index} on {where}: {_layer_span(stage.layer_names)} ({stage.num_params:,} params, "
@@ -326,12 +392,14 @@ class PipelineStrategy(ReplicaGroupsStrategy):
                 "and a recomputed pass would draw different ones (for the digits models, set model.dropout: 0).",
                 True,
             )
+        super().check_model(model)  # and a layout's rules, against the model's variables
 
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         """The pipeline's layout, partition and per-stage bytes, for the summary and `--metrics_out`."""
         partition = self.partition_of(model)
         report: dict[str, Any] = {
-            "layout": self.device_layout(self.num_stages, self.tensor_parallel_size),
+            "layout": self.device_layout(self.num_stages, *((self.layout.model, True) if self.layout else
+                                                            (self.tensor_parallel_size,))),
             "pipeline": {
                 "num_stages": self.num_stages,
                 "num_micro_batches": self.num_micro_batches,
@@ -363,6 +431,10 @@ class PipelineStrategy(ReplicaGroupsStrategy):
         return held
 
     def _train_step(self, model: keras.Model, partition: partition_lib.Partition, data):
+        with self.in_keras_step():  # Keras's training step, run in stages
+            return self._stages_step(model, partition, data)
+
+    def _stages_step(self, model: keras.Model, partition: partition_lib.Partition, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         micro, shares = split_micro_batches((x, y, sample_weight), self.num_micro_batches)
         step = PipelinedStep(model, partition, self)
@@ -381,6 +453,13 @@ class PipelineStrategy(ReplicaGroupsStrategy):
             sample_weight=tf.shape(tf.nest.flatten(x)[0])[0],
         )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+class _CurrentStage(threading.local):
+    """The stage whose layers this replica's thread is computing (`stage_scope`): its mesh groups split them."""
+
+    def __init__(self):
+        self.index = 0
 
 
 class _RegularizerOnDevice:

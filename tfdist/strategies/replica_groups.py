@@ -272,17 +272,20 @@ class ReplicaGroupsStrategy(MirroredStrategy):
     def replicas_per_process(self) -> int:
         return len(self.replicas)
 
-    def device_layout(self, stages: int = 1, tensor_parallel_size: int = 1) -> dict:
-        """How the devices are used: processes x replicas per process x stages x tensor-parallel size."""
+    def device_layout(self, stages: int = 1, tensor_parallel_size: int = 1, split_by_layout: bool = False) -> dict:
+        """How the devices are used: processes x model copies per process x stages x tensor-parallel size
+        (`split_by_layout`: a layout's model axis, whose replicas (one per device of the axis) make one copy)."""
         processes = self.processes.size if self.processes else 1
+        copies = len(self.replicas) // tensor_parallel_size if split_by_layout else len(self.replicas)
         return {
             "processes": processes,
             "data_parallel": self.processes.name if self.processes else "local",
-            "replicas_per_process": len(self.replicas),
+            "replicas_per_process": copies,
             "stages": stages,
             "tensor_parallel_size": tensor_parallel_size,
-            "text": f"{processes} process(es) x {len(self.replicas)} replica(s) x {stages} stage(s) x "
-                    f"{tensor_parallel_size} tensor-parallel",
+            "text": f"{processes} process(es) x {copies} replica(s) x {stages} stage(s) x "
+                    f"{tensor_parallel_size} {'split by the layout' if split_by_layout else 'tensor-parallel'}",
+            **({"model_copies": copies * processes} if split_by_layout else {}),
         }
 
     @property
@@ -341,7 +344,7 @@ class ReplicaGroupsStrategy(MirroredStrategy):
 
     def move_variables(
         self, destinations: Sequence[tuple[keras.Variable, str]], optimizer: Optional[keras.optimizers.Optimizer]
-    ) -> None:
+    ) -> list[tuple[keras.Variable, keras.Variable]]:
         """Makes each variable again on a device of the first replica and its counterparts.
 
         The Keras variables stay the same objects (`model.weights`, names and
@@ -352,19 +355,25 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         Args:
           destinations: (variable, device of the first replica) pairs.
           optimizer: the optimizer training these variables, built or not.
+
+        Returns:
+          The (slot, variable) pairs of the slots that moved beside their variable.
         """
         made_beside = self.extended.made_beside()
-        device_of = {id(variable.value): device for variable, device in destinations}
-        moves = list(destinations)
+        by_storage = {id(variable.value): (variable, device) for variable, device in destinations}
+        moves, beside = list(destinations), []
         for slot in optimizer.variables if optimizer is not None else []:
             reference = made_beside.get(id(slot.value))
-            if reference in device_of:
-                moves.append((slot, device_of[reference]))
+            if reference in by_storage:
+                variable, device = by_storage[reference]
+                moves.append((slot, device))
+                beside.append((slot, variable))
         with tf.init_scope(), self.scope():
             _compat.remake_variables([(variable, tf.device(device)) for variable, device in moves], optimizer)
             shards = shards_of(optimizer)
             if shards is not None:  # the optimizer's state split over the replicas: each slice beside its copy
                 shards.move_beside([(variable, self.mirrored_devices(device)) for variable, device in destinations])
+        return beside
 
 
 class ProcessLayoutError(ValueError):
