@@ -3,7 +3,8 @@
 `python process_group_scenarios.py BACKEND LAYOUT OUT [SHARD]`: BACKEND is `multi_worker`
 (the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
-CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4), `tensor_parallel` (a
+CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4), `pipeline_layout` (2
+stages split by a layout over 2 devices each, on 4), `tensor_parallel` (a
 group of 2) or `layout_gemma` (keras-hub's Gemma causal LM split by its own
 layout map over 2, its ModelParallel made a strategy by `tfdist.strategy_from`,
 which also makes a Keras DataParallel one of the launcher's). Process 0 saves the trained
@@ -24,7 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-REPLICAS = 2 if sys.argv[2].endswith("2x2") else 1  # this process's replicas, of 2 devices each
+REPLICAS = 2 if sys.argv[2].endswith("2x2") or sys.argv[2] == "pipeline_layout" else 1  # of 2 devices each
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2 * REPLICAS
 )
@@ -35,6 +36,7 @@ import numpy as np  # noqa: E402
 from tfdist._compat import graph_functions  # noqa: E402
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense  # noqa: E402
 from tfdist.parallel import DeviceGroup  # noqa: E402
+from tfdist.parallel.layout import Layout  # noqa: E402
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy  # noqa: E402
 import tfdist  # noqa: E402
 
@@ -60,8 +62,9 @@ def model(layout):
                                                   head_dim=8, dropout=0.0)
         return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     if layout.startswith("pipeline"):
-        hidden = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16, activation="relu"),
-                  keras.layers.Dense(16, activation="tanh")]
+        hidden = [keras.layers.Dense(16, activation="relu", name="hidden0"),
+                  keras.layers.Dense(16, activation="relu", name="hidden1"),
+                  keras.layers.Dense(16, activation="tanh", name="hidden2")]
     else:
         hidden = [ColumnParallelDense(8, activation="relu"), RowParallelDense(8), ParallelMLP(16)]
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), *hidden,
@@ -78,6 +81,12 @@ def strategy_for(backend, layout, shard=0):
         mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
         layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
         return tfdist.strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    if layout == "pipeline_layout":  # each stage split over 2 devices: hidden0's columns, then hidden1's rows
+        rules = ((".*hidden0/kernel", (None, "model")), (".*hidden0/bias", ("model",)),
+                 (".*hidden1/kernel", ("model", None)))
+        return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(4)],
+                                boundaries=["hidden1"], verbose=False, data_parallel=backend,
+                                layout=Layout(model=2, rules=rules))
     if layout.startswith("pipeline"):
         return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(2 * REPLICAS)],
                                 balance_by="params", verbose=False, data_parallel=backend, shard_optimizer=shard)

@@ -57,11 +57,11 @@ def _run(backend, layout, out, *shard):
 def one_device(tmp_path_factory):
     directory = tmp_path_factory.mktemp("one_device")
     return {layout: _run("one_device", layout, str(directory / f"{layout}.npz"))
-            for layout in ("pipeline", "tensor_parallel", "layout_gemma")}
+            for layout in ("pipeline_layout", "tensor_parallel", "layout_gemma")}
 
 
 @pytest.mark.xdist_group("process_groups_one_device")  # one pytest worker: the reference runs once
-@pytest.mark.parametrize("layout", ["pipeline", "tensor_parallel", "layout_gemma"])
+@pytest.mark.parametrize("layout", ["pipeline_layout", "tensor_parallel", "layout_gemma"])
 @pytest.mark.parametrize("backend", ["multi_worker", pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, backend, layout):
     result = _run(backend, layout, str(tmp_path / "chief.npz"))
@@ -74,10 +74,11 @@ def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, bac
     # Evaluation covers every process's examples; predict returns all of them, in order, on each process.
     np.testing.assert_allclose(result["evaluated"], reference["evaluated"], atol=1e-5)
     np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
-    assert int(result["replicas"]) == (4 if layout.startswith("layout") else 2)  # a layout: a replica per device
+    assert int(result["replicas"]) == (2 if layout == "tensor_parallel" else 4)  # a layout: a replica per device
     # Each gradient crosses processes on the device that holds its variable: stage 1's (or shard 1's)
-    # on /cpu:1, never gathered on the first device.
-    assert list(result["reduced_on"]) == ["CPU:0", "CPU:1"]
+    # on /cpu:1 (a pipeline split by a layout: its stages' on /cpu:0-1 and /cpu:2-3), never gathered on the first.
+    devices = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"] if layout == "pipeline_layout" else ["CPU:0", "CPU:1"]
+    assert list(result["reduced_on"]) == devices
     if layout == "layout_gemma":  # the launcher's processes also ran a Keras DataParallel, data parallel over them
         expected = {"multi_worker": "MultiWorkerMirroredStrategy", "horovod": "HorovodStrategy"}[backend]
         assert (str(result["data_parallel_strategy"]), int(result["data_parallel_replicas"])) == (expected, 2)

@@ -117,8 +117,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         as `LayoutStrategy` splits a whole model: the M pipelines of a
         replica run SPMD, stage k of each on device k*M + m of the replica's
         K x M. Its mesh's data axis and devices are not used: the replicas are
-        the devices' K x M groups. In this version, in one process, without
-        `shard_optimizer`.
+        the devices' K x M groups. In this version without `shard_optimizer`.
 
     Raises:
       ValueError: sizes out of range, an unknown schedule, or a device count
@@ -146,10 +145,10 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
         if layout is not None:
             layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
-            if tensor_parallel_size != 1 or shard_optimizer or data_parallel != "local":
+            if tensor_parallel_size != 1 or shard_optimizer:
                 raise ValueError("A pipeline split by a `layout` takes its devices per stage from the layout's model "
-                                 "axis, and runs without `tensor_parallel_size`, `shard_optimizer` and "
-                                 "`data_parallel` in this version.")
+                                 "axis, and runs without `tensor_parallel_size` and `shard_optimizer` in this "
+                                 "version.")
         split_size = layout.model if layout is not None else max(tensor_parallel_size, 1)  # devices a stage
         if devices is None:
             split_cpu(num_stages * split_size)
@@ -305,6 +304,8 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
                 for slot, variable in slots:
                     if is_split(variable):
                         split(slot, split_axis(variable), self, self.layout.model)
+                for stage in partition.stages[1:]:  # a Megatron pair across a boundary passes it a shard
+                    stage.model.input_spec = None
             for stage in partition.stages:
                 for operation in stage.operations:
                     call_in_context(operation, functools.partial(self.stage_scope, stage.index))
