@@ -243,7 +243,7 @@ def test_the_launcher_picks_the_data_axis_backend(monkeypatch, environment, laun
 
 
 def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_returns(tmp_path, monkeypatch):
-    from tfdist import load_config, make_strategy
+    from tfdist import ConfigError, load_config, make_strategy
 
     rules = ('[[".*attention/(query|key|value)/kernel", [null, model, null]], '
              '[".*attention/attention_output/kernel", [model, null, null]], [".*mlp_up/kernel", [null, model]]]')
@@ -270,9 +270,23 @@ def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_ret
     strategy.check_model(model)
     assert [v.path for v in model.variables if is_split(v)] == ["mlp_up/kernel"]
 
+    # layout.megatron alone: the attention's heads and the MLP's pair, as the rules above and more
+    strategy = make_strategy(load_config(None, ["strategy.kind=layout", "layout.megatron=true"]))
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    strategy.check_model(model)
+    assert sum(is_split(v) for v in model.variables) == 10
+    strategy = make_strategy(load_config(None, ["strategy.kind=layout", "layout.megatron=true"]))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ConfigError, match=r"^`layout.megatron` does not fit the model: .* no MultiHeadAttention and "
+                                          "no Dense pair"):
+        strategy.check_model(model)
+
 
 @pytest.mark.parametrize("overrides, key, message", [
-    (["strategy.kind=layout"], "layout.rules", "or layout.layout_map, one of the two, says how the model is split"),
+    (["strategy.kind=layout"], "layout.rules", "or layout.layout_map, one of the two, or layout.megatron, says how"),
     (["strategy.kind=layout", "layout.rules=[[a, [rows]]]"], "layout.rules[0]", "with the axes model, batch or null"),
     (["strategy.kind=layout", "layout.rules=[['(', [model]]]"], "layout.rules[0]", "is not a regular expression"),
     (["layout.model_devices=4"], "layout", "only applies with strategy.kind=layout"),
@@ -308,6 +322,45 @@ def test_megatrons_pairs_make_two_sums_forward_and_two_backward_per_block(data):
     if data > 1:
         expected["data_group CollectiveReduceV2"] = 10
     assert counts == expected
+
+
+def test_a_megatron_layout_finds_the_attention_heads_and_the_dense_pairs_itself():
+    """No rules: every MultiHeadAttention on its heads, every Dense whose output only a Dense consumes column
+    then row; the same split, collectives and training as the hand-written map's. A softmax Dense keeps its
+    output whole: it needs the whole axis."""
+    found = LayoutStrategy(Layout(model=2, megatron=True))
+    written = LayoutStrategy(megatron_layout_map(2))
+    optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    (split, history), (reference, written_history) = _trained(found, optimizer), _trained(written, optimizer)
+    assert {v.path for v in split.variables if is_split(v)} == {v.path for v in reference.variables if is_split(v)}
+    assert history["loss"] == pytest.approx(written_history["loss"], abs=1e-6)
+    for a, b in zip(split.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert collectives_of_a_step(split, found, (X[:16], Y[:16])) == {"model_group CollectiveReduceV2": 4}
+
+    inputs = keras.Input((16,))
+    probabilities = keras.layers.Dense(8, activation="softmax", name="softmax")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="after")(probabilities), name="softmax_model")
+    with pytest.raises(LayoutError, match="Model 'softmax_model' has no MultiHeadAttention and no Dense pair"):
+        Layout(model=2, megatron=True).axes_of(model)
+
+    def softmax_model():  # split by a rule, its softmax sees the whole gathered axis
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((16,))
+        probabilities = keras.layers.Dense(8, activation="softmax", name="softmax")(inputs)
+        built = keras.Model(inputs, keras.layers.Dense(4, name="after")(probabilities))
+        built.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        return built
+
+    one = softmax_model()
+    with LayoutStrategy(Layout(model=2, rules=(("softmax/kernel", (None, "model")),))).scope():
+        split = softmax_model()
+    for trained in (one, split):
+        trained.fit(X[:32, 0], Y[:32, None] * np.ones((1, 4)), batch_size=16, shuffle=False, verbose=0)
+    for whole, got in zip(one.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=1e-6)
+    with pytest.raises(LayoutError, match="Layer 'attention' has 4 heads, which do not divide over 3 devices"):
+        Layout(model=3, megatron=True).axes_of(_model(None))
 
 
 @pytest.mark.parametrize("policy, tolerance", [("mixed_float16", 1e-3), ("mixed_bfloat16", 1e-2)])

@@ -286,7 +286,7 @@ def test_more_stages_than_layers():
         (dict(num_stages=2, devices=FOUR[:3], layout=Layout(model=2)),
          r"multiple of `num_stages` \(2\) x the layout's model axis \(2\): each pipeline replica takes 4"),
         (dict(devices=FOUR, layout=Layout(model=2), shard_optimizer=1),
-         "A pipeline split by a `layout` .* runs without `tensor_parallel_size`, `shard_optimizer`"),
+         "A pipeline split by a `layout` .* runs without `tensor_parallel_size` and `shard_optimizer`"),
         (dict(schedule="interleaved"), "must be one of gpipe, 1f1b"),
         (dict(num_micro_batches=0), "must be >= 1"),
         (dict(balance_by="flops"), "must be one of"),

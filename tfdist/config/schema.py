@@ -273,7 +273,8 @@ class LayoutConfig:
     The mesh has a data axis `batch` of `data_devices` devices and a model
     axis `model` of `model_devices` devices: the first data_devices x
     model_devices of strategy.devices, every GPU or the logical CPUs,
-    data-major. Give `rules` or `layout_map`, not both.
+    data-major. Give `rules` or `layout_map` (not both), or `megatron`, or
+    `megatron` with either.
 
     Attributes:
       model_devices: devices on the mesh's model axis (one copy of the model split over them).
@@ -284,12 +285,17 @@ class LayoutConfig:
       layout_map: `MODULE:FUNCTION`, called with a `keras.distribution.DeviceMesh`,
         returning a `keras.distribution.LayoutMap` or `ModelParallel` (a
         keras-hub backbone's `get_layout_map`, say); this runs your code.
+      megatron: also split what Megatron-LM splits, found in the model: every
+        `MultiHeadAttention` on its heads, and every `Dense` whose output only
+        another `Dense` consumes, its columns and the other's rows. A rule
+        that matches a variable decides it instead.
     """
 
     model_devices: int = bounded(2, low=1, high=64)
     data_devices: int = bounded(1, low=1, high=64)
     rules: tuple = dataclasses.field(default=(), metadata={"parse": layout_rules})
     layout_map: str = ""
+    megatron: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,9 +245,10 @@ def _check_layout(config: Config) -> None:
     layout = config.layout
     if not config.strategy.takes("layout"):
         return
-    if bool(layout.rules) == bool(layout.layout_map):
-        raise ConfigError("layout.rules", "or layout.layout_map, one of the two, says how the model is split with "
-                          f"strategy.kind={config.strategy.kind}.", [list(r) for r in layout.rules] or "empty")
+    if layout.rules and layout.layout_map or not (layout.rules or layout.layout_map or layout.megatron):
+        raise ConfigError("layout.rules", "or layout.layout_map, one of the two, or layout.megatron, says how the "
+                          f"model is split with strategy.kind={config.strategy.kind}.",
+                          [list(r) for r in layout.rules] or "empty")
     mesh = layout.data_devices * layout.model_devices
     if config.strategy.devices and len(config.strategy.devices) < mesh:
         raise ConfigError("strategy.devices", f"must name at least layout.data_devices x layout.model_devices "

@@ -47,6 +47,9 @@ class Layout:
       rules: (path expression, mesh axis name or None for each of the variable's axes), in order.
       model_axis, data_axis: the mesh axes' names.
       devices: the mesh's devices, data-major (empty: the process's first ones).
+      megatron: also split what Megatron-LM splits, found in the model (every `MultiHeadAttention` on its
+        heads, every `Dense` pair column then row: `tfdist.parallel.megatron_pairs.megatron_axes`); a rule
+        that matches a variable decides it instead.
     """
 
     model: int
@@ -55,6 +58,7 @@ class Layout:
     model_axis: str = MODEL
     data_axis: str = DATA
     devices: tuple[str, ...] = ()
+    megatron: bool = False
 
     def __post_init__(self):
         if self.model < 1 or self.data < 1:
@@ -134,6 +138,20 @@ class Layout:
             raise LayoutError(f"Rule {pattern!r} splits axis {axis} of variable {path!r} (shape {shape}) over "
                               f"{self.model} devices, and {shape[axis]} does not divide by {self.model}.")
         return axis
+
+    def axes_of(self, model) -> dict[str, int]:
+        """Path -> split axis of every variable of the Keras `model` that the layout splits.
+
+        Raises:
+          LayoutError: as `split_axes`, or a Megatron split that does not divide.
+        """
+        axes = self.split_axes(model.variables)
+        if not self.megatron:
+            return axes
+        from tfdist.parallel.megatron_pairs import megatron_axes  # which imports this module
+
+        matched = {v.path for v in model.variables if self.rule_for(v.path)}
+        return {**{p: a for p, a in megatron_axes(model, self.model).items() if p not in matched}, **axes}
 
     def split_axes(self, variables) -> dict[str, int]:
         """Path -> split axis of every variable a rule splits.

@@ -25,9 +25,10 @@ from typing import Optional
 import keras
 
 from tfdist import _compat
-from tfdist.parallel.spmd import einsum_parts, layer_equation
+from tfdist.parallel.layout import LayoutError
+from tfdist.parallel.spmd import einsum_parts, elementwise, layer_equation
 
-__all__ = ["KNOWN_BLOCKS", "functional_pairs", "paired_blocks"]
+__all__ = ["KNOWN_BLOCKS", "functional_pairs", "megatron_axes", "paired_blocks"]
 
 # keras-hub's decoder blocks that may compute on shards, by class name, each with the attributes its attention
 # layer counts heads by (and, for Gemma, the hidden size it divides by them), which a replica divides by the
@@ -45,9 +46,10 @@ def _spec(layer) -> Optional[tuple[str, str, str]]:
 
 
 def kept_axis(layer, axes) -> Optional[int]:
-    """The output axis (negative) that keeps `layer`'s kernel split, if it is column-split."""
+    """The output axis (negative) that keeps `layer`'s kernel split, if it is column-split (and its activation
+    may act on a shard)."""
     spec = _spec(layer)
-    if spec is None or axes.get("kernel") is None:
+    if spec is None or axes.get("kernel") is None or not elementwise(getattr(layer, "activation", None)):
         return None
     letter = spec[1][axes["kernel"]]
     return spec[2].index(letter) - len(spec[2]) if letter in spec[2] else None
@@ -68,30 +70,73 @@ def functional_pairs(model: keras.Model, axes_by_layer: dict) -> list[tuple]:
     """The (column-split, row-split) layer pairs of `model`'s own layer graph (none for a subclassed model).
 
     `axes_by_layer`: each split layer's variables' split axes (attribute -> axis or None)."""
+    pairs = []
+    for operation, consumer in _sole_consumers(model).items():
+        if operation not in axes_by_layer or consumer not in axes_by_layer:  # a whole layer
+            continue
+        kept = kept_axis(operation, axes_by_layer[operation])
+        if kept is not None and contracted_axis(consumer, axes_by_layer[consumer]) == kept:
+            pairs.append((operation, consumer))
+    return pairs
+
+
+def _sole_consumers(model: keras.Model) -> dict:
+    """Each layer of `model`'s own graph (none for a subclassed model) that is called once, with one output,
+    which one layer alone consumes, called once on it alone -> that layer."""
     try:
         nodes, _, model_outputs = _compat.graph_nodes(model)
     except ValueError:  # subclassed: no graph to read
-        return []
+        return {}
     calls, consumers = {}, {id(tensor): [(None, [])] for tensor in model_outputs}  # a model output is whole
     for operation, inputs, _ in nodes:
         calls[id(operation)] = calls.get(id(operation), 0) + 1
         for tensor in inputs:
             consumers.setdefault(id(tensor), []).append((operation, inputs))
-    pairs = []
+    sole = {}
     for operation, _, outputs in nodes:
-        kept = kept_axis(operation, axes_by_layer[operation]) if operation in axes_by_layer else None
-        if kept is None or calls[id(operation)] != 1 or len(outputs) != 1:
+        if calls[id(operation)] != 1 or len(outputs) != 1 or len(consumers.get(id(outputs[0]), [])) != 1:
             continue
-        consumed_by = consumers.get(id(outputs[0]), [])
-        if len(consumed_by) != 1:
-            continue
-        consumer, consumer_inputs = consumed_by[0]
-        if consumer is None or consumer not in axes_by_layer:  # the model's output, or a whole layer
-            continue
-        if calls[id(consumer)] == 1 and len(consumer_inputs) == 1 and contracted_axis(
-                consumer, axes_by_layer[consumer]) == kept:
-            pairs.append((operation, consumer))
-    return pairs
+        consumer, consumer_inputs = consumers[id(outputs[0])][0]
+        if consumer is not None and calls[id(consumer)] == 1 and len(consumer_inputs) == 1:
+            sole[operation] = consumer
+    return sole
+
+
+def megatron_axes(model: keras.Model, devices: int) -> dict[str, int]:
+    """Megatron-LM's split of `model` over `devices`, found in it: variable path -> split axis.
+
+    Every `MultiHeadAttention` splits on its heads (query, key and value kernels and biases, and the output
+    kernel's rows), and every `Dense` whose output only another `Dense` consumes (in the model's own graph)
+    splits its columns, the other its rows: one sum per block forward.
+
+    Raises:
+      LayoutError: an attention's heads or a pair's hidden units do not divide by `devices`, or nothing to split.
+    """
+    axes = {}
+    for layer in _compat.nested_layers(model):
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            if layer.num_heads % devices:
+                raise LayoutError(f"Layer {layer.name!r} has {layer.num_heads} heads, which do not divide over "
+                                  f"{devices} devices.")
+            *projections, output = _compat.attention_projections(layer)
+            for projection in projections:
+                axes[projection.kernel.path] = 1
+                if projection.bias is not None:
+                    axes[projection.bias.path] = 0
+            axes[output.kernel.path] = 0
+    for column, row in _sole_consumers(model).items():
+        if (type(column) is keras.layers.Dense and type(row) is keras.layers.Dense and elementwise(column.activation)
+                and column.kernel.path not in axes):
+            if column.units % devices:
+                raise LayoutError(f"Layers {column.name!r} and {row.name!r} pass {column.units} hidden units, which "
+                                  f"do not divide over {devices} devices.")
+            axes[column.kernel.path], axes[row.kernel.path] = 1, 0
+            if column.bias is not None:
+                axes[column.bias.path] = 0
+    if not axes:
+        raise LayoutError(f"Model {model.name!r} has no MultiHeadAttention and no Dense pair (a Dense whose output "
+                          "only another Dense consumes, in its own graph) for Megatron's split to find.")
+    return axes
 
 
 def paired_blocks(layers, axes_by_layer: dict) -> dict:

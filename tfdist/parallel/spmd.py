@@ -45,8 +45,8 @@ import tensorflow as tf
 
 from tfdist.contract import contract
 
-__all__ = ["SPLIT_LAYERS", "copy", "einsum_parts", "gather", "in_replica", "layer_equation", "reduce", "scatter",
-           "split_block_call", "split_call"]
+__all__ = ["SPLIT_LAYERS", "copy", "einsum_parts", "elementwise", "gather", "in_replica", "layer_equation", "reduce",
+           "scatter", "split_block_call", "split_call"]
 
 
 class _Block(threading.local):
@@ -214,9 +214,17 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
         bias_axis = None if axes.get("bias") is None else axes["bias"] - rank
         spans = out_axis is not None and out_axis >= -rank and bias.shape[out_axis] > 1
         y = y + _value(bias, bias_axis, out_axis if spans else None)
+    if layer.activation is not None and out_axis is not None and not elementwise(layer.activation):
+        y, out_axis = gather(y, out_axis), None  # a softmax, say, needs the whole axis
     if layer.activation is not None:
         y = layer.activation(y)
     return y if out_axis is None or keeps_shards else gather(y, out_axis)
+
+
+def elementwise(activation) -> bool:
+    """Whether a Keras activation acts on each element alone (not `softmax`, `log_softmax`, `glu`,
+    `sparsemax`), so that it may act on a shard."""
+    return getattr(activation, "__name__", "") not in ("softmax", "log_softmax", "glu", "sparsemax")
 
 
 def _dense(layer, axes, inputs, keeps_shards, **unused):  # Dense and EinsumDense

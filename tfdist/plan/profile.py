@@ -155,7 +155,7 @@ def _split_paths(config, model) -> set:
     places = config.layout.data_devices * config.layout.model_devices
     layout, key = layout_of(config, [f"/cpu:{i}" for i in range(places)])  # the mesh's names; nothing runs on it
     try:
-        return set(layout.split_axes(model.variables))
+        return set(layout.axes_of(model))
     except LayoutError as error:
         raise ConfigError(key, f"does not fit the model: {error}", "see above") from None
 

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Optional, Sequence
 
 import keras
@@ -286,12 +287,13 @@ def layout_of(config: Config, devices: Sequence[str]) -> tuple[Layout, str]:
     """
     settings = config.layout
     shape = (settings.data_devices, settings.model_devices)
-    key = "layout.layout_map" if settings.layout_map else "layout.rules"
+    key = "layout.layout_map" if settings.layout_map else "layout.rules" if settings.rules else "layout.megatron"
     try:
         if settings.layout_map:
             mesh = keras.distribution.DeviceMesh(shape, (DATA, MODEL), devices=[d.lstrip("/") for d in devices])
-            return Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh)), key
-        return Layout(model=shape[1], data=shape[0], rules=settings.rules), key
+            layout = Layout.from_keras(call_function(settings.layout_map, key, device_mesh=mesh))
+            return dataclasses.replace(layout, megatron=settings.megatron), key
+        return Layout(model=shape[1], data=shape[0], rules=settings.rules, megatron=settings.megatron), key
     except LayoutError as error:
         raise ConfigError(key, str(error), settings.layout_map or "see above") from None
 

@@ -122,7 +122,7 @@ class SplitsByLayout:
         super().check_model(model)
         try:
             self.split_at_optimizer_build(model)
-            self.layout.split_axes(model.variables)
+            self.layout.axes_of(model)
         except LayoutError as error:
             if self.config_key is None:
                 raise
@@ -211,7 +211,7 @@ class SplitsByLayout:
         """
         if model in self._split_models:
             return
-        axes = self.layout.split_axes(model.variables)
+        axes = self.layout.axes_of(model)
         layers = _compat.nested_layers(model)
         axes_by_layer = {}
         for layer in layers:
