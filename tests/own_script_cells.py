@@ -10,9 +10,11 @@ KINDS = {  # the one-process kinds, each on 2 logical devices: column -> the scr
     "mirrored, shard_optimizer 1": ["strategy.kind=mirrored", "strategy.shard_optimizer=1", *TWO_DEVICES],
     "mirrored, shard_optimizer 2": ["strategy.kind=mirrored", "strategy.shard_optimizer=2", *TWO_DEVICES],
     "pipeline": ["strategy.kind=pipeline", *TWO_DEVICES],  # one replica of 2 stages
-    "tensor_parallel": ["strategy.kind=tensor_parallel", *TWO_DEVICES],  # one group of 2: the model is whole
+    "tensor_parallel": ["strategy.kind=tensor_parallel", *TWO_DEVICES],  # one group of 2: Megatron's split
 }
 UNDER_A_KIND = "tests/test_guide_scripts.py::test_a_guide_script_under_a_kind_equals_one_device"
+# A model split over devices trains with fit: a custom loop's loss scaling would count each example once per device.
+REFUSED_CUSTOM_LOOP = "the custom loop refused in one line"
 # guide script -> kind -> what the cell says; each is the test UNDER_A_KIND[script-kind].
 MATRIX = {
     "guide_keras_distributed.py": {kind: "equal" for kind in KINDS},
@@ -21,6 +23,7 @@ MATRIX = {
         "mirrored, shard_optimizer 1": "equal, optimizer not split (says so)",
         "mirrored, shard_optimizer 2": "equal, optimizer not split (says so)",
         "pipeline": "equal, not pipelined (says so)",
+        "tensor_parallel": REFUSED_CUSTOM_LOOP,
     },
     "guide_multi_worker_keras.py": {kind: "equal" for kind in KINDS},  # without TF_CONFIG: one process
     "guide_parameter_server.py": {  # its custom loop runs `strategy.run` steps off a cluster
@@ -28,6 +31,7 @@ MATRIX = {
         "mirrored, shard_optimizer 1": "equal, the custom loop's optimizer not split (says so)",
         "mirrored, shard_optimizer 2": "equal, the custom loop's optimizer not split (says so)",
         "pipeline": "equal, the custom loop not pipelined (says so)",
+        "tensor_parallel": REFUSED_CUSTOM_LOOP,
     },
 }
 

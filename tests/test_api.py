@@ -25,7 +25,7 @@ PUBLIC = {
                          "Preemption", "Throughput", "weights_digest"],
     "tfdist.data": ["Digits", "Examples", "Source", "Split", "dataset_fn", "input_pipeline", "load_digits",
                     "load_source", "steps_per_epoch", "training_dataset", "validation_dataset"],
-    "tfdist.parallel": ["DeviceGroup", "current_group"],
+    "tfdist.parallel": ["DeviceGroup"],
     "tfdist.horovod.tensorflow": [
         "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "Max", "Min",
         "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",

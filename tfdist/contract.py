@@ -51,9 +51,9 @@ class StrategyContract:
     shard_partitioner: Any = None
 
     @property
-    def tensor_parallel_group(self):
-        """The `DeviceGroup` a tensor-parallel layer built now splits over; None outside tensor parallelism."""
-        return None
+    def model_axis(self) -> int:
+        """The devices a layout splits a model over (its model axis); 1 for a strategy that splits none."""
+        return 1
 
     @property
     def mesh_groups(self):

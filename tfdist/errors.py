@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointWriteError", "ClusterError", "ConfigError", "error_reason"]
+__all__ = ["CheckpointWriteError", "ClusterError", "ConfigError", "LayoutError", "error_reason"]
 
 _MISSING = object()
 
@@ -65,3 +65,8 @@ def error_reason(message) -> str:
     root_errors = [line[len("(0) "):] for line in lines if line.startswith("(0) ")]
     reasons = [line for line in lines if not line.startswith(_ERROR_FRAMING)]
     return (root_errors or reasons or lines or ["no reason given"])[0]
+
+
+class LayoutError(ValueError):
+    """A layout that does not fit the model or the devices, in one line naming the variable, rule and shapes
+    (`tfdist.parallel.layout`)."""

@@ -21,13 +21,11 @@ import os
 
 import keras
 
-import tensorflow as tf
 
 from tfdist.config.schema import ModelConfig, ModelName
 from tfdist.config.sources import ModelSource, model_source
 from tfdist.errors import ConfigError
 from tfdist.layers import ParallelMLP, ParallelMultiHeadAttention, ShardedEmbedding
-from tfdist.parallel import DeviceGroup, current_group
 
 __all__ = ["PixelTokens", "PositionEmbedding", "build"]
 
@@ -203,15 +201,11 @@ def _builtin(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int
 def _transformer(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
     """Image rows as a sequence, pre-norm Transformer blocks, mean-pooled classifier.
 
-    The attention and MLP blocks split over the tensor-parallel group in scope
-    (and follow the scope when called: each replica and pipeline stage uses
-    its own group); with none (any other strategy) they are plain layers on
-    one device. Every layer is named, so a placement by name
-    (`placement.layers`) is stable.
+    The attention and MLP blocks are `tfdist.layers`' (Keras's own layers),
+    which a strategy with a model axis splits (`tensor_parallel_size`); under
+    any other they are plain layers. Every layer is named, so a placement by
+    name (`placement.layers`) is stable.
     """
-    if current_group() is None:
-        with DeviceGroup([tf.config.list_logical_devices()[0].name]).scope():
-            return _transformer(config, input_shape, num_classes)
     layers = keras.layers
     inputs = keras.Input(input_shape, name="image")
     x = layers.Reshape((input_shape[0], math.prod(input_shape[1:])), name="rows")(inputs)

@@ -28,7 +28,7 @@ from tfdist import data, models, precision
 from tfdist.callbacks import (Checkpoint, DeviceMetrics, InputStalls, Preemption, Throughput,
                               weights_digest)
 from tfdist.config.environment import HOST_INTERFACE_ENV
-from tfdist.config.schema import Config
+from tfdist.config.schema import Config, ModelName
 from tfdist.config.validation import check_job, check_transformer_split
 from tfdist.contract import contract
 from tfdist.data.sources import shard, with_count
@@ -73,8 +73,8 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     check_job(config)
     strategy = strategy or make_strategy(config)
     answers = contract(strategy)
-    if answers.tensor_parallel_group is not None:
-        check_transformer_split(config, answers.tensor_parallel_group.size)
+    if answers.model_axis > 1 and config.model.name == ModelName.TRANSFORMER.value:
+        check_transformer_split(config, answers.model_axis)
     train = config.train
     keras.utils.set_random_seed(train.seed)
     source = data.load_source(config.data, seed=train.seed, steps_per_epoch_set=bool(train.steps_per_epoch))

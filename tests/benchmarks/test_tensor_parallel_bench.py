@@ -19,7 +19,7 @@ def test_measure_reports_every_figure():
     )
     assert figures["bound"] == 2.0
     assert figures["meets_speedup_target"] == (figures["speedup"] >= 1.8)
-    # Each device holds half of the MLP's kernels (the output bias, 64 floats, sits on the first).
+    # Each device holds half of the MLP's kernels (the output bias, 64 floats, is whole on both).
     assert set(result["variable_bytes_per_device"]) == {"CPU:0", "CPU:1"}
     assert figures["max_device_share"] == pytest.approx(0.5, abs=0.01)
 

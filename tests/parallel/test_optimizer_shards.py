@@ -14,7 +14,6 @@ from helpers import ROOT
 from tfdist import Checkpoint, MirroredStrategy, load_config
 from benchmarks.sharded_optimizer import step_collectives
 from tfdist.errors import ConfigError
-from tfdist.layers import ColumnParallelDense, RowParallelDense
 from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state, shards_of
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
 from tfdist.strategies.replica_groups import bytes_by_device
@@ -231,17 +230,18 @@ def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path
 
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
-REPLICA_GROUPS = {  # 2 replicas of 2 devices each: a stage, or a tensor-parallel shard, per device
+REPLICA_GROUPS = {  # 2 replicas of 2 devices each: a stage, or a placed layer's device
     "pipeline": lambda split: PipelineStrategy(2, 2, devices=FOUR, boundaries=["second"], verbose=False,
                                                shard_optimizer=split),
-    "tensor_parallel": lambda split: TensorParallelStrategy(FOUR, group_size=2, shard_optimizer=split),
+    "tensor_parallel": lambda split: TensorParallelStrategy(FOUR, group_size=2, placement={"second": "/cpu:1"},
+                                                            shard_optimizer=split),
 }
 
 
 @pytest.mark.parametrize("kind", REPLICA_GROUPS)
 def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_beside_each_variable(cpus, kind):
     """The data-parallel dimension: each of the 2 replicas keeps the slots of its slice of every variable,
-    on the device where that replica's copy of the variable lives (its stage's, or its shard's)."""
+    on the device where that replica's copy of the variable lives (its stage's, or its placed layer's)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 12)).astype("float32")
     y = x[:, :3].argmax(axis=1).astype("int32")
@@ -250,9 +250,7 @@ def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_besid
         strategy = REPLICA_GROUPS[kind](split)
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            hidden = ([ColumnParallelDense(8, activation="tanh", name="first"), RowParallelDense(7, name="second")]
-                      if kind == "tensor_parallel" else
-                      [keras.layers.Dense(8, activation="tanh", name="first"), keras.layers.Dense(7, name="second")])
+            hidden = [keras.layers.Dense(8, activation="tanh", name="first"), keras.layers.Dense(7, name="second")]
             model = keras.Sequential([keras.Input((12,)), *hidden, keras.layers.Dense(3, activation="softmax")])
             model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -278,14 +276,26 @@ def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_besid
                 assert 0 < split_stage["optimizer"] <= 1.15 / 2 * whole_stage["optimizer"], (whole_stage, split_stage)
 
 
-@pytest.mark.parametrize("path", ["configs/pipeline.yaml", "configs/tensor_parallel.yaml"])
-def test_a_pipeline_or_tensor_parallel_config_passes_the_split_to_its_strategy(cpus, path):
+@pytest.mark.parametrize("path, placed", [("configs/pipeline.yaml", []),
+                                          ("configs/tensor_parallel.yaml", ["placement.layers=[classifier=/cpu:1]"])])
+def test_a_pipeline_or_tensor_parallel_config_passes_the_split_to_its_strategy(cpus, path, placed):
     from tfdist import make_strategy
 
     # TensorFlow runs already here: its thread counts stay as they are.
     config = load_config(os.path.join(ROOT, path), ["strategy.shard_optimizer=1", "runtime.intra_op_threads=0",
-                                                    "runtime.inter_op_threads=0"])
+                                                    "runtime.inter_op_threads=0", *placed])
     assert make_strategy(config).shard_optimizer == 1
+
+
+def test_a_model_split_over_its_groups_does_not_split_its_optimizer_yet(cpus):
+    from tfdist import ConfigError, make_strategy
+
+    with pytest.raises(ValueError, match="`shard_optimizer` cannot split the optimizer of a model split over groups"):
+        TensorParallelStrategy(FOUR, group_size=2, shard_optimizer=1)
+    config = load_config(os.path.join(ROOT, "configs/tensor_parallel.yaml"), [
+        "strategy.shard_optimizer=1", "runtime.intra_op_threads=0", "runtime.inter_op_threads=0"])
+    with pytest.raises(ConfigError, match="^`strategy.shard_optimizer` cannot split the optimizer of a model split"):
+        make_strategy(config)
 
 
 def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):

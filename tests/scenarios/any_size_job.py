@@ -44,7 +44,7 @@ def run(strategy, hidden):
                         validation_data=(X[VALIDATION], Y[VALIDATION]), verbose=0).history
     evaluation = model.evaluate(X[EVALUATE], Y[EVALUATE], batch_size=BATCH, verbose=0)
     predictions = model.predict(X[EVALUATE], batch_size=BATCH, verbose=0)
-    weights = [w for layer in model.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
+    weights = model.get_weights()
     return history, weights, evaluation, predictions
 
 

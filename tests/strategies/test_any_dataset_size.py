@@ -22,7 +22,6 @@ from any_size_job import dense, load, run, tensor_parallel
 from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports
 import zygote
 from tfdist import MirroredStrategy
-from tfdist.parallel import DeviceGroup
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
@@ -36,8 +35,7 @@ FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
     pytest.param(lambda: TensorParallelStrategy(FOUR, group_size=2), tensor_parallel, id="tensor_parallel-2x2"),
 ])
 def test_sizes_that_do_not_divide_the_batch_match_one_device(make, hidden):
-    reference = DeviceGroup(["/cpu:0"]) if hidden is tensor_parallel else tf.distribute.OneDeviceStrategy("/cpu:0")
-    _assert_as_on_one_device(run(make(), hidden), run(reference, hidden))
+    _assert_as_on_one_device(run(make(), hidden), run(tf.distribute.OneDeviceStrategy("/cpu:0"), hidden))
 
 
 def _assert_as_on_one_device(results, one_device):

@@ -280,8 +280,8 @@ def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_ret
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ConfigError, match=r"^`layout.megatron` does not fit the model: .* no MultiHeadAttention and "
-                                          "no Dense pair"):
+    with pytest.raises(ConfigError, match=r"^`layout.megatron` does not fit the model: .* no MultiHeadAttention, no "
+                                          "Dense pair"):
         strategy.check_model(model)
 
 
@@ -341,7 +341,7 @@ def test_a_megatron_layout_finds_the_attention_heads_and_the_dense_pairs_itself(
     inputs = keras.Input((16,))
     probabilities = keras.layers.Dense(8, activation="softmax", name="softmax")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(4, name="after")(probabilities), name="softmax_model")
-    with pytest.raises(LayoutError, match="Model 'softmax_model' has no MultiHeadAttention and no Dense pair"):
+    with pytest.raises(LayoutError, match="Model .softmax_model. has no MultiHeadAttention, no Dense pair"):
         Layout(model=2, megatron=True).axes_of(model)
 
     def softmax_model():  # split by a rule, its softmax sees the whole gathered axis
@@ -397,24 +397,28 @@ def test_tfdist_train_runs_the_shipped_layout_config_and_reports_its_mesh(tmp_pa
 
 
 def test_a_custom_training_loop_is_refused_in_one_line():
-    """TensorFlow's custom-loop guide divides each replica's loss by the global batch, counting each example
-    once; under a layout every device of the model axis sees the same examples, which would count each one
-    model-axis times: refused, where `fit` (whose loss scaling tfdist knows) trains as one device does."""
-    strategy = LayoutStrategy(megatron_layout_map(2))
-    with strategy.scope():
-        model = _model(keras.optimizers.SGD(0.05))
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    strategy.split(model)
-    model.optimizer.build(model.trainable_variables)
+    """TensorFlow's custom-loop guide divides each replica's loss by the global batch and its regularization by
+    the replicas; under a layout every device of the model axis sees the same examples, which would count each
+    one model-axis times and not the regularization: refused, where `fit` (whose loss scaling tfdist knows)
+    trains as one device does. So is a model the layout has not split (never given to `fit`)."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    for split in (True, False):
+        strategy = LayoutStrategy(megatron_layout_map(2))
+        with strategy.scope():
+            model = attention_and_mlp(16)
+            optimizer = keras.optimizers.SGD(0.05)
+        if split:
+            strategy.split(model)
 
-    @tf.function
-    def step(x, y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)), global_batch_size=16)
-            model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                                model.trainable_variables))
-        strategy.run(replica_step, args=(x, y))
+        @tf.function
+        def step(x, y):
+            def replica_step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)), global_batch_size=16)
+                optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                              model.trainable_variables))
+            strategy.run(replica_step, args=(x, y))
 
-    with pytest.raises(ValueError, match="LayoutStrategy trains a layout with Keras.s fit .* in this version: a custom"):
-        step(X[:16], Y[:16])
+        with pytest.raises(ValueError, match="LayoutStrategy trains a model split over 2 devices with Keras.s fit "
+                                             r"\(or train_on_batch\) in this version, not in a custom training loop"):
+            step(X[:16], Y[:16])

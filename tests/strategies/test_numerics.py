@@ -109,8 +109,8 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
 def test_gradient_accumulation_matches_one_device(kind):
     """Keras accumulates gradients under a conditional whose branches enter the cross-replica context, which fails
     under every TensorFlow strategy at the first step (keras-team/keras#20582); tfdist's kinds accumulate as one
-    device does, an optimizer split over the replicas too. The tensor-parallel model has no tfdist layers: each
-    group of 2 devices trains it whole."""
+    device does, an optimizer split over the replicas too, and the tensor-parallel model split by Megatron's split
+    found in it (its Dense pair, whose accumulators are split beside the kernels)."""
     import keras
     import tensorflow as tf
 

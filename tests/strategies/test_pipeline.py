@@ -9,7 +9,6 @@ import tensorflow as tf
 from helpers import attention_and_mlp, megatron_layout_map, ops_per_device, train_with_metrics
 from tfdist import ConfigError, PipelineStrategy, load_config, make_strategy
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
-from tfdist.parallel import DeviceGroup
 from tfdist.parallel.layout import Layout
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
@@ -144,21 +143,19 @@ def _tensor_parallel():
     ])
 
 
-def _unsharded(model):
-    return [w for layer in model.layers for w in getattr(layer, "unsharded_weights", layer.get_weights)()]
-
-
 @pytest.mark.parametrize("recompute", [False, True])
 def test_tensor_parallel_stages_match_one_device(recompute):
+    from tfdist.parallel.split_variables import is_split, shards
+
     strategy = PipelineStrategy(2, 4, devices=FOUR, tensor_parallel_size=2, boundaries=["row"],
                                 recompute=recompute, verbose=False)
-    assert [[g.devices for g in replica] for replica in strategy.stage_groups] == [[FOUR[:2], FOUR[2:]]]
-    with DeviceGroup(["/cpu:0"]).scope():
-        start, reference, _ = _train(_tensor_parallel)
+    assert strategy.stage_devices == [[FOUR[0], FOUR[2]], [FOUR[1], FOUR[3]]]  # the model axis's two pipelines
+    start, reference, _ = _train(_tensor_parallel)
     _, model, _ = _train(_tensor_parallel, strategy)
-    assert len(model.get_layer("column").kernels) == 2
-    for a, b in zip(_unsharded(model), _unsharded(reference)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    column = model.get_layer("column").kernel
+    assert is_split(column) and [s.device[-5:] for s in shards(column)] == ["CPU:0", "CPU:1"]
+    assert [s.device[-5:] for s in shards(model.get_layer("mlp").hidden.kernel)] == ["CPU:2", "CPU:3"]
+    _assert_same(reference, model)
     assert max(np.abs(a - b).max() for a, b in zip(start, reference.get_weights())) > 1e-3
 
     data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH))
@@ -168,9 +165,9 @@ def test_tensor_parallel_stages_match_one_device(recompute):
         return strategy.run(model.train_step, args=(next(iterator),))
 
     counts = ops_per_device(step.get_concrete_function(iter(data)).graph, ["MatMul"])
-    # Stage 0 (embed, column) splits over /cpu:0 and /cpu:1, stage 1 (row, mlp, logits) over /cpu:2 and /cpu:3.
-    assert set(counts) == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, counts
-    assert counts["CPU:2"] > counts["CPU:3"] > 0 and counts["CPU:0"] > counts["CPU:1"] > 0, counts
+    # Stage 0 (embed, column) runs on /cpu:0 and /cpu:1, stage 1 (row, mlp, logits) on /cpu:2 and /cpu:3, each
+    # device its shards and the whole layers alike.
+    assert counts["CPU:0"] == counts["CPU:1"] > 0 and counts["CPU:2"] == counts["CPU:3"] > 0, counts
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -286,7 +283,7 @@ def test_more_stages_than_layers():
         (dict(num_stages=2, devices=FOUR[:3], layout=Layout(model=2)),
          r"multiple of `num_stages` \(2\) x the layout's model axis \(2\): each pipeline replica takes 4"),
         (dict(devices=FOUR, layout=Layout(model=2), shard_optimizer=1),
-         "A pipeline split by a `layout` .* runs without `tensor_parallel_size` and `shard_optimizer`"),
+         "`shard_optimizer` cannot split the optimizer of a pipeline whose stages are split over several devices"),
         (dict(schedule="interleaved"), "must be one of gpipe, 1f1b"),
         (dict(num_micro_batches=0), "must be >= 1"),
         (dict(balance_by="flops"), "must be one of"),
@@ -317,8 +314,9 @@ def test_from_config_with_tensor_parallel_stages():
         "configs/pipeline.yaml",
         ["strategy.tensor_parallel_size=2", "model.name=transformer", "model.width=32", "model.heads=2"],
     ))
-    assert strategy.num_replicas_in_sync == 1
-    assert [[g.devices for g in replica] for replica in strategy.stage_groups] == [[FOUR[:2], FOUR[2:]]]
+    assert strategy.num_replicas_in_sync == 2  # a replica per device of a stage: one copy of the model
+    assert strategy.stage_devices == [[FOUR[0], FOUR[2]], [FOUR[1], FOUR[3]]]
+    assert strategy.tensor_parallel_groups == [FOUR[:2], FOUR[2:]]
 
 
 @pytest.mark.parametrize(
@@ -340,7 +338,7 @@ def test_pipeline_of_tensor_parallel_stages_trains_from_its_config(tmp_path):
     assert result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
     assert result["devices"] == FOUR
     assert result["final"]["val_accuracy"] >= 0.9
-    assert "stage 1 on /cpu:2, /cpu:3 (tensor parallel)" in proc.stdout
+    assert "stage 1 on /cpu:2, /cpu:3 (split by the layout; bytes of the first)" in proc.stdout
 
 
 def _batch_norm_model():

@@ -74,7 +74,7 @@ def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, bac
     # Evaluation covers every process's examples; predict returns all of them, in order, on each process.
     np.testing.assert_allclose(result["evaluated"], reference["evaluated"], atol=1e-5)
     np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
-    assert int(result["replicas"]) == (2 if layout == "tensor_parallel" else 4)  # a layout: a replica per device
+    assert int(result["replicas"]) == 4  # split by a layout (tensor_parallel: Megatron's split): a replica per device
     # Each gradient crosses processes on the device that holds its variable: stage 1's (or shard 1's)
     # on /cpu:1 (a pipeline split by a layout: its stages' on /cpu:0-1 and /cpu:2-3), never gathered on the first.
     devices = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"] if layout == "pipeline_layout" else ["CPU:0", "CPU:1"]
@@ -89,22 +89,21 @@ def test_two_processes_of_two_devices_match_one_device(tmp_path, one_device, bac
 def one_device_adam(tmp_path_factory):
     directory = tmp_path_factory.mktemp("one_device_adam")
     return {layout: _run("one_device", layout, str(directory / f"{layout}.npz"), "0")
-            for layout in ("pipeline", "tensor_parallel")}
+            for layout in ("pipeline",)}
 
 
 @pytest.mark.xdist_group("process_groups_one_device")
 @pytest.mark.parametrize("backend, layout, stage", [
-    ("multi_worker", "pipeline", 2), ("multi_worker", "tensor_parallel", 1), ("multi_worker", "pipeline_2x2", 1),
-    ("multi_worker", "pipeline_2x2", 2),
+    ("multi_worker", "pipeline", 2), ("multi_worker", "pipeline_2x2", 1), ("multi_worker", "pipeline_2x2", 2),
     pytest.param("horovod", "pipeline", 1, marks=pytest.mark.horovod),
-    pytest.param("horovod", "tensor_parallel", 2, marks=pytest.mark.horovod),
+    pytest.param("horovod", "pipeline", 2, marks=pytest.mark.horovod),
 ])
 def test_an_optimizer_split_over_every_processs_replicas_trains_the_one_device_weights(
         tmp_path, one_device_adam, backend, layout, stage):
     """`shard_optimizer` with `data_parallel`: each replica of each process (1, or 2 of 2 stages each in
     `pipeline_2x2`) keeps the slots of its own slice of every variable, beside the variable (its
-    stage's or its shard's device), and the job trains one device's weights; a pipeline's model saved
-    by both processes at once holds the state whole."""
+    stage's device), and the job trains one device's weights; a pipeline's model saved by both processes
+    at once holds the state whole."""
     out = tmp_path / "split"
     result = _run(backend, layout, f"{out}.npz", str(stage))
     reference = one_device_adam[layout.removesuffix("_2x2")]  # 2 replicas a process: the same model

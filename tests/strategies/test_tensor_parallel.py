@@ -1,4 +1,5 @@
-"""TensorParallelStrategy: placement, optimizer state, numerics and the config path."""
+"""TensorParallelStrategy: Megatron's split of each group (tfdist.layers, attention heads, Dense pairs), placement,
+optimizer state, numerics and the config path."""
 
 
 import keras
@@ -8,7 +9,7 @@ import tensorflow as tf
 
 from helpers import ops_per_device, train_with_metrics
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense
-from tfdist.parallel import DeviceGroup
+from tfdist.parallel.split_variables import is_split, shards
 from tfdist import ConfigError, load_config, make_strategy, training
 from tfdist.strategies import TensorParallelStrategy
 
@@ -25,17 +26,24 @@ def _device_index(variable):
     return tf.DeviceSpec.from_string(variable.value.device).device_index
 
 
-def test_shards_and_their_optimizer_state_live_on_their_devices():
+def _shard_devices(variable):
+    return [tf.DeviceSpec.from_string(s.device).device_index for s in shards(variable)]
+
+
+def test_the_layers_split_their_kernels_and_slots_one_shard_per_device():
     strategy = TensorParallelStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = _model()
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(np.ones((8, 8)), np.zeros(8), epochs=1, verbose=0)
-    for variable in model.weights:
-        expected = 1 if "_shard_1" in variable.path else 0
-        assert _device_index(variable) == expected, variable.path
-    slots = [v for v in model.optimizer.variables if "_shard_" in v.path]
-    assert slots and all(_device_index(v) == (1 if "_shard_1" in v.path else 0) for v in slots)
+    column, row, mlp = model.layers[1:4]
+    split = [v for v in model.weights if is_split(v)]
+    assert [v.path for v in split] == [v.path for v in (column.kernel, column.bias, row.kernel, mlp.hidden.kernel,
+                                                         mlp.hidden.bias, mlp.output_dense.kernel)]
+    for variable in split:
+        assert _shard_devices(variable) == [0, 1]
+        assert shards(variable)[0].shape.num_elements() == variable.shape.num_elements() // 2
+    assert sum(is_split(v) for v in model.optimizer.variables) == 2 * len(split)  # Adam's two slots beside each
 
 
 def test_training_under_the_strategy_matches_one_device():
@@ -44,15 +52,12 @@ def test_training_under_the_strategy_matches_one_device():
     with TensorParallelStrategy(["/cpu:0", "/cpu:1"]).scope():
         sharded = _model()
         sharded.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
-    with DeviceGroup(["/cpu:0"]).scope():
-        single = _model()
-        single.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    single = _model()
+    single.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
     sharded.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(sharded.layers, single.layers):
-        unsharded = getattr(a, "unsharded_weights", a.get_weights)()
-        for u, v in zip(unsharded, getattr(b, "unsharded_weights", b.get_weights)()):
-            np.testing.assert_allclose(u, v, atol=1e-5)
+    for u, v in zip(sharded.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(u, v, atol=1e-5)
 
 
 def test_a_missing_device_is_a_clear_error():
@@ -154,33 +159,33 @@ def _component_devices(variable):
 def test_groups_train_data_parallel_and_match_one_device():
     x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
     y = np.random.default_rng(1).integers(0, 3, 64)
-    strategy = TensorParallelStrategy(FOUR, group_size=2)
-    assert strategy.num_replicas_in_sync == 2 and [g.devices for g in strategy.groups] == [FOUR[:2], FOUR[2:]]
+    strategy = TensorParallelStrategy(FOUR, group_size=2)  # a replica per device, a model copy per group
+    assert strategy.num_replicas_in_sync == 4 and [g.devices for g in strategy.groups] == [FOUR[:2], FOUR[2:]]
     with strategy.scope():
         sharded = _model()
         sharded.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
-    with DeviceGroup(["/cpu:0"]).scope():
-        single = _model()
-        single.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    single = _model()
+    single.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
     sharded.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(sharded.layers, single.layers):
-        for u, v in zip(getattr(a, "unsharded_weights", a.get_weights)(), getattr(b, "unsharded_weights", b.get_weights)()):
-            np.testing.assert_allclose(u, v, atol=1e-5)
-    # Shard i of every kernel has a copy on device i of each group; the rest on the groups' first devices.
-    for variable in sharded.weights:
-        assert _component_devices(variable) == ([1, 3] if "_shard_1" in variable.path else [0, 2]), variable.path
+    for u, v in zip(sharded.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(u, v, atol=1e-5)
+    # Shard i of every split kernel on device i of each group.
+    for variable in (v for v in sharded.weights if is_split(v)):
+        assert _shard_devices(variable) == [0, 1, 2, 3], variable.path
+        np.testing.assert_array_equal(shards(variable)[2], shards(variable)[0])
 
 
-def test_a_users_own_model_without_tfdist_layers_trains_as_one_device_and_says_nothing_is_split(capfd):
-    """The one-line change from a Keras guide: the user's model, a strategy from a config that names no model."""
+def test_a_users_own_model_is_split_where_megatron_would_and_trains_as_one_device():
+    """The one-line change from a Keras guide: the user's model (no tfdist.layers), a strategy from a config that
+    names no model. Its Dense pair splits column then row; nothing else changes."""
     x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
     y = np.random.default_rng(1).integers(0, 3, 64)
 
     def plain():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)],
-                                 name="users_model")
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="hidden"),
+                                  keras.layers.Dense(3, name="logits")], name="users_model")
         model.compile(optimizer=keras.optimizers.SGD(0.1),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
@@ -194,11 +199,9 @@ def test_a_users_own_model_without_tfdist_layers_trains_as_one_device_and_says_n
     single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(model.get_weights(), single.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    model.evaluate(x, y, verbose=0)
-    said = [line for line in capfd.readouterr().err.splitlines() if "nothing is split" in line]
-    assert said == ["tfdist: tensor_parallel: the users_model model has no tensor-parallel layers (tfdist.layers) and "
-                    "no placed layers, so nothing is split: each group of 2 devices trains it whole on its first "
-                    "device, data parallel over 2 group(s)"]  # once, not again for evaluate
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(single.evaluate(x, y, verbose=0), abs=1e-5)
+    assert sorted(v.path for v in model.weights if is_split(v)) == [
+        "users_model/hidden/bias", "users_model/hidden/kernel", "users_model/logits/kernel"]
 
 
 def test_each_group_computes_its_replica_on_its_own_devices():
@@ -206,6 +209,7 @@ def test_each_group_computes_its_replica_on_its_own_devices():
     with strategy.scope():
         model = _model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    model.fit(np.ones((16, 8), "float32"), np.zeros(16), verbose=0)  # Keras's training step, marked as such
     data = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((np.ones((16, 8), "float32"), np.zeros(16))).batch(16)
     )
@@ -215,8 +219,8 @@ def test_each_group_computes_its_replica_on_its_own_devices():
         return strategy.run(model.train_step, args=(next(iterator),))
 
     counts = ops_per_device(step.get_concrete_function(iter(data)).graph, ["MatMul"])
-    # Replica 1 is replica 0 moved to the second group; every shard device does work.
-    assert counts["CPU:0"] == counts["CPU:2"] and counts["CPU:1"] == counts["CPU:3"] > 0, counts
+    # A replica per device, each computing its shards: every device does the same work.
+    assert len(set(counts.values())) == 1 and sorted(counts) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"], counts
 
 
 def test_placement_repeats_in_every_group():
@@ -235,7 +239,7 @@ def test_config_makes_mirrored_groups():
         "configs/tensor_parallel.yaml", ["strategy.logical_devices=4", "strategy.tensor_parallel_size=2", *SHARED_THREADS]
     ))
     assert [g.devices for g in strategy.groups] == [FOUR[:2], FOUR[2:]]
-    assert strategy.num_replicas_in_sync == 2
+    assert strategy.num_replicas_in_sync == 4 and strategy.layout.data == 2  # a replica per device, 2 copies
 
 
 @pytest.mark.parametrize("path, overrides, key, rule", [
@@ -278,6 +282,7 @@ def test_the_transformer_of_tfdist_train_must_split_over_the_groups(path, overri
 def test_config_trains_mirrored_tensor_parallel_groups(tmp_path):
     proc, result = train_with_metrics(tmp_path, "configs/tensor_parallel.yaml", "strategy.logical_devices=4",
                                       "strategy.tensor_parallel_size=2", "train.epochs=8")
-    assert result["num_replicas"] == 2 and result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
+    assert result["num_replicas"] == 4 and result["tensor_parallel_groups"] == [FOUR[:2], FOUR[2:]]
+    assert result["layout"]["model_copies"] == 2
     assert result["final"]["val_accuracy"] >= 0.9
     assert "tensor groups   2 of 2 devices: [/cpu:0, /cpu:1], [/cpu:2, /cpu:3]" in proc.stdout

@@ -289,6 +289,11 @@ def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
     for i, device in enumerate(placement_pairs(config).values()):
         if parse_device(device, f"placement.layers[{i}]") not in local:
             raise ConfigError(f"placement.layers[{i}]", f"must place on a device of the first group {first}.", device)
+    placed = config.placement.layers or config.placement.balance_by_memory
+    if s.shard_optimizer and size > 1 and not placed:
+        raise ConfigError("strategy.shard_optimizer", f"cannot split the optimizer of a model split over groups of "
+                          f"{size} devices in this version; it splits a placed model's (placement.layers).",
+                          s.shard_optimizer)
 
 
 def check_transformer_split(config: Config, size: int) -> None:

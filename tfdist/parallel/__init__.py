@@ -1,5 +1,5 @@
 """Model-parallel building blocks: device groups, pipeline partitioning and schedules."""
 
-from tfdist.parallel.device_group import DeviceGroup, current_group
+from tfdist.parallel.device_group import DeviceGroup
 
-__all__ = ["DeviceGroup", "current_group"]
+__all__ = ["DeviceGroup"]

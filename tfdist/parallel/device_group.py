@@ -1,42 +1,22 @@
-"""A group of devices that tensor-parallel layers split their kernels over.
-
-Layers such as `tfdist.layers.ColumnParallelDense` take the group they are
-built in: `with DeviceGroup(["/cpu:0", "/cpu:1"]).scope():`, or the scope of a
-strategy that holds groups (`tfdist.TensorParallelStrategy`, and
-`tfdist.PipelineStrategy` with a tensor-parallel size). A group of one device
-is the plain, unsharded layer, placed wherever the surrounding strategy puts
-it; that is how a model saved from a sharded run loads on one device.
-
-The group in scope can change between build and call: with several model
-replicas each replica computes on its own group, and a pipeline stage on the
-stage's group. Such strategies answer `tensor_parallel_group` for the replica
-(and stage) running now.
+"""A group of devices: one model replica's (a pipeline's stages, a placement's devices), checked to exist.
 
 Example:
 
-    >>> group = DeviceGroup(["/cpu:0"])
-    >>> with group.scope():
-    ...     current_group() is group
-    True
+    >>> DeviceGroup(["/cpu:0"]).index("CPU:0")
+    0
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from tfdist.contract import contract
-
-__all__ = ["DeviceGroup", "current_group", "current_replica", "split_into_groups"]
-
-_SCOPES = threading.local()
+__all__ = ["DeviceGroup", "current_replica", "split_into_groups"]
 
 
 class DeviceGroup:
-    """Devices that share one tensor-parallel layer's work, in shard order.
+    """Devices, in order.
 
     Args:
       devices: device names (`/cpu:0`, `/gpu:1`), each at most once.
@@ -72,26 +52,8 @@ class DeviceGroup:
         target = _resolve(device)
         return resolved.index(target) if target in resolved else None
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator["DeviceGroup"]:
-        """Tensor-parallel layers made inside use this group."""
-        stack = _stack()
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
-
     def __repr__(self) -> str:
         return f"DeviceGroup({self.devices})"
-
-
-def current_group() -> Optional[DeviceGroup]:
-    """The innermost group in scope: a `DeviceGroup.scope()`, else the strategy's."""
-    stack = _stack()
-    if stack:
-        return stack[-1]
-    return contract(tf.distribute.get_strategy()).tensor_parallel_group
 
 
 def split_into_groups(devices: Sequence[str], size: int) -> list[DeviceGroup]:
@@ -107,12 +69,6 @@ def current_replica() -> int:
         return 0
     replica = tf.get_static_value(context.replica_id_in_sync_group)
     return 0 if replica is None else int(context.strategy.extended._get_local_replica_id(int(replica)))
-
-
-def _stack() -> list:
-    if not hasattr(_SCOPES, "stack"):
-        _SCOPES.stack = []
-    return _SCOPES.stack
 
 
 def _resolve(device: str) -> str:

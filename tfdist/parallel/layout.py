@@ -27,14 +27,11 @@ import re
 from typing import Optional, Sequence
 
 from tfdist import _compat
+from tfdist.errors import LayoutError
 
 __all__ = ["DATA", "MODEL", "Layout", "LayoutError"]
 
 DATA, MODEL = "batch", "model"  # the mesh's axis names, as keras-hub's get_layout_map defaults them
-
-
-class LayoutError(ValueError):
-    """A layout that does not fit the model or the devices, in one line naming the variable, rule and shapes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +148,12 @@ class Layout:
         from tfdist.parallel.megatron_pairs import megatron_axes  # which imports this module
 
         matched = {v.path for v in model.variables if self.rule_for(v.path)}
-        return {**{p: a for p, a in megatron_axes(model, self.model).items() if p not in matched}, **axes}
+        found = {p: a for p, a in megatron_axes(model, self.model).items() if p not in matched}
+        if not found and not self.rules:
+            raise LayoutError(f"Model {model.name!r} has no MultiHeadAttention, no Dense pair (a Dense whose output "
+                              "only another Dense consumes, in its own graph) and no tfdist.layers for Megatron's "
+                              "split to find.")
+        return {**found, **axes}
 
     def split_axes(self, variables) -> dict[str, int]:
         """Path -> split axis of every variable a rule splits.

@@ -25,7 +25,7 @@ from typing import Optional
 import keras
 
 from tfdist import _compat
-from tfdist.parallel.layout import LayoutError
+from tfdist.errors import LayoutError
 from tfdist.parallel.spmd import einsum_parts, elementwise, layer_equation
 
 __all__ = ["KNOWN_BLOCKS", "functional_pairs", "megatron_axes", "paired_blocks"]
@@ -106,14 +106,22 @@ def megatron_axes(model: keras.Model, devices: int) -> dict[str, int]:
     """Megatron-LM's split of `model` over `devices`, found in it: variable path -> split axis.
 
     Every `MultiHeadAttention` splits on its heads (query, key and value kernels and biases, and the output
-    kernel's rows), and every `Dense` whose output only another `Dense` consumes (in the model's own graph)
-    splits its columns, the other its rows: one sum per block forward.
+    kernel's rows), every `Dense` whose output only another `Dense` consumes (in the model's own graph)
+    splits its columns, the other its rows: one sum per block forward; and `tfdist.layers`' Column- and
+    RowParallelDense (of a `ParallelMLP` too) split as they say.
 
     Raises:
-      LayoutError: an attention's heads or a pair's hidden units do not divide by `devices`, or nothing to split.
+      LayoutError: an attention's heads, a pair's hidden units or a declared axis do not divide by `devices`.
     """
     axes = {}
     for layer in _compat.nested_layers(model):
+        for name, axis in getattr(layer, "megatron_split", {}).items():  # tfdist.layers' Column/RowParallelDense
+            variable = getattr(layer, name, None)
+            if variable is not None:
+                if variable.shape[axis] % devices:
+                    raise LayoutError(f"Layer {layer.name!r} splits axis {axis} of its {name} (shape "
+                                      f"{tuple(variable.shape)}) over {devices} devices, which does not divide it.")
+                axes[variable.path] = axis
         if isinstance(layer, keras.layers.MultiHeadAttention):
             if layer.num_heads % devices:
                 raise LayoutError(f"Layer {layer.name!r} has {layer.num_heads} heads, which do not divide over "
@@ -133,9 +141,6 @@ def megatron_axes(model: keras.Model, devices: int) -> dict[str, int]:
             axes[column.kernel.path], axes[row.kernel.path] = 1, 0
             if column.bias is not None:
                 axes[column.bias.path] = 0
-    if not axes:
-        raise LayoutError(f"Model {model.name!r} has no MultiHeadAttention and no Dense pair (a Dense whose output "
-                          "only another Dense consumes, in its own graph) for Megatron's split to find.")
     return axes
 
 
@@ -149,13 +154,13 @@ def paired_blocks(layers, axes_by_layer: dict) -> dict:
             heads_in = [axes_by_layer.get(p, {}).get("kernel") for p in projections]
             if heads_in == [1, 1, 1] and axes_by_layer.get(output, {}).get("kernel") == 0:  # (model, heads, size)
                 blocks[layer] = {}
-        elif type(layer).__name__ in KNOWN_BLOCKS:
+        elif type(layer).__name__ in KNOWN_BLOCKS or getattr(layer, "pairs_its_layers", False):
             inside = _compat.nested_layers(layer)
             split = [sub for sub in inside if sub in axes_by_layer]
             if not split or any(kept_axis(s, axes_by_layer[s]) is None and contracted_axis(s, axes_by_layer[s]) is None
                                 for s in split):
                 continue
-            counted = KNOWN_BLOCKS[type(layer).__name__]
+            counted = KNOWN_BLOCKS.get(type(layer).__name__, ())
             blocks[layer] = {sub: counted for sub in inside if counted and _computes_on_split_heads(sub, axes_by_layer)
                              and all(hasattr(sub, name) for name in counted)}
     return blocks

@@ -1,18 +1,19 @@
 """Pipeline parallelism for Keras 3 `model.fit`: `PipelineStrategy`.
 
 Devices form pipeline replicas of `num_stages` devices each (4 devices, 2
-stages: replicas [d0, d1] and [d2, d3]); with `tensor_parallel_size` T each
-stage is a group of T devices that the tensor-parallel layers of
-`tfdist.layers` split over (8 devices, 2 stages, T=2: replicas
-[[d0, d1], [d2, d3]] and [[d4, d5], [d6, d7]]). The strategy is a
+stages: replicas [d0, d1] and [d2, d3]); with `tensor_parallel_size` T (or a
+layout's model axis of T) each stage is split over T devices by a layout
+(Megatron's split, found in the model), the replica's T pipelines running
+side by side (8 devices, 2 stages, T=2: pipelines [d0, d2] and [d1, d3], and
+[d4, d6] and [d5, d7]). The strategy is a
 `ReplicaGroupsStrategy`: a `MirroredStrategy` over the first device of every
 replica, so data parallelism across replicas, variable mirroring and gradient
 all-reduce are TensorFlow's own. What it adds:
 
 1. the model is cut into stages (`tfdist.parallel.partition`), stage k on the
-   replica's device (group) k, the first time a step function is built;
-2. each stage's variables then move to the stage's device (a tensor-parallel
-   shard to its device in the stage's group), in every replica, with the
+   replica's device k, the first time a step function is built;
+2. each stage's variables then move to the stage's device (and, split by a
+   layout, are cut into the shards of its devices), in every replica, with the
    optimizer slots made from them; updates run there too, and a variable's
    gradient is all-reduced among its copies only. What no stage owns (the
    optimizer's step counter and learning rate, the loss scale, metrics) stays
@@ -61,7 +62,7 @@ from tfdist.parallel import schedules
 from tfdist.parallel.layout import Layout
 from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.split_variables import is_split, split, split_axis
-from tfdist.parallel.device_group import DeviceGroup, current_replica, split_into_groups
+from tfdist.parallel.device_group import current_replica, split_into_groups
 from tfdist.parallel.optimizer_shards import held_variables
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
@@ -94,9 +95,10 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         compute). Layers that draw random numbers (Dropout) are refused, since
         their recomputed masks would differ.
       verbose: print the chosen partition when the first step is built.
-      tensor_parallel_size: devices per stage (T); the tensor-parallel layers
-        made in this strategy's scope split over the stage's devices, each
-        shard held by its own device.
+      tensor_parallel_size: devices per stage (T): each stage is split over
+        them by Megatron's split, found in the model
+        (`tfdist.parallel.layout.Layout(megatron=True)`: attention heads,
+        Dense pairs and `tfdist.layers`), as `layout` does.
       place_variables: move each stage's variables and optimizer slots to its
         devices (the default). False leaves every variable on each replica's
         first device, which then must hold the whole model and sends each
@@ -143,24 +145,28 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         layout=None,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"`tensor_parallel_size` must be >= 1. Received: {tensor_parallel_size}")
         if layout is not None:
             layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
-            if tensor_parallel_size != 1 or shard_optimizer:
+            if tensor_parallel_size != 1:
                 raise ValueError("A pipeline split by a `layout` takes its devices per stage from the layout's model "
-                                 "axis, and runs without `tensor_parallel_size` and `shard_optimizer` in this "
-                                 "version.")
-        split_size = layout.model if layout is not None else max(tensor_parallel_size, 1)  # devices a stage
+                                 f"axis, not `tensor_parallel_size`. Received: {tensor_parallel_size}")
+        elif tensor_parallel_size > 1:  # Megatron's split, found in each stage (tfdist.layers' too)
+            layout = Layout(model=tensor_parallel_size, megatron=True)
+        if layout is not None and shard_optimizer:
+            raise ValueError("`shard_optimizer` cannot split the optimizer of a pipeline whose stages are split over "
+                             "several devices in this version.")
+        split_size = layout.model if layout is not None else 1  # devices a stage
         if devices is None:
             split_cpu(num_stages * split_size)
         processes = make_process_group(data_parallel)  # joining a cluster must come before TensorFlow starts
         devices = list(devices or default_devices(num_stages * split_size))
-        if tensor_parallel_size < 1:
-            raise ValueError(f"`tensor_parallel_size` must be >= 1. Received: {tensor_parallel_size}")
         per_replica = num_stages * split_size
         if len(devices) < per_replica or len(devices) % per_replica:
             sizes = f"`num_stages` ({num_stages})" + (
-                f" x the layout's model axis ({split_size})" if layout is not None else
-                f" x `tensor_parallel_size` ({tensor_parallel_size})" if tensor_parallel_size > 1 else ""
+                f" x `tensor_parallel_size` ({tensor_parallel_size})" if tensor_parallel_size > 1 else
+                f" x the layout's model axis ({split_size})" if layout is not None else ""
             )
             raise ValueError(
                 f"`devices` must be a non-zero multiple of {sizes}: each pipeline replica takes "
@@ -170,6 +176,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
             raise ValueError(
                 f"`balance_by` must be one of {partition_lib.BALANCE_BASES}. Received: {balance_by!r}"
             )
+        self.tensor_parallel_groups = [devices[i : i + split_size] for i in range(0, len(devices), split_size)]
         if layout is not None:  # each of the M pipelines of a replica's K x M devices, stage by stage
             devices = [devices[r + s * split_size + m] for r in range(0, len(devices), per_replica)
                        for m in range(split_size) for s in range(num_stages)]
@@ -180,7 +187,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         self.recompute = recompute
         self.place_variables = place_variables
         make_named_cpus(devices)  # before the groups ask TensorFlow for its devices
-        self.groups = split_into_groups(devices, tensor_parallel_size)  # every stage of every replica
+        self.groups = split_into_groups(devices, 1)  # every stage of every replica
         self.stage_groups = [self.groups[i : i + num_stages] for i in range(0, len(self.groups), num_stages)]
         self.stage_devices = [[group.devices[0] for group in replica] for replica in self.stage_groups]
         self.tensor_parallel_size = tensor_parallel_size
@@ -201,15 +208,14 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
                                        for s in range(num_stages)]
 
     @property
+    def devices(self) -> list[str]:
+        """Every device, in the order given (a replica's stages, each stage's devices along the model axis)."""
+        return [device for group in self.tensor_parallel_groups for device in group]
+
+    @property
     def peak_stashed_micro_batches(self) -> list[int]:
         """Per stage, the most micro-batch activations alive at once under the schedule."""
         return [schedules.peak_stash(order) for order in self._orders]
-
-    @property
-    def tensor_parallel_group(self) -> DeviceGroup:
-        """The first stage's group of the replica whose step is being built (the
-        pipelined training step puts each stage's own group in scope)."""
-        return self.stage_groups[current_replica()][0]
 
     @property
     def mesh_groups(self) -> Optional[MeshGroups]:
@@ -266,15 +272,15 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
 
     @contextlib.contextmanager
     def stage_scope(self, stage_index: int):
-        """Under this strategy, the stage's (first) device and its group in scope, in the replica
-        whose step is being built (the first replica outside a step); elsewhere nothing."""
+        """Under this strategy, the stage's device, in the replica whose step is being built (the first
+        replica outside a step), and its mesh groups with a layout; elsewhere nothing."""
         if tf.distribute.get_strategy() is not self:
             yield
             return
         group = self.stage_groups[current_replica()][stage_index]
         outer, self._stage.index = self._stage.index, stage_index
         try:
-            with tf.device(group.devices[0]), group.scope():
+            with tf.device(group.devices[0]):
                 yield
         finally:
             self._stage.index = outer
@@ -329,19 +335,12 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
                         f"variable {variable.path!r} is used by layers of stages {owner[id(variable)]} and "
                         f"{stage.index}: a weight shared between layers must stay in one stage. Move the boundary."
                     )
-                destinations.append((variable, self._stage_device(variable, stage.index)))
+                destinations.append((variable, self.stage_devices[0][stage.index]))
         slots = self.move_variables(destinations, getattr(model, "optimizer", None))
         for variable, device in destinations:
             if variable.regularizer is not None:
                 variable.regularizer = _RegularizerOnDevice(variable.regularizer, self, device)
         return slots
-
-    def _stage_device(self, variable: keras.Variable, stage_index: int) -> str:
-        """The device of the first replica's stage that holds `variable`: a tensor-parallel shard
-        keeps its position in the group, anything else goes to the stage's first device."""
-        copies = getattr(variable.value, "values", (variable.value,))
-        position = self.stage_groups[0][0].index(copies[0].device)
-        return self.stage_groups[0][stage_index].devices[position or 0]
 
     def _describe(self, model: keras.Model, partition: partition_lib.Partition) -> str:
         processes = f"{self.processes.describe()} x " if self.processes else ""
@@ -358,8 +357,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
                 for label, value in (("predicted", stage.predicted_ms), ("measured", stage.measured_ms))
                 if value is not None
             )
-            group = self.stage_groups[0][stage.index]
-            where = group.devices[0] if group.size == 1 else f"{', '.join(group.devices)} (tensor parallel)"
+            where = self.stage_devices[0][stage.index]
             if self.layout:  # the stage's devices along the model axis
                 split = [replica[stage.index] for replica in self.stage_devices[:self.layout.model]]
                 where = f"{', '.join(split)} (split by the layout; bytes of the first)"
@@ -415,7 +413,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         if id(model) in self._micro_batch_sizes:
             report["micro_batch_size"] = self._micro_batch_sizes[id(model)]
         if self.tensor_parallel_size > 1:
-            report["tensor_parallel_groups"] = [list(group.devices) for group in self.groups]
+            report["tensor_parallel_groups"] = self.tensor_parallel_groups
         return {**report, **super().job_report(model)}  # the optimizer's split, if any
 
     def stage_memory(self, model: keras.Model) -> list[dict[str, int]]:

@@ -54,6 +54,10 @@ class SplitsByLayout:
         self._split_models = weakref.WeakSet()
         self._split_optimizers = weakref.WeakSet()
 
+    @property
+    def model_axis(self) -> int:
+        return self.layout.model if self.layout is not None else 1
+
     def groups_holding(self, variable) -> MeshGroups:
         """The mesh groups of the devices that hold `variable`'s shards."""
         return self.mesh_groups
@@ -180,19 +184,23 @@ class SplitsByLayout:
         """
         if self.layout is None:
             return super().reduce_gradients(grads_and_vars)
-        if not self._keras_steps:
-            raise ValueError(f"{type(self).__name__} trains a layout with Keras's fit (or train_on_batch) in this "
-                             "version: a custom training loop's loss, divided by the examples of every replica, "
-                             "would count each example once per device of the model axis.")
         context = tf.distribute.get_replica_context()
-        own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and isinstance(v, SplitVariable)]
+        own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and _split_storage(v) is not None]
         summed = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in own]
         pairs = list(grads_and_vars)
+        if not self._keras_steps and self.layout.model > 1:
+            # TensorFlow's guide divides the loss by the global batch and the regularization by the replicas:
+            # every device of the model axis computes on the same examples, which would count each of them, and
+            # not the regularization, once per device.
+            raise ValueError(f"{type(self).__name__} trains a model split over {self.layout.model} devices with "
+                             "Keras's fit (or train_on_batch) in this version, not in a custom training loop: its "
+                             "loss, divided by the examples of every replica, would count each example once per "
+                             "device of the model axis.")
         for i in own:
-            groups = self.groups_holding(pairs[i][1])
+            groups = self.groups_holding(_split_storage(pairs[i][1]))
             gradient = groups.data_sum(_scaled(pairs[i][0], self.layout.model))
             if self.processes is not None:  # and over the same column of every process's mesh
-                device = pairs[i][1].values[groups.local_index()].device
+                device = _split_storage(pairs[i][1]).values[groups.local_index()].device
                 gradient, = self.processes.all_reduce(tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(gradient)],
                                                       device)
             pairs[i] = (gradient, pairs[i][1])
@@ -243,6 +251,13 @@ class SplitsByLayout:
             block.call = split_block_call(block, divided, self.layout.model)
         self._split_models.add(model)
 
+
+
+def _split_storage(variable):
+    """The `SplitVariable` of a split variable (a Keras variable's storage, or TensorFlow's variable itself), else
+    None: Keras's update hands over either (its gradient accumulation the Keras variables)."""
+    storage = variable if isinstance(variable, SplitVariable) else getattr(variable, "value", None)
+    return storage if isinstance(storage, SplitVariable) else None
 
 
 def _scaled(gradient, factor: int):
