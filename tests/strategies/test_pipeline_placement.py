@@ -70,7 +70,7 @@ def _assert_each_stage_holds_its_own(strategy, model):
     """Every variable of stage k (and every optimizer slot made from it) sits on stage k's devices, replica by replica."""
     partition = strategy.partition_of(model)
     stage_devices = {
-        id(v): [[_short(d) for d in replica[stage.index].devices] for replica in strategy.stage_groups]
+        id(v): [[_short(replica[stage.index])] for replica in strategy.stage_devices]
         for stage in partition.stages
         for v in stage.model.variables
     }

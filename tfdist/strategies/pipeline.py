@@ -62,13 +62,12 @@ from tfdist.parallel import schedules
 from tfdist.parallel.layout import Layout
 from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.split_variables import is_split, split, split_axis
-from tfdist.parallel.device_group import current_replica, split_into_groups
+from tfdist.parallel.device_group import current_replica
 from tfdist.parallel.optimizer_shards import held_variables
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
 from tfdist.reporting import megabytes
 from tfdist.strategies.batch_share import weighted_by_batch_share
-from tfdist.strategies.data_parallel import make_named_cpus
 from tfdist.strategies.devices import default_devices, split_cpu
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, bytes_by_device, make_process_group
 from tfdist.strategies.split_by_layout import SplitsByLayout
@@ -180,16 +179,12 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         if layout is not None:  # each of the M pipelines of a replica's K x M devices, stage by stage
             devices = [devices[r + s * split_size + m] for r in range(0, len(devices), per_replica)
                        for m in range(split_size) for s in range(num_stages)]
-            per_replica = num_stages
         self.num_stages = num_stages
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         self.recompute = recompute
         self.place_variables = place_variables
-        make_named_cpus(devices)  # before the groups ask TensorFlow for its devices
-        self.groups = split_into_groups(devices, 1)  # every stage of every replica
-        self.stage_groups = [self.groups[i : i + num_stages] for i in range(0, len(self.groups), num_stages)]
-        self.stage_devices = [[group.devices[0] for group in replica] for replica in self.stage_groups]
+        self.stage_devices = [devices[i : i + num_stages] for i in range(0, len(devices), num_stages)]
         self.tensor_parallel_size = tensor_parallel_size
         self._boundaries = boundaries
         self._balance_by = balance_by
@@ -198,8 +193,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         self._partitions: dict[int, partition_lib.Partition] = {}
         self._said_whole = False  # that a custom loop's step runs unpipelined (once)
         self._micro_batch_sizes: dict[int, int] = {}  # per model: the micro-batch its step was traced with
-        super().__init__([devices[i : i + per_replica] for i in range(0, len(devices), per_replica)],
-                         processes=processes, shard_optimizer=shard_optimizer)
+        super().__init__(self.stage_devices, processes=processes, shard_optimizer=shard_optimizer)
         self._stage = _CurrentStage()
         if layout is not None:
             self._start_splitting(dataclasses.replace(layout, data=len(self.stage_devices) // layout.model,
@@ -277,10 +271,9 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         if tf.distribute.get_strategy() is not self:
             yield
             return
-        group = self.stage_groups[current_replica()][stage_index]
         outer, self._stage.index = self._stage.index, stage_index
         try:
-            with tf.device(group.devices[0]):
+            with tf.device(self.stage_devices[current_replica()][stage_index]):
                 yield
         finally:
             self._stage.index = outer
@@ -424,9 +417,9 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         state = held_variables(optimizer) if optimizer else []
         for kind, variables in (("params", model.weights), ("optimizer", state)):
             for device, size in bytes_by_device(variables).items():
-                for stage_index, group in enumerate(self.stage_groups[0]):
-                    if group.index(device) is not None:
-                        held[stage_index][kind] += size
+                stage_index = self.replicas[0].index(device)  # the first replica's devices are its stages'
+                if stage_index is not None:
+                    held[stage_index][kind] += size
         return held
 
     def _train_step(self, model: keras.Model, partition: partition_lib.Partition, data):
