@@ -36,6 +36,7 @@ from tfdist.config.validation import (
     placement_pairs,
     tensor_parallel_size,
 )
+from tfdist.contract import contract
 from tfdist.errors import ClusterError, ConfigError
 from tfdist.parallel.layout import DATA, MODEL, Layout, LayoutError
 from tfdist.strategies.data_parallel import MirroredStrategy
@@ -82,7 +83,7 @@ def make_strategy(config: Config) -> tf.distribute.Strategy:
         return _joined_again(config)
     gpus = configure_runtime(config)
     strategy = _builder(config.strategy.kind)(config, gpus)
-    check_batch_split(config, strategy.num_replicas_in_sync)
+    check_batch_split(config, strategy.num_replicas_in_sync // contract(strategy).model_axis)  # copies of the model
     precision.apply_policy(config.precision)
     if not config.runtime.trim_freed_memory:  # once the strategy has started TensorFlow: it runs a dataset
         restore_allocator()
