@@ -167,8 +167,8 @@ if __name__ == "__main__":
     shard = int(sys.argv[4]) if len(sys.argv) > 4 else None
     strategy, trained, weights, results = train(backend, layout, shard)
     devices = cross_process_reductions(strategy, trained, layout) if backend != "one_device" else []
-    if layout == "layout_gemma" and backend != "one_device":
-        results.update(keras_data_parallel())
+    if layout == "layout_gemma" and backend == "horovod":  # a second MultiWorkerMirroredStrategy in one process
+        results.update(keras_data_parallel())                # can abort its peers' collectives (TensorFlow's)
     if shard is not None and backend != "one_device":
         split_state(strategy, trained, out)
     elif shard is not None and layout.startswith("pipeline"):  # the reference's optimizer state, to compare saved ones
