@@ -223,6 +223,20 @@ def test_a_keras_distribution_written_for_jax_becomes_a_tfdist_strategy():
         tfdist.strategy_from(model_parallel, data_parallel="mpi")
 
 
+def test_a_data_parallel_distribution_under_workers_is_tensorflows_multi_worker_strategy(monkeypatch):
+    """Under a TF_CONFIG of several workers a DataParallel becomes tfdist's MultiWorkerMirroredStrategy (made here
+    without its cluster: tests/strategies/test_multi_worker.py trains it across processes)."""
+    import tfdist
+    from tfdist.strategies import layout as layout_module
+
+    made = []
+    monkeypatch.setattr(layout_module, "MultiWorkerMirroredStrategy", lambda: made.append("made") or "multi-worker")
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+                                    '"task": {"type": "worker", "index": 0}}')
+    assert tfdist.strategy_from(keras.distribution.DataParallel(devices=["cpu:0"])) == "multi-worker"
+    assert made == ["made"]
+
+
 @pytest.mark.parametrize("environment, launched", [
     ({}, "local"),
     ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}'},
