@@ -57,8 +57,13 @@ def _groups(groups: list) -> str:
 
 def _optimizer_state(split: Mapping[str, Any]) -> str:
     fullest = max(split["slot_bytes_per_device"])
-    return (f"split over {split['devices']} devices (ZeRO stage {split['stage']}): {fullest:,} slot bytes on the "
+    text = (f"split over {split['devices']} devices (ZeRO stage {split['stage']}): {fullest:,} slot bytes on the "
             f"fullest, {fullest / split['unsplit_slot_bytes']:.2f} of a whole copy's {split['unsplit_slot_bytes']:,}")
+    if "weight_bytes_per_device" in split:
+        weights = max(split["weight_bytes_per_device"])
+        text += (f"; {weights:,} weight bytes, {weights / split['unsplit_weight_bytes']:.2f} of "
+                 f"{split['unsplit_weight_bytes']:,}")
+    return text
 
 
 def format_summary(result: Mapping[str, Any]) -> str:

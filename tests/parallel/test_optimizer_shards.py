@@ -1,5 +1,5 @@
-"""The optimizer state split over a mirrored job's devices (ZeRO stages 1 and 2): the same weights as unsplit,
-each device holding the slots of 1/N of every variable."""
+"""The optimizer state split over a mirrored job's devices (ZeRO stages 1 and 2), and the weights too (stage 3): the
+same weights as unsplit, each device holding the slots (and at stage 3 the weights) of 1/N of every variable."""
 
 import io
 import math
@@ -40,10 +40,15 @@ OPTIMIZERS = {
 }
 
 
+# At stage 3 the kernels (84 and 21 elements) are split, the biases (7 and 3) stay whole.
+KEEP_WHOLE_BELOW = 8
+
+
 def _train(devices, make_optimizer, stage, epochs=2, callbacks=()):
     """(model, optimizer, its shards or None) after `epochs` epochs of 10 steps under a MirroredStrategy on
-    `devices` logical CPUs, with `shard_optimizer=stage` (0 or False: unsplit, 1 or True, 2)."""
-    strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=int(stage))
+    `devices` logical CPUs, with `shard_optimizer=stage` (0 or False: unsplit, 1 or True, 2, 3)."""
+    strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=int(stage),
+                                keep_whole_below=KEEP_WHOLE_BELOW)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 12)).astype("float32")
     y = x[:, :3].argmax(axis=1).astype("int32")
@@ -64,17 +69,34 @@ def _train(devices, make_optimizer, stage, epochs=2, callbacks=()):
 @pytest.mark.parametrize("devices", [2, 4])  # 4: other slice lengths and paddings
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_split_state_trains_the_same_weights_as_one_copy_per_device(cpus, name, devices):
-    """Stage 1 (the gradients all-reduced) and stage 2 (reduce-scattered) against the same job unsplit."""
+    """Stage 1 (the gradients all-reduced), stage 2 (reduce-scattered) and stage 3 (the weights split too)
+    against the same job unsplit."""
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
     whole, whole_optimizer, _ = _train(devices, OPTIMIZERS[name], stage=0)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         split, optimizer, shards = _train(devices, OPTIMIZERS[name], stage=stage)
         assert int(optimizer.iterations.numpy()) == STEPS and shards.collectives.stage == stage
         for a, b in zip(whole.get_weights(), split.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
-        if name == "adam":
+        if name == "adam" and stage < 3:
             _assert_each_device_holds_the_slots_of_its_slices_only(whole_optimizer, optimizer, shards, devices)
             _assert_the_reduced_gradients_are_split_at_stage_2(whole, split, stage, devices)
+        if name == "adam" and stage == 3:
+            _assert_each_device_holds_its_slices_of_the_kernels_only(whole, split, devices)
+
+
+def _assert_each_device_holds_its_slices_of_the_kernels_only(whole, split, devices):
+    """Weights and slots by device: the kernels and their slots 1/N each (padded), the biases whole on every device
+    and their slots split as at stage 2."""
+    unsplit = bytes_by_device(whole.weights + [v for v in whole.optimizer.variables if len(v.shape)])
+    shards = shards_of(split.optimizer)
+    held = bytes_by_device(split.weights + [v for copy in shards.copies for v in copy.variables if len(v.shape)])
+    assert len(held) == devices and len(set(held.values())) == 1, held
+    kernels, biases = 3 * 4 * (84 + 21), 3 * 4 * (7 + 3)  # weights and Adam's two slots
+    assert set(unsplit.values()) == {kernels + biases}
+    padded = 3 * 4 * (-(-84 // devices) + -(-21 // devices)) + 2 * 4 * (-(-7 // devices) + -(-3 // devices))
+    assert set(held.values()) == {padded + 4 * (7 + 3)}, held
+    assert sorted(shards.sharded) == [0, 2]
 
 
 def _assert_the_reduced_gradients_are_split_at_stage_2(whole, split, stage, devices):
@@ -111,17 +133,21 @@ def _assert_each_device_holds_the_slots_of_its_slices_only(whole, split, shards,
 
 def test_keras_features_train_the_same_weights_and_history_split_and_unsplit(cpus):
     """What a user's fit does besides the optimizer: BatchNorm's moving statistics, sample and class
-    weights, validation, callbacks and clipnorm, at stage 2 on 2 devices against the same job unsplit."""
+    weights, validation, callbacks, a short last batch and clipnorm, at stages 2 and 3 on 2 devices against the
+    same job unsplit."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((320, 12)).astype("float32")
+    x = rng.standard_normal((329, 12)).astype("float32")  # a last batch of 7 of 263: 4 and 3 on the devices
     y = x[:, :3].argmax(axis=1).astype("int32")
-    sample_weight = rng.uniform(0.5, 1.5, 320).astype("float32")
+    sample_weight = rng.uniform(0.5, 1.5, 329).astype("float32")
 
     def fit(stage):
-        strategy = MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=stage)
+        strategy = MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=stage, keep_whole_below=KEEP_WHOLE_BELOW)
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+            # No bias before the BatchNormalization: its gradient is rounding noise, which Adam scales up to
+            # steps of the learning rate's size, so any change in the order of a sum moves it.
+            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8, use_bias=False),
+                                      keras.layers.BatchNormalization(),
                                       keras.layers.Activation("relu"), keras.layers.Dense(3, activation="softmax")])
             model.compile(optimizer=keras.optimizers.Adam(0.01, clipnorm=0.5), loss="sparse_categorical_crossentropy",
                           metrics=["accuracy"])
@@ -135,13 +161,14 @@ def test_keras_features_train_the_same_weights_and_history_split_and_unsplit(cpu
         return model, {**history, **{f"then_{key}": value for key, value in more.items()}}, lowered
 
     whole, whole_history, whole_seen = fit(0)
-    split, split_history, split_seen = fit(2)
-    assert shards_of(split.optimizer) is not None and set(split_history) == set(whole_history)
-    for a, b in zip(whole.get_weights(), split.get_weights()):  # BatchNorm's moving mean and variance too
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
-    for key in whole_history:
-        np.testing.assert_allclose(split_history[key], whole_history[key], atol=1e-6, err_msg=key)
-    np.testing.assert_allclose(split_seen, whole_seen, atol=1e-6)
+    for stage in (2, 3):
+        split, split_history, split_seen = fit(stage)
+        assert shards_of(split.optimizer) is not None and set(split_history) == set(whole_history)
+        for a, b in zip(whole.get_weights(), split.get_weights()):  # BatchNorm's moving mean and variance too
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
+        for key in whole_history:
+            np.testing.assert_allclose(split_history[key], whole_history[key], atol=1e-6, err_msg=f"{key} {stage}")
+        np.testing.assert_allclose(split_seen, whole_seen, atol=1e-6)
 
 
 def test_an_optimizer_that_does_not_split_element_by_element_is_refused(cpus):
@@ -181,14 +208,14 @@ def _assert_same_weights(a, b, exact=False):
         np.testing.assert_allclose(x, y, atol=0 if exact else 1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["adam", "mixed_float16_loss_scaling"])
-def test_a_killed_split_run_resumes_from_its_checkpoint_bit_exact(cpus, tmp_path, name):
+@pytest.mark.parametrize("name, stage", [("adam", 1), ("mixed_float16_loss_scaling", 1), ("adam", 3)])
+def test_a_killed_split_run_resumes_from_its_checkpoint_bit_exact(cpus, tmp_path, name, stage):
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
-    whole, _, _ = _train(2, OPTIMIZERS[name], stage=1)
+    whole, _, _ = _train(2, OPTIMIZERS[name], stage=stage)
     with pytest.raises(_Killed):
-        _train(2, OPTIMIZERS[name], stage=1, callbacks=[Checkpoint(str(tmp_path), every_steps=4), _KillAt(15)])
+        _train(2, OPTIMIZERS[name], stage=stage, callbacks=[Checkpoint(str(tmp_path), every_steps=4), _KillAt(15)])
     checkpoint = Checkpoint(str(tmp_path), every_steps=4)
-    resumed, optimizer, _ = _train(2, OPTIMIZERS[name], stage=1, callbacks=[checkpoint])
+    resumed, optimizer, _ = _train(2, OPTIMIZERS[name], stage=stage, callbacks=[checkpoint])
     assert checkpoint.resumed_from_step == 12 and int(optimizer.iterations.numpy()) == STEPS
     _assert_same_weights(resumed, whole, exact=True)
 
@@ -198,10 +225,13 @@ def three_unsplit_epochs(cpus):
     return _train(2, OPTIMIZERS["adam"], stage=0, epochs=3)[0].get_weights()
 
 
-@pytest.mark.parametrize("saved, resumed", [((2, True), (4, True)), ((2, True), (2, False)), ((4, False), (2, True))])
+# (devices, stage) saved and resumed.
+@pytest.mark.parametrize("saved, resumed", [((2, 1), (4, 1)), ((2, 1), (2, 0)), ((4, 0), (2, 3)), ((2, 3), (4, 3)),
+                                            ((4, 3), (2, 0))])
 def test_a_checkpoint_resumes_split_or_unsplit_on_another_number_of_devices(three_unsplit_epochs, tmp_path, saved,
                                                                            resumed):
-    """A checkpoint holds each slot whole, so the next epoch trains as the unsplit job's does."""
+    """A checkpoint holds each slot (and at stage 3 each weight) whole, so the next epoch trains as the unsplit
+    job's does."""
     (devices, split), adam = saved, OPTIMIZERS["adam"]
     _train(devices, adam, split, epochs=2, callbacks=[Checkpoint(str(tmp_path))])
     (devices, split), checkpoint = resumed, Checkpoint(str(tmp_path))
@@ -211,22 +241,25 @@ def test_a_checkpoint_resumes_split_or_unsplit_on_another_number_of_devices(thre
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
-def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path, stage):
     unsplit, unsplit_optimizer, _ = _train(2, OPTIMIZERS["adam"], stage=0)
-    split, _, _ = _train(2, OPTIMIZERS["adam"], stage=1)
+    split, _, _ = _train(2, OPTIMIZERS["adam"], stage=stage)
     split.save(tmp_path / "split.keras")
     loaded = keras.models.load_model(tmp_path / "split.keras")  # Keras's own optimizer, not split
     assert len(loaded.optimizer.variables) == len(unsplit_optimizer.variables)
-    for a, b in zip(loaded.optimizer.variables, unsplit_optimizer.variables):
+    for a, b in zip(loaded.optimizer.variables + loaded.weights, unsplit_optimizer.variables + unsplit.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, rtol=0, err_msg=b.path)
 
     unsplit.save_weights(tmp_path / "unsplit.weights.h5")
-    into, optimizer, shards = _train(4, OPTIMIZERS["adam"], stage=1, epochs=0)
+    into, optimizer, shards = _train(4, OPTIMIZERS["adam"], stage=stage, epochs=0)
     optimizer.build(into.trainable_variables)
     into.load_weights(tmp_path / "unsplit.weights.h5")
     assert int(optimizer.iterations.numpy()) == STEPS
     for whole, slot in zip(unsplit_optimizer.variables[2:], shards.whole_slots):
         np.testing.assert_array_equal(slot.numpy(), whole.numpy())
+    for whole, weight in zip(unsplit.get_weights(), into.get_weights()):
+        np.testing.assert_array_equal(weight, whole)
 
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
@@ -309,10 +342,19 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
     assert state["devices"] == 2 and max(state["slot_bytes_per_device"]) <= 1.15 / 2 * state["unsplit_slot_bytes"]
     assert "optimizer state split over 2 devices (ZeRO stage 1): " in out.getvalue()
     assert "optimizer_state" not in whole
+    out = io.StringIO()  # the weights split too: the digits MLP's kernels, its biases whole
+    split = run(load_config(None, [*common, "strategy.shard_optimizer=3", "strategy.keep_whole_below=100"]), out=out)
+    state = split["optimizer_state"]
+    assert max(state["weight_bytes_per_device"]) <= 0.55 * state["unsplit_weight_bytes"], state
+    assert "(ZeRO stage 3): " in out.getvalue() and " weight bytes, 0.5" in out.getvalue()
+    assert split["final"]["loss"] == pytest.approx(whole["final"]["loss"], abs=1e-5)
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("strategy.shard_optimizer=3", "`strategy.shard_optimizer` must be >= 0 and <= 2. Received: 3"),
+    ("strategy.shard_optimizer=4", "`strategy.shard_optimizer` must be >= 0 and <= 3. Received: 4"),
+    ("strategy.shard_optimizer=3,strategy.kind=pipeline", "`strategy.shard_optimizer` 3 (the weights split) applies "
+                                                          "to strategy.kind mirrored and multi_worker_mirrored"),
+    ("strategy.keep_whole_below=10", "`strategy.keep_whole_below` only applies with strategy.shard_optimizer: 3"),
     ("strategy.kind=one_device", "`strategy.shard_optimizer` only applies to strategy.kind=mirrored, "
                                  "multi_worker_mirrored, pipeline, horovod or tensor_parallel"),
     ("strategy.kind=horovod,horovod.elastic=true", "`strategy.shard_optimizer` cannot split the optimizer of a "

@@ -1,10 +1,10 @@
-"""One worker of a two-process MultiWorkerMirroredStrategy job whose optimizer state is split over the
-workers (`shard_optimizer=1` and 2).
+"""One worker of a two-process MultiWorkerMirroredStrategy job whose optimizer state (and at stage 3, weights)
+is split over the workers (`shard_optimizer=1`, 2 and 3).
 
 `python multi_worker_split.py TF_CONFIG OUT_DIR` trains `train`'s model with each optimizer of
-OPTIMIZERS in turn, 4 epochs of 5 steps (global batch 32), split at stage 1, at stage 2 (those
+OPTIMIZERS in turn, 4 epochs of 5 steps (global batch 32), split at stage 1, at stages 2 and 3 (those
 of STAGE_2) and unsplit; every worker writes OUT_DIR/worker-N.json (its slot bytes and devices)
-and the weights to OUT_DIR/worker-N-NAME.npz, worker-N-NAME-stage2.npz and
+and the weights to OUT_DIR/worker-N-NAME.npz, worker-N-NAME-stage2.npz, worker-N-NAME-stage3.npz and
 worker-N-NAME-stage0.npz. Adam's split job also saves a
 `tfdist.Checkpoint` to OUT_DIR/checkpoint and a Keras file to OUT_DIR/together.keras
 (`strategy.save_model`), every worker joining, the chief writing.
@@ -69,7 +69,7 @@ if __name__ == "__main__":
     tf_config, out_dir = sys.argv[1:3]
     os.environ["TF_CONFIG"] = tf_config
     index = json.loads(tf_config)["task"]["index"]
-    strategy = MultiWorkerMirroredStrategy(shard_optimizer=1)
+    strategy = MultiWorkerMirroredStrategy(shard_optimizer=1, keep_whole_below=8)  # stage 3 splits the kernels
     result = {}
     for name in OPTIMIZERS:
         saving = [Checkpoint(os.path.join(out_dir, "checkpoint"), write=index == 0)] if name == "adam" else []
@@ -87,12 +87,12 @@ if __name__ == "__main__":
             strategy.save_model(model, os.path.join(out_dir, "together.keras"))
         # Read at compile: the same job reduce-scattering its gradients (its collective does not depend on
         # the optimizer: two of them), and unsplit.
-        for stage in (2, 0) if name in STAGE_2 else (0,):
+        for stage in (2, 3, 0) if name in STAGE_2 else (0,):
             strategy.shard_optimizer = stage
             model = train(strategy, name)
             np.savez(os.path.join(out_dir, f"worker-{index}-{name}-stage{stage}.npz"), *model.get_weights())
             if stage:
-                result[name]["stage_2_report"] = shards_of(model.optimizer).report()
+                result[name][f"stage_{stage}_report"] = shards_of(model.optimizer).report()
         strategy.shard_optimizer = 1
     with open(os.path.join(out_dir, f"worker-{index}.json"), "w") as f:
         json.dump(result, f)

@@ -192,7 +192,7 @@ def test_steps_per_execution_over_two_workers_matches_one_device(tmp_path, compr
 
 @pytest.mark.timeout(420)
 def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and_saves_it_whole(tmp_path):
-    """`shard_optimizer=1` and 2 across two processes, for each optimizer of the scenario: every worker holds the
+    """`shard_optimizer=1`, 2 and 3 across two processes, for each optimizer of the scenario: every worker holds the
     slots of its own slice only, the weights after 20 steps are the same job's unsplit ones (and one
     device's), and the checkpoint and the Keras file both workers wrote together (each slot gathered whole)
     resume in one plain process as if it had trained all along; a Keras file one worker saves is refused."""
@@ -217,9 +217,12 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
     for index in range(2):
         for name, result in json.loads((tmp_path / f"worker-{index}.json").read_text()).items():
             assert result["iterations"] == 20 and result["ranks"] == [index], (name, result)
-            reports = [(result["report"], 1)] + ([(result["stage_2_report"], 2)] if name in STAGE_2 else [])
+            reports = [(result["report"], 1)] + ([(result[f"stage_{s}_report"], s) for s in (2, 3)]
+                                                 if name in STAGE_2 else [])
             for report, stage in reports:
                 assert report["slot_bytes_per_device"][0] <= 1.15 / 2 * report["unsplit_slot_bytes"], (name, report)
+                if stage == 3:  # the kernels' 105 weights halved (53 of them), the biases' 10 whole
+                    assert report["weight_bytes_per_device"] == [4 * (53 + 10)], (name, report)
                 assert report["stage"] == stage and report["devices"] == 2, (name, report)
             assert result["slot_devices"] == [f"/job:worker/replica:0/task:{index}/device:CPU:0"], (name, result)
             assert "cannot be saved by one process into a Keras file" in result["keras_file_refused"]
@@ -232,7 +235,8 @@ def test_an_optimizer_split_over_two_workers_trains_the_unsplit_jobs_weights_and
         alone = train(None, name).get_weights()
         for index in range(2):
             unsplit = np.load(tmp_path / f"worker-{index}-{name}-stage0.npz")
-            files = [f"worker-{index}-{name}.npz"] + ([f"worker-{index}-{name}-stage2.npz"] if name in STAGE_2 else [])
+            files = [f"worker-{index}-{name}.npz"] + ([f"worker-{index}-{name}-stage{s}.npz" for s in (2, 3)]
+                                                      if name in STAGE_2 else [])
             for file in files:
                 split = np.load(tmp_path / file)
                 assert max_diff(split, [unsplit[k] for k in sorted(unsplit, key=lambda k: int(k[4:]))]) <= 1e-5, file

@@ -25,6 +25,7 @@ from tfdist._compat.keras_internals import (
     nested_layers,
     optimizer_variables,
     replace_accumulated_update,
+    replace_clipping,
     replace_update_step,
     replace_variable_value,
     start_at_epoch,
@@ -39,6 +40,7 @@ from tfdist._compat.patches import (
     parameter_server_writes_in_reverse,
     resume_epoch_iterator,
     training_epoch_iterator,
+    weighted_by_batch_share,
 )
 from tfdist._compat.tensorflow_internals import (
     all_gather,
@@ -101,6 +103,7 @@ __all__ = [
     "remake_variables",
     "replica_index",
     "replace_accumulated_update",
+    "replace_clipping",
     "replace_update_step",
     "replace_variable_value",
     "resume_epoch_iterator",
@@ -109,6 +112,7 @@ __all__ = [
     "start_at_epoch",
     "training_epoch_iterator",
     "variable_index",
+    "weighted_by_batch_share",
     "worker_place",
     "xspace",
 ]

@@ -126,6 +126,18 @@ def replace_update_step(optimizer, update) -> None:
     optimizer._backend_update_step = update
 
 
+def replace_clipping(optimizer, clip) -> None:
+    """Has `optimizer` clip with `clip(grads, trainable_variables)` instead of its `_clip_gradients(grads)`.
+
+    Keras clips in `_backend_apply_gradients`, by a method that sees the
+    gradients without their variables; a clipping that treats some variables
+    apart (split ones, whose gradients are slices) needs both.
+    """
+    apply = optimizer._backend_apply_gradients
+    optimizer._clip_gradients = lambda grads: grads
+    optimizer._backend_apply_gradients = lambda grads, variables: apply(clip(grads, variables), variables)
+
+
 def replace_accumulated_update(optimizer, update) -> None:
     """Has `optimizer`, when it accumulates gradients under a strategy (`patches`), call
     `update(distribution, averages, trainable_variables, learning_rate, only_if)` in cross-replica context

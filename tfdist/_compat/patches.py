@@ -18,7 +18,8 @@ import weakref
 from typing import Callable
 
 __all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
-           "training_epoch_iterator", "resume_epoch_iterator", "batches_read", "parameter_server_writes_in_reverse"]
+           "training_epoch_iterator", "resume_epoch_iterator", "batches_read", "parameter_server_writes_in_reverse",
+           "weighted_by_batch_share"]
 
 # How the patches ask a strategy, by name (each is described in `install_patches`).
 _ASK: dict[str, Callable] = {}
@@ -287,7 +288,7 @@ def _install_clipping_after_all_reduce() -> None:
     keras_clip = BaseOptimizer._clip_gradients
 
     def _clip_gradients(self, grads):
-        grads = _weighted_by_batch_share(grads)
+        grads = weighted_by_batch_share(grads)
         context = tf.distribute.get_replica_context()
         clipping = self.clipnorm or self.global_clipnorm or self.clipvalue
         if (
@@ -553,7 +554,7 @@ def _install_gradient_accumulation_under_strategies() -> None:
             return keras_apply(self, grads, trainable_variables)
         split_update = accumulated_update(self)
         steps = self.gradient_accumulation_steps
-        grads = _weighted_by_batch_share(grads)
+        grads = weighted_by_batch_share(grads)
         grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
         sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
         averages = self._tfdist_keras_clip([(g + total) / steps for g, total in zip(grads, sums)])
@@ -647,7 +648,7 @@ def gradient_weight(weight):
         _GRADIENT_WEIGHT.value = previous
 
 
-def _weighted_by_batch_share(grads: list) -> list:
+def weighted_by_batch_share(grads: list) -> list:
     """`grads` times the weight `gradient_weight` set for this step (its replica's share of a short batch)."""
     weight = getattr(_GRADIENT_WEIGHT, "value", None)
     return grads if weight is None else [_scaled(g, weight) for g in grads]

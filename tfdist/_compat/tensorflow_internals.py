@@ -198,8 +198,8 @@ def reduce_scatter(launcher, tensor, rank: int):
 
 def slice_of_sum(launcher, tensor, rank: int, stage: int):
     """Slice `rank` of the sum over the group of the 1-D `tensor`, as ZeRO's `stage` reduces it:
-    `reduce_scatter` at stage 2, `all_reduced_slice` at stage 1."""
-    return (reduce_scatter if stage == 2 else all_reduced_slice)(launcher, tensor, rank)
+    `reduce_scatter` at stages 2 and 3, `all_reduced_slice` at stage 1."""
+    return (reduce_scatter if stage >= 2 else all_reduced_slice)(launcher, tensor, rank)
 
 
 def all_reduced_slice(launcher, tensor, rank: int):

@@ -186,10 +186,19 @@ class StrategyConfig:
         every variable, with the same weights as unsplit, and checkpoints hold
         the unsplit layout. 2 also reduces each gradient only to its slice's
         owner (a reduce-scatter), so the bytes a step moves are an
-        all-reduce's. 0 keeps a whole copy on every device. For
-        strategy.kind=mirrored, multi_worker_mirrored, horovod, pipeline and
-        tensor_parallel (over the replicas of every process with
-        data_parallel).
+        all-reduce's. 3 splits the weights too (ZeRO stage 3, FSDP): each
+        device keeps 1/N of every variable of keep_whole_below elements or
+        more, a layer's weights are all-gathered for its forward and backward
+        passes, and the gradients reduce-scattered (stage 3: strategy.kind
+        mirrored and multi_worker_mirrored in this version). 0 keeps a whole
+        copy on every device. For strategy.kind=mirrored,
+        multi_worker_mirrored, horovod, pipeline and tensor_parallel (over the
+        replicas of every process with data_parallel).
+      keep_whole_below: with shard_optimizer 3, variables of fewer elements
+        keep their weights whole on every device (their optimizer state is
+        split as at stage 2): biases and norms cost little to keep and much to
+        gather one by one. DeepSpeed's stage3_param_persistence_threshold,
+        with its default.
     """
 
     kind: str = dataclasses.field(default="mirrored", metadata={"choices": KINDS})
@@ -203,7 +212,8 @@ class StrategyConfig:
     tpu: str = ""
     tensor_parallel_size: int = bounded(0, low=0, high=64)
     data_parallel: DataParallel = DataParallel.LOCAL
-    shard_optimizer: int = bounded(0, low=0, high=2)
+    shard_optimizer: int = bounded(0, low=0, high=3)
+    keep_whole_below: int = bounded(100_000, low=0)
 
     def __post_init__(self):
         object.__setattr__(self, "kind", KindName(self.kind))

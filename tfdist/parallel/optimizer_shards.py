@@ -1,4 +1,4 @@
-"""The optimizer state of a data-parallel job split over its replicas (ZeRO stages 1 and 2).
+"""The optimizer state of a data-parallel job split over its replicas (ZeRO stages 1 and 2, and 3's state).
 
 Under MirroredStrategy or Horovod every replica holds the whole optimizer
 state: with Adam, two slots the size of the model on each. `shard_optimizer_state`
@@ -15,6 +15,13 @@ its slice of the sum; stage 2 reduce-scatters them, so a step moves an
 all-reduce's bytes. The collectives are the strategy's: `DeviceCollectives`
 (TensorFlow's collective ops, in one process or across workers),
 `tfdist.horovod.split_collectives` across Horovod's ranks.
+
+At stage 3 a large variable's slice is the weights themselves
+(`weight_shards`): its gradient arrives from the backward pass already
+reduce-scattered, the copy updates the slice in place, and nothing is
+gathered after the update; variables under `keep_whole_below` elements are
+updated as at stage 2. Clipping then sums a split gradient's square over its
+slices, so that it clips as one device does.
 
 Clipping (`clipnorm`, `global_clipnorm`), weight decay with its exclusions and
 loss scaling stay in the optimizer's `apply`, on the whole gradients and
@@ -53,6 +60,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
+from tfdist.parallel import weight_shards
 from tfdist._compat.tf_distribute import Trackable, numpy_dataset
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "SplitsOptimizerState",
@@ -66,7 +74,7 @@ ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.opt
 
 
 def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
-                          collectives=None) -> OptimizerShards:
+                          collectives=None, keep_whole_below: int = weight_shards.KEEP_WHOLE_BELOW) -> OptimizerShards:
     """Splits `optimizer`'s state over `strategy`'s replicas; call before the optimizer is built
     (tfdist's strategies call it at `compile` when given `shard_optimizer`).
 
@@ -77,7 +85,9 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
         device).
       collectives: how the replicas reduce-scatter and all-gather the slices
         (see `DeviceCollectives`); default: the in-process strategy's own
-        TensorFlow collectives over its devices.
+        TensorFlow collectives over its devices. Their `stage` 3 splits the weights too.
+      keep_whole_below: at stage 3, variables with fewer elements keep their weights whole on every replica
+        (their state is split as at stage 2).
 
     Returns:
       The `OptimizerShards` that now build and update it.
@@ -98,7 +108,11 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
                          f"Received: a built {type(inner).__name__}")
     if inner.use_ema:
         raise ValueError(f"`optimizer` with use_ema cannot be split over devices yet. Received: {type(inner).__name__}")
-    shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy))
+    if collectives is not None and collectives.stage == 3 and inner.gradient_accumulation_steps:
+        raise ValueError("`optimizer` with gradient_accumulation_steps cannot train weights split over devices "
+                         "(shard_optimizer 3) in this version: its accumulators are whole. Use stage 2, or a larger "
+                         f"batch. Received: gradient_accumulation_steps={inner.gradient_accumulation_steps}")
+    shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy), keep_whole_below)
     _SPLIT[optimizer] = shards
     return shards
 
@@ -139,8 +153,10 @@ class OptimizerShards:
     """Device d's slice of every variable (`slices[d]`) and the copy of the optimizer that holds its
     slots (`copies[d]`), once the optimizer is built; `whole_slots` shows those slots unsplit."""
 
-    def __init__(self, optimizer, inner, strategy, collectives):
+    def __init__(self, optimizer, inner, strategy, collectives, keep_whole_below=weight_shards.KEEP_WHOLE_BELOW):
         self.optimizer, self.inner, self.strategy, self.collectives = optimizer, inner, strategy, collectives
+        self.keep_whole_below = keep_whole_below
+        self.sharded: set[int] = set()  # indices of the variables whose weights are split too (stage 3)
         self.devices = collectives.devices  # this process's, one slice each
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
         self.slices: list[list[keras.Variable]] = []  # [device][variable]: that device's slice of the weights
@@ -151,28 +167,38 @@ class OptimizerShards:
         optimizer.load_own_variables = self.load_own_variables
         _compat.replace_update_step(inner, self.update)
         _compat.replace_accumulated_update(inner, self.update_accumulated)
+        if collectives.stage == 3:
+            _compat.replace_clipping(inner, self._clip_as_one_device)
 
     def build(self, variables):
+        # At stage 3 the large variables' slices become the weights themselves (`weight_shards`), before
+        # anything keys the variables: a sharded variable's key is its first slice's.
+        self.sharded = {i for i, v in enumerate(variables)
+                        if self.collectives.stage == 3 and math.prod(v.shape) >= self.keep_whole_below}
+        with self.strategy.scope():
+            self.slices = [[self._slice_beside(v, d, trainable=i in self.sharded) for i, v in enumerate(variables)]
+                           for d in range(len(self.devices))]
+        for i in sorted(self.sharded):
+            weight_shards.shard_weight(variables[i], self.strategy, self.collectives, [s[i] for s in self.slices])
         _compat.build_without_slots(self.inner, variables)
         # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt. They
         # update; the optimizer accumulates (its update runs theirs on its update steps).
         config = {**self.inner.get_config(), "learning_rate": 0.0, "gradient_accumulation_steps": None}
         with self.strategy.scope():
             for d, device in enumerate(self.devices):
-                with _single_device_variables(device):  # the copy's step counter; each slice beside its variable
+                with _single_device_variables(device):  # the copy's step counter; its slots beside the slices
                     copy = type(self.inner).from_config(config)
-                    slices = [self._slice_beside(v, d) for v in variables]
-                    self._slots.append(_build_noting_slots(copy, slices))
+                    self._slots.append(_build_noting_slots(copy, self.slices[d]))
                 self.copies.append(copy)
-                self.slices.append(slices)
         self.whole_slots = [WholeSlot([slots[k][0] for slots in self._slots], variables[i], self.collectives)
                             for k, (_, i) in enumerate(self._slots[0])]
 
-    def _slice_beside(self, variable, d):
+    def _slice_beside(self, variable, d, trainable=False):
         """Device d's slice of `variable`, on the device of the variable's copy there (a pipeline stage's
-        or a tensor-parallel shard's device: not necessarily the replica's first)."""
+        or a tensor-parallel shard's device: not necessarily the replica's first). A trainable one is the
+        weights' own slice (stage 3): a replica's tape watches it."""
         with _single_device_variables(_local(self.strategy, variable.value, d).device):
-            return keras.Variable(tf.zeros([self._slice_length(variable)], variable.dtype), trainable=False,
+            return keras.Variable(tf.zeros([self._slice_length(variable)], variable.dtype), trainable=trainable,
                                   name=f"{variable.name}_slice")
 
     def move_beside(self, moves) -> None:
@@ -210,37 +236,83 @@ class OptimizerShards:
         self._update_slices(distribution, averages, variables, learning_rate, reduced=True, only_if=only_if)
 
     def _update_slices(self, distribution, grads, variables, learning_rate, reduced=False, only_if=None):
-        collectives, parts = self.collectives, self.collectives.parts
         indices = [_compat.variable_index(self.inner, v) for v in variables]
         by_dtype = {}  # one reduce-scatter and one all-gather per dtype
         for position, variable in enumerate(variables):
             by_dtype.setdefault(variable.dtype, []).append(position)
         for d, device in enumerate(self.devices):
-            copy, rank = self.copies[d], collectives.ranks[d]
+            copy, rank = self.copies[d], self.collectives.ranks[d]
             with tf.device(device):
                 copy.iterations.assign(_local(distribution, _updates_so_far(self.inner), d))
                 for positions in by_dtype.values():
-                    pieces = [self.slices[d][indices[p]] for p in positions]
-                    lengths = [piece.shape[0] for piece in pieces]
-                    # A gradient that crossed processes may have lost its static shape: its variable's.
-                    local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, grads[p], d)),
-                                                   variables[p].shape) for p in positions]
-                    if reduced:
-                        mine = [self._slice(g, rank, n) for g, n in zip(local_grads, lengths)]
-                    else:  # slice e of every gradient, e = 0..parts-1: replica e receives the sum of the e-th part
-                        packed = tf.concat([self._slice(g, e, n) for e in range(parts)
-                                            for g, n in zip(local_grads, lengths)], axis=0)
-                        mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
-                    for p, piece, grad in zip(positions, pieces, mine):
-                        with tf.device(piece.value.device):  # where its slots are
-                            piece.assign(self._slice(_local(distribution, variables[p].value, d), rank,
-                                                     piece.shape[0]))
-                            _update_if(only_if, copy, grad, piece, _local(distribution, learning_rate, d))
-                    gathered = tf.reshape(collectives.all_gather(d, tf.concat([piece.value for piece in pieces], 0)),
-                                          [parts, -1])
-                    for p, whole in zip(positions, tf.split(gathered, lengths, axis=1)):
-                        weights = _local(distribution, variables[p].value, d)
-                        weights.assign(tf.reshape(tf.reshape(whole, [-1])[:math.prod(weights.shape)], weights.shape))
+                    whole = [p for p in positions if indices[p] not in self.sharded]
+                    if whole:
+                        self._update_whole(distribution, d, rank, [(grads[p], variables[p], self.slices[d][indices[p]])
+                                                                   for p in whole], learning_rate, reduced, only_if)
+                    for p in (p for p in positions if indices[p] in self.sharded):
+                        piece = self.slices[d][indices[p]]  # the weights' slice: its gradient is this slice's sum
+                        with tf.device(piece.value.device):
+                            _update_if(only_if, copy, _local(distribution, grads[p], d), piece,
+                                       _local(distribution, learning_rate, d))
+
+    def _update_whole(self, distribution, d, rank, triples, learning_rate, reduced, only_if):
+        """Device d's update of variables every device holds whole, of one dtype ((gradient, variable, slice)
+        triples): its slices of their gradients summed, its slices updated, and every slice all-gathered into
+        the weights."""
+        collectives, parts, copy = self.collectives, self.collectives.parts, self.copies[d]
+        pieces = [piece for _, _, piece in triples]
+        lengths = [piece.shape[0] for piece in pieces]
+        # A gradient that crossed processes may have lost its static shape: its variable's.
+        local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, g, d)), v.shape) for g, v, _ in triples]
+        if reduced:
+            mine = [self._slice(g, rank, n) for g, n in zip(local_grads, lengths)]
+        else:  # slice e of every gradient, e = 0..parts-1: replica e receives the sum of the e-th part
+            packed = tf.concat([self._slice(g, e, n) for e in range(parts) for g, n in zip(local_grads, lengths)], 0)
+            mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
+        for (_, variable, piece), grad in zip(triples, mine):
+            with tf.device(piece.value.device):  # where its slots are
+                piece.assign(self._slice(_local(distribution, variable.value, d), rank, piece.shape[0]))
+                _update_if(only_if, copy, grad, piece, _local(distribution, learning_rate, d))
+        gathered = tf.reshape(collectives.all_gather(d, tf.concat([piece.value for piece in pieces], 0)), [parts, -1])
+        for (_, variable, _), whole in zip(triples, tf.split(gathered, lengths, axis=1)):
+            weights = _local(distribution, variable.value, d)
+            weights.assign(tf.reshape(tf.reshape(whole, [-1])[:math.prod(weights.shape)], weights.shape))
+
+    def _clip_as_one_device(self, grads, variables):
+        """Stage 3's clipping, in a replica: as one device clips the whole batch's gradient. The whole
+        variables' gradients are summed over the replicas first (and divided again after, for the sum the
+        update makes), the split ones are their slices' sums already, and a split gradient's norm sums its
+        slices'. A replica's share of a short batch weighs its whole variables' gradients here (it weighed the
+        split ones before their reduce-scatter)."""
+        inner, context = self.inner, tf.distribute.get_replica_context()
+        split = [weight_shards.is_sharded(v) for v in variables]
+        grads = [g if split[i] else _compat.weighted_by_batch_share([g])[0] for i, g in enumerate(grads)]
+        if not (inner.clipnorm or inner.global_clipnorm or inner.clipvalue):
+            return grads
+        present = [i for i, g in enumerate(grads) if g is not None]
+        whole = [i for i in present if not split[i]]
+        for i, g in zip(whole, context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in whole])):
+            grads[i] = g
+        if inner.clipvalue:
+            grads = [None if g is None else tf.clip_by_value(g, -inner.clipvalue, inner.clipvalue) for g in grads]
+        else:
+            squares = {i: tf.reduce_sum(tf.square(tf.cast(grads[i], tf.float32))) for i in present}
+            sliced = [i for i in present if split[i]]
+            if sliced:
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([squares[i] for i in sliced]))
+                squares.update({i: summed[k] for k, i in enumerate(sliced)})
+            if inner.clipnorm:  # Keras's arithmetic, in its order: a gradient of rounding noise (a bias before
+                # a BatchNormalization) clipped otherwise moves Adam's step
+                norms = {i: tf.sqrt(squares[i]) for i in present}
+                grads = [None if g is None else g * inner.clipnorm / tf.cast(tf.maximum(norms[i], inner.clipnorm), g.dtype)
+                         for i, g in enumerate(grads)]
+            else:  # global_clipnorm, as Keras's `clip_by_global_norm` (a NaN scale when the norm is not finite)
+                norm = tf.sqrt(tf.add_n(list(squares.values())))
+                limit = inner.global_clipnorm
+                scale = limit * tf.minimum(1.0 / norm, 1.0 / limit) + (norm - norm)
+                grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
+        replicas = context.num_replicas_in_sync
+        return [g / replicas if g is not None and not split[i] else g for i, g in enumerate(grads)]
 
     def _slice_length(self, variable) -> int:
         return -(-math.prod(variable.shape) // self.collectives.parts)
@@ -253,14 +325,21 @@ class OptimizerShards:
 
     def report(self) -> dict:
         """How the slots are split: each device's slot bytes, and the unsplit optimizer's (each device's
-        whole copy)."""
+        whole copy); at stage 3 the trainable weights' too."""
         def nbytes(variable):
             return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
-        return {"stage": self.collectives.stage, "devices": self.collectives.parts,
-                "slot_bytes_per_device": [sum(nbytes(slot) for slot in copy.variables if len(slot.shape))
-                                          for copy in self.copies],
-                "unsplit_slot_bytes": sum(nbytes(slot) for slot in self.whole_slots)}
+        report = {"stage": self.collectives.stage, "devices": self.collectives.parts,
+                  "slot_bytes_per_device": [sum(nbytes(slot) for slot in copy.variables if len(slot.shape))
+                                            for copy in self.copies],
+                  "unsplit_slot_bytes": sum(nbytes(slot) for slot in self.whole_slots)}
+        if self.collectives.stage == 3:  # and the trainable weights: split ones' slices, the others whole
+            variables = _compat.optimizer_variables(self.inner)
+            report["weight_bytes_per_device"] = [
+                sum(nbytes(slices[i]) if i in self.sharded else nbytes(v) for i, v in enumerate(variables))
+                for slices in self.slices]
+            report["unsplit_weight_bytes"] = sum(nbytes(v) for v in variables)
+        return report
 
     # Keras's saving (`.keras`, `.weights.h5`): the unsplit optimizer's variables, numbered as it numbers them.
     def check_saveable_by_one_process(self):
@@ -337,6 +416,7 @@ class SplitsOptimizerState:
     job's report."""
 
     shard_optimizer = 0
+    keep_whole_below = weight_shards.KEEP_WHOLE_BELOW
 
     def slice_collectives(self):
         """How the replicas share the slices; default: the strategy's TensorFlow collectives."""
@@ -344,7 +424,7 @@ class SplitsOptimizerState:
 
     def after_compile(self, model: keras.Model) -> None:
         if self.shard_optimizer:
-            shard_optimizer_state(model.optimizer, self, self.slice_collectives())
+            shard_optimizer_state(model.optimizer, self, self.slice_collectives(), self.keep_whole_below)
 
     def before_save(self, model: keras.Model) -> None:
         shards = shards_of(getattr(model, "optimizer", None))
@@ -374,10 +454,11 @@ def _saving_together():
 
 
 def collective_ops_stage(shard_optimizer: int) -> int:
-    """`shard_optimizer` checked: 0, 1 or 2."""
-    if shard_optimizer not in (0, 1, 2):
-        raise ValueError(f"`shard_optimizer` must be 0 (a whole copy on every device), 1 (the optimizer state split) "
-                         f"or 2 (the gradients reduce-scattered too). Received: {shard_optimizer!r}")
+    """`shard_optimizer` checked: 0, 1, 2 or 3."""
+    if shard_optimizer not in (0, 1, 2, 3):
+        raise ValueError(f"`shard_optimizer` must be 0 (a whole copy on every device), 1 (the optimizer state split), "
+                         f"2 (the gradients reduce-scattered too) or 3 (the weights split too). "
+                         f"Received: {shard_optimizer!r}")
     return shard_optimizer
 
 

@@ -23,6 +23,7 @@ import keras
 
 from tfdist import _compat
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState, collective_ops_stage
+from tfdist.parallel.weight_shards import KEEP_WHOLE_BELOW
 from tfdist.contract import StrategyContract
 from tfdist.strategies.batch_share import weighted_by_batch_share
 from tfdist.strategies.devices import ensure_logical_cpus
@@ -60,12 +61,15 @@ class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.Mir
     # A subclass that places variables its own way gives its MirroredExtended subclass here.
     _extended_type = mirrored_strategy.MirroredExtended
 
-    def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0, shard_optimizer: int = 0):
+    def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0, shard_optimizer: int = 0,
+                 keep_whole_below: int = KEEP_WHOLE_BELOW):
         """`process_index`: this process's index when its local collectives share a cluster's
         collective runtime with other processes (their local groups must not share keys).
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
-        devices, 2 also reduce-scatters the gradients; 0 keeps a whole copy on each."""
+        devices, 2 also reduce-scatters the gradients, 3 splits the weights too; 0 keeps a whole copy on each.
+        `keep_whole_below`: at stage 3, variables with fewer elements stay whole on every device."""
         self.shard_optimizer = collective_ops_stage(shard_optimizer)
+        self.keep_whole_below = keep_whole_below
         make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)

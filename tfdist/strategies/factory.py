@@ -140,7 +140,7 @@ def _mirrored(config: Config, gpus: int) -> MirroredStrategy:
         AllReduce.REDUCTION_TO_ONE_DEVICE: tf.distribute.ReductionToOneDevice,
     }[s.all_reduce]()
     return MirroredStrategy(devices=local_devices(config, gpus), cross_device_ops=cross_device_ops,
-                            shard_optimizer=s.shard_optimizer)
+                            shard_optimizer=s.shard_optimizer, keep_whole_below=s.keep_whole_below)
 
 
 _WIRE_DTYPES = {GradientCompression.NONE: None, GradientCompression.FP16: "float16",
@@ -169,7 +169,8 @@ def _multi_worker(config: Config, gpus: int = 0) -> MultiWorkerMirroredStrategy:
         with listening_as(resolver):
             return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options,
                                                gradient_compression=_WIRE_DTYPES[s.gradient_compression],
-                                               shard_optimizer=s.shard_optimizer)
+                                               shard_optimizer=s.shard_optimizer,
+                                               keep_whole_below=s.keep_whole_below)
     except tf.errors.DeadlineExceededError:
         spec = resolver.cluster_spec().as_dict()
         missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()

@@ -230,7 +230,8 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         placed nowhere else.
       shard_optimizer: 1 splits the state of an optimizer compiled under this
         strategy over the replicas (of every process), each slice beside its
-        variable's copy, and 2 also reduce-scatters the gradients.
+        variable's copy, and 2 also reduce-scatters the gradients (3, the
+        weights split too, is refused in this version).
 
     Raises:
       ValueError: no replicas, replicas of different sizes, a device that
@@ -241,6 +242,10 @@ class ReplicaGroupsStrategy(MirroredStrategy):
 
     def __init__(self, replica_devices: Sequence[Sequence[str]], processes: Optional[ProcessGroup] = None,
                  shard_optimizer: int = 0):
+        if shard_optimizer == 3:
+            raise ValueError("`shard_optimizer` 3 (the weights split) applies to MirroredStrategy and "
+                             "MultiWorkerMirroredStrategy in this version, not to replica groups (pipeline, "
+                             "tensor_parallel). Received: 3")
         sizes = {len(devices) for devices in replica_devices}
         if len(sizes) != 1:
             raise ValueError(

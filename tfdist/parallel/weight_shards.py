@@ -1,0 +1,151 @@
+"""Weights split over a data-parallel job's replicas (ZeRO stage 3, FSDP's full sharding).
+
+At `shard_optimizer: 3` each of the N replicas holds 1/N of every large
+trainable variable: the variable is flattened, padded to a multiple of N and
+cut into N slices, the way stages 1 and 2 cut the optimizer state
+(`optimizer_shards`), and replica r keeps slice r only. The Keras variable
+stays, with its path and whole shape; what backs it becomes a `ShardedWeight`:
+
+- in a replica, a read all-gathers the slices into the whole value, and the
+  gradient of that read reduce-scatters: each replica receives the sum over
+  the replicas of its own slice's gradient, and the optimizer updates the
+  slice where it lies, with no all-gather after the update;
+- in the optimizer's update on a device, the variable is that device's slice;
+- everywhere else (`get_weights`, `model.save`, a `tf.train.Checkpoint`) it
+  reads and writes the whole value, so what is saved is the unsplit model's.
+
+A read gathers; when the weights are gathered, and released, is the layers'
+business (`gathered_layers`): each layer that owns split weights gathers them
+at its call, and with `recompute` its backward pass gathers them again
+instead of keeping them.
+
+Variables with fewer elements than `keep_whole_below` stay whole on every
+replica (DeepSpeed's `stage3_param_persistence_threshold`): biases and norms
+are cheap to keep and costly to gather one by one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from tfdist._compat.tf_distribute import distribute_lib, values
+
+from tfdist import _compat
+
+__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "is_sharded", "shard_weight"]
+
+# DeepSpeed's default `stage3_param_persistence_threshold` (elements).
+KEEP_WHOLE_BELOW = 100_000
+
+
+class ShardedWeight(values.MirroredVariable):
+    """A MirroredVariable whose component on each device is that device's flat slice of the whole value.
+
+    Args:
+      strategy: the strategy whose replicas hold the components.
+      components: this process's slices, one per device, in the order of the collectives' devices.
+      shape: the whole variable's shape.
+      collectives: how the replicas gather and reduce-scatter the slices (`DeviceCollectives` or Horovod's).
+    """
+
+    def __init__(self, strategy, components, shape, collectives):
+        super().__init__(strategy, components, aggregation=tf.VariableAggregation.NONE)
+        self.whole_shape, self.collectives = tf.TensorShape(shape), collectives
+
+    # Where a read happens decides what it reads.
+    def value(self):
+        if _in_update():
+            return super().value()
+        return self._gathered() if _in_replica(self) else self._whole()
+
+    def read_value(self):
+        return tf.identity(self.value())
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        if _in_update():
+            return super()._dense_var_to_tensor(dtype, name, as_ref)
+        return tf.convert_to_tensor(self.value(), dtype=dtype, name=name)
+
+    def numpy(self):
+        return self._whole().numpy()
+
+    def __array__(self, dtype=None, copy=None):  # what Keras saves (`np.array(variable)`)
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def _whole(self) -> tf.Tensor:
+        flat = self.collectives.gather_pieces([component.read_value() for component in self.values])
+        return tf.reshape(flat[:self.whole_shape.num_elements()], self.whole_shape)
+
+    def _gathered(self) -> tf.Tensor:
+        """This replica's read: the slices all-gathered; its gradient, reduce-scattered into this slice's."""
+        collectives = self.collectives
+        d = collectives.ranks.index(_compat.replica_index())
+        piece = self.values[d]
+        size, length = self.whole_shape.num_elements(), piece.shape[0]
+
+        @tf.custom_gradient
+        def gather(local):
+            whole = tf.reshape(collectives.all_gather(d, local)[:size], self.whole_shape)
+
+            def reduce_scatter(upstream):  # weighted first by this replica's share of a short batch
+                flat = tf.reshape(tf.convert_to_tensor(_compat.weighted_by_batch_share([upstream])[0]), [-1])
+                return collectives.reduce_scatter(d, tf.pad(flat, [[0, length * collectives.parts - size]]))
+            return whole, reduce_scatter
+
+        with tf.device(piece.device):
+            return gather(piece.read_value())
+
+    def assign(self, value, use_locking=False, name=None, read_value=True):
+        if _in_update():
+            return super().assign(value, use_locking, name, read_value)
+        if _in_replica(self):
+            raise ValueError(f"Variable {self.name!r} is split over the replicas (shard_optimizer 3): a replica "
+                             "cannot assign its whole value. Assign it outside the step.")
+        flat = _padded(tf.convert_to_tensor(value, self.dtype), self.values[0].shape[0] * self.collectives.parts)
+        length = self.values[0].shape[0]
+        for rank, component in zip(self.collectives.ranks, self.values):
+            component.assign(flat[rank * length:(rank + 1) * length], use_locking=use_locking)
+        return self._whole() if read_value else None
+
+    # A checkpoint holds the whole value, as one device's would.
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self._whole()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def shard_weight(variable, strategy, collectives, slices: list) -> None:
+    """Makes the built Keras `variable` held as `slices` (this process's Keras variables, one per device
+    of `collectives`, each as long as the whole's slice) filled with its value, in place."""
+    with tf.init_scope():  # eager, also when called as a step is traced
+        flat = _padded(tf.convert_to_tensor(variable.numpy()), slices[0].shape[0] * collectives.parts)
+        length = slices[0].shape[0]
+        for rank, piece in zip(collectives.ranks, slices):
+            piece.assign(flat[rank * length:(rank + 1) * length])
+        _compat.replace_variable_value(
+            variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives))
+
+
+def is_sharded(variable) -> bool:
+    return isinstance(getattr(variable, "value", None), ShardedWeight) or isinstance(variable, ShardedWeight)
+
+
+def slice_length(variable, parts: int) -> int:
+    return -(-math.prod(variable.shape) // parts)
+
+
+def _padded(value: tf.Tensor, length: int) -> tf.Tensor:
+    flat = tf.reshape(value, [-1])
+    return tf.pad(flat, [[0, length - flat.shape[0]]])
+
+
+def _in_update() -> bool:
+    return distribute_lib.get_update_replica_id() is not None
+
+
+def _in_replica(variable) -> bool:
+    with distribute_lib.enter_or_assert_strategy(variable.distribute_strategy):
+        return not distribute_lib.in_cross_replica_context()
