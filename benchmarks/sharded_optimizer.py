@@ -1,12 +1,13 @@
 """`tfdist bench sharded_optimizer`: a mirrored job's optimizer state split over its devices (ZeRO stages
-1 and 2) against a whole copy of it on every device.
+1 and 2), and its weights too (stage 3), against a whole copy of them on every device.
 
 The model is an MLP (784 -> width -> width -> 10) trained with Adam, whose
 two slots per weight are the state that is split, under tfdist's
 `MirroredStrategy` on logical CPU devices (intra-op 1, inter-op 2 threads),
-in three layouts: `unsplit`, `stage_1` (`shard_optimizer=1`: the gradients
-all-reduced, each device keeping its slice of the sum) and `stage_2`
-(`shard_optimizer=2`: the gradients reduce-scattered).
+in four layouts: `unsplit`, `stage_1` (`shard_optimizer=1`: the gradients
+all-reduced, each device keeping its slice of the sum), `stage_2`
+(`shard_optimizer=2`: the gradients reduce-scattered) and `stage_3`
+(`shard_optimizer=3`: the kernels split too, the biases whole).
 
 - **Memory**, on 2 and 4 devices: every optimizer slot variable's bytes,
   summed by the device the variable lives on (after one training step, so
@@ -14,20 +15,31 @@ all-reduced, each device keeping its slice of the sum) and `stage_2`
   are reduced, read from a traced training step (an all-reduce's output, or
   the sum of what an all-to-all brought: the reduce-scatter's output).
   `slot_bytes_share_N` and `gradient_bytes_share_N` = the fullest device's
-  bytes split / unsplit, per stage; the target is at most 1.15/N.
+  bytes split / unsplit, per stage; the target is at most 1.15/N. At stage 3
+  also the weight bytes by device, and what TensorFlow's allocator measured:
+  the peak of a few training steps over the memory in use before the model
+  was built, per device (the devices share one process's allocator: divided
+  by N). `state_bytes_per_device` counts weights, gradients and Adam's slots
+  whole; `peak_bytes_per_device_N` holds each layout's measured peak. The
+  stage-3 target: its peak, less what the unsplit job's peak holds beyond its
+  state (activations, temporaries), at most 1.15/N of the state plus the
+  largest layer's gathered weights.
 - **Bytes on the wire** per device and step, from the payloads of the
   collectives in the same traced step and each algorithm's traffic: a ring
   all-reduce sends 2(N-1)/N of its input, a ring all-gather N-1 times its
   input (the other devices' pieces), an all-to-all (N-1)/N of its input. `wire_bytes_ratio_N` = split /
-  unsplit, per stage (target: within 10% of unsplit).
-- **Speed**, on 2 devices: samples/sec of `model.fit`, the three layouts in
+  unsplit, per stage (target: within 10% of unsplit at stage 2; stage 3's
+  algorithm moves 3(N-1)/N of the weights against the all-reduce's 2(N-1)/N:
+  1.5).
+- **Speed**, on 2 devices: samples/sec of `model.fit`, the four layouts in
   alternated rounds, medians compared: `speed_ratio` = split / unsplit, per
-  stage (target at least 0.95).
+  stage (target at least 0.95 at stage 2).
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 import math
 from typing import Any
 
@@ -40,14 +52,16 @@ from tfdist.timing import alternate, medians
 __all__ = ["measure", "step_collectives"]
 
 DEVICE_COUNTS = (2, 4)
-LAYOUTS = {"unsplit": 0, "stage_1": 1, "stage_2": 2}  # shard_optimizer
+LAYOUTS = {"unsplit": 0, "stage_1": 1, "stage_2": 2, "stage_3": 3}  # shard_optimizer
 TARGET_SLOT_SHARE = 1.15  # / N
 TARGET_WIRE_RATIO = 1.1
 TARGET_SPEED = 0.95
 
 
-def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_round: int = 20) -> dict[str, Any]:
-    """Builds and times the three layouts in this process (call before TensorFlow has started)."""
+def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_round: int = 20,
+            keep_whole_below: int = 10_000) -> dict[str, Any]:
+    """Builds and times the four layouts in this process (call before TensorFlow has started).
+    `keep_whole_below`: stage 3's threshold (the default splits the kernels, keeps the biases whole)."""
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -66,7 +80,8 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
 
     def build(devices: int, stage: int):
-        strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=stage)
+        strategy = MirroredStrategy([f"/cpu:{i}" for i in range(devices)], shard_optimizer=stage,
+                                    keep_whole_below=keep_whole_below)
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(width, activation="relu"),
@@ -80,16 +95,29 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
         shards = shards_of(model.optimizer)
         return model.optimizer.variables if shards is None else [v for copy in shards.copies for v in copy.variables]
 
-    memory, gradients, wire = {}, {}, {}
+    def measured(devices: int, stage: int):
+        """The model, and the peak bytes a few of its training steps took per device over what was in use
+        before it was built (the devices share one allocator)."""
+        gc.collect()
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        model = build(devices, stage)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model.fit(dataset, epochs=1, steps_per_epoch=3, verbose=0)
+        return model, (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / devices
+
+    memory, gradients, wire, peaks, weights = {}, {}, {}, {}, {}
     figures: dict[str, Any] = {}
     models = {}
     for n in DEVICE_COUNTS:
-        models[n] = {name: build(n, stage) for name, stage in LAYOUTS.items()}
+        models[n], peaks[n] = {}, {}
+        for name, stage in LAYOUTS.items():
+            models[n][name], peaks[n][name] = measured(n, stage)
+        weights[n] = {name: _slot_bytes_by_device(model.trainable_variables) for name, model in models[n].items()}
         memory[n] = {name: _slot_bytes_by_device(slots(model)) for name, model in models[n].items()}
         steps = {name: step_collectives(model, (x[:8], y[:8])) for name, model in models[n].items()}
         gradients[n] = {name: step["reduced_bytes_by_device"] for name, step in steps.items()}
         wire[n] = {name: step["wire_bytes_per_device"] for name, step in steps.items()}
-        for name in ("stage_1", "stage_2"):
+        for name in ("stage_1", "stage_2", "stage_3"):
             slot_share = max(memory[n][name].values()) / max(memory[n]["unsplit"].values())
             figures[f"slot_bytes_share_{n}_{name}"] = slot_share
             figures[f"gradient_bytes_share_{n}_{name}"] = (max(gradients[n][name].values())
@@ -98,12 +126,19 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
         figures[f"meets_memory_target_{n}"] = all(
             figures[f"{kind}_bytes_share_{n}_stage_2"] <= TARGET_SLOT_SHARE / n for kind in ("slot", "gradient"))
         figures[f"meets_wire_target_{n}"] = figures[f"wire_bytes_ratio_{n}_stage_2"] <= TARGET_WIRE_RATIO
+        figures[f"weight_bytes_share_{n}_stage_3"] = (max(weights[n]["stage_3"].values())
+                                                      / max(weights[n]["unsplit"].values()))
+        state = 4 * max(weights[n]["unsplit"].values())  # weights, gradients and Adam's two slots
+        beyond_state = peaks[n]["unsplit"] - state  # activations and temporaries, alike in every layout
+        figures[f"peak_share_{n}_stage_3"] = peaks[n]["stage_3"] / peaks[n]["unsplit"]
+        figures[f"meets_weight_memory_target_{n}"] = (
+            peaks[n]["stage_3"] - beyond_state <= TARGET_SLOT_SHARE / n * state + 4 * width * width)
 
     rounds = {name: fit_round(model, dataset, batch=batch, steps=steps_per_round)
               for name, model in models[DEVICE_COUNTS[0]].items()}
     samples = alternate(rounds, repeats=repeats)
     step_ms = medians(samples)
-    for name in ("stage_1", "stage_2"):
+    for name in ("stage_1", "stage_2", "stage_3"):
         figures[f"speed_ratio_{name}"] = step_ms["unsplit"] / step_ms[name]
     figures["meets_speed_target"] = figures["speed_ratio_stage_2"] >= TARGET_SPEED
     gradient_bytes = sum(math.prod(v.shape) * 4 for v in models[DEVICE_COUNTS[0]]["unsplit"].trainable_variables)
@@ -114,6 +149,9 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
         "model": {"mlp": [784, width, width, 10], "optimizer": "adam", "gradient_bytes": gradient_bytes},
         "threads": {"intra_op": 1, "inter_op": 2},
         "slot_bytes_by_device": {str(n): m for n, m in memory.items()},
+        "weight_bytes_by_device": {str(n): w for n, w in weights.items()},
+        "peak_bytes_per_device": {str(n): p for n, p in peaks.items()},
+        "keep_whole_below": keep_whole_below,
         "reduced_gradient_bytes_by_device": {str(n): g for n, g in gradients.items()},
         "wire_bytes_per_device_and_step": {str(n): w for n, w in wire.items()},
         "speed": {"devices": DEVICE_COUNTS[0], "global_batch_size": batch, "steps_per_round": steps_per_round,

@@ -76,8 +76,10 @@ def test_split_state_trains_the_same_weights_as_one_copy_per_device(cpus, name, 
     for stage in (1, 2, 3):
         split, optimizer, shards = _train(devices, OPTIMIZERS[name], stage=stage)
         assert int(optimizer.iterations.numpy()) == STEPS and shards.collectives.stage == stage
+        # Stage 3 runs each layer's float16 forward again in its backward pass, its products fused otherwise.
+        tolerance = 1e-5 if stage == 3 and "float16" in name else 1e-6
         for a, b in zip(whole.get_weights(), split.get_weights()):
-            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
+            np.testing.assert_allclose(a, b, atol=tolerance, rtol=0, err_msg=f"stage {stage}")
         if name == "adam" and stage < 3:
             _assert_each_device_holds_the_slots_of_its_slices_only(whole_optimizer, optimizer, shards, devices)
             _assert_the_reduced_gradients_are_split_at_stage_2(whole, split, stage, devices)

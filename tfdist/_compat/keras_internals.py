@@ -54,6 +54,12 @@ def replace_variable_value(variable, value):
     backing store."""
     variable._value = value
 
+
+def backing_value(variable):
+    """The backend variable behind the Keras `variable`, even inside a mixed-precision layer's call (where its
+    `value` is a cast tensor); for anything else, itself."""
+    return getattr(variable, "_value", variable)
+
 def loss_tracker(model):
     """The `Mean` metric behind the `loss` entry of Keras's training logs.
 
@@ -157,6 +163,35 @@ def nested_layers(model) -> list:
     (`_flatten_layers`) has no public name. Placement, pipeline stages and
     tensor-parallel reports need the layers a nested model holds."""
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def keras_call_state():
+    """A context manager that puts back, in another call (a layer's backward pass), the Keras state the
+    current layer call runs in: its call context (the `training` its inner layers inherit) and its autocast
+    scope (mixed precision's compute dtype). Keras keeps both in private thread-local attributes."""
+    import contextlib
+
+    from keras.src.backend.common import global_state
+
+    saved = {name: global_state.get_global_attribute(name) for name in ("current_call_ctx", "autocast_scope")}
+
+    @contextlib.contextmanager
+    def restored():
+        outer = {name: global_state.get_global_attribute(name) for name in saved}
+        for name, value in saved.items():
+            global_state.set_global_attribute(name, value)
+        try:
+            yield
+        finally:
+            for name, value in outer.items():
+                global_state.set_global_attribute(name, value)
+
+    return restored
+
+
+def own_trainable_variables(layer) -> list:
+    """The trainable variables `layer` made itself, not its inner layers' (Keras keeps that list privately)."""
+    return list(layer._trainable_variables)
 
 
 def start_at_epoch(model, epoch: int) -> None:

@@ -298,3 +298,10 @@ def op_flops(graph, op) -> float:
             return float(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
         except ValueError:  # no statistics registered for the op type: no arithmetic worth counting
             return 0.0
+
+
+def gradients_recorded() -> bool:
+    """Whether a gradient tape records what runs now, in this thread (TensorFlow asks it privately)."""
+    from tensorflow.python.eager import record
+
+    return record.could_possibly_record()

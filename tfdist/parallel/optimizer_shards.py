@@ -60,7 +60,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.parallel import weight_shards
+from tfdist.parallel import recompute, weight_shards
 from tfdist._compat.tf_distribute import Trackable, numpy_dataset
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "SplitsOptimizerState",
@@ -74,7 +74,8 @@ ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.opt
 
 
 def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
-                          collectives=None, keep_whole_below: int = weight_shards.KEEP_WHOLE_BELOW) -> OptimizerShards:
+                          collectives=None, keep_whole_below: int = weight_shards.KEEP_WHOLE_BELOW,
+                          model: keras.Model | None = None) -> OptimizerShards:
     """Splits `optimizer`'s state over `strategy`'s replicas; call before the optimizer is built
     (tfdist's strategies call it at `compile` when given `shard_optimizer`).
 
@@ -88,6 +89,9 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
         TensorFlow collectives over its devices. Their `stage` 3 splits the weights too.
       keep_whole_below: at stage 3, variables with fewer elements keep their weights whole on every replica
         (their state is split as at stage 2).
+      model: at stage 3, the model compiled with `optimizer`: each of its layers that owns split weights
+        gathers them in the layers' order and again in its backward pass (`recompute`); without it, where
+        they are read, and kept for the backward pass.
 
     Returns:
       The `OptimizerShards` that now build and update it.
@@ -112,7 +116,8 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
         raise ValueError("`optimizer` with gradient_accumulation_steps cannot train weights split over devices "
                          "(shard_optimizer 3) in this version: its accumulators are whole. Use stage 2, or a larger "
                          f"batch. Received: gradient_accumulation_steps={inner.gradient_accumulation_steps}")
-    shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy), keep_whole_below)
+    shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy), keep_whole_below,
+                             model)
     _SPLIT[optimizer] = shards
     return shards
 
@@ -153,9 +158,10 @@ class OptimizerShards:
     """Device d's slice of every variable (`slices[d]`) and the copy of the optimizer that holds its
     slots (`copies[d]`), once the optimizer is built; `whole_slots` shows those slots unsplit."""
 
-    def __init__(self, optimizer, inner, strategy, collectives, keep_whole_below=weight_shards.KEEP_WHOLE_BELOW):
+    def __init__(self, optimizer, inner, strategy, collectives, keep_whole_below=weight_shards.KEEP_WHOLE_BELOW,
+                 model=None):
         self.optimizer, self.inner, self.strategy, self.collectives = optimizer, inner, strategy, collectives
-        self.keep_whole_below = keep_whole_below
+        self.keep_whole_below, self.model = keep_whole_below, model
         self.sharded: set[int] = set()  # indices of the variables whose weights are split too (stage 3)
         self.devices = collectives.devices  # this process's, one slice each
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
@@ -180,6 +186,11 @@ class OptimizerShards:
                            for d in range(len(self.devices))]
         for i in sorted(self.sharded):
             weight_shards.shard_weight(variables[i], self.strategy, self.collectives, [s[i] for s in self.slices])
+        if self.sharded and self.model is not None:
+            split = {id(variables[i]) for i in self.sharded}
+            for layer in [self.model, *_compat.nested_layers(self.model)]:
+                if any(id(v) in split for v in _compat.own_trainable_variables(layer)):
+                    recompute.recompute(layer, in_order=True)
         _compat.build_without_slots(self.inner, variables)
         # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt. They
         # update; the optimizer accumulates (its update runs theirs on its update steps).
@@ -424,7 +435,7 @@ class SplitsOptimizerState:
 
     def after_compile(self, model: keras.Model) -> None:
         if self.shard_optimizer:
-            shard_optimizer_state(model.optimizer, self, self.slice_collectives(), self.keep_whole_below)
+            shard_optimizer_state(model.optimizer, self, self.slice_collectives(), self.keep_whole_below, model)
 
     def before_save(self, model: keras.Model) -> None:
         shards = shards_of(getattr(model, "optimizer", None))

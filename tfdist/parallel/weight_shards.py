@@ -14,10 +14,11 @@ stays, with its path and whole shape; what backs it becomes a `ShardedWeight`:
 - everywhere else (`get_weights`, `model.save`, a `tf.train.Checkpoint`) it
   reads and writes the whole value, so what is saved is the unsplit model's.
 
-A read gathers; when the weights are gathered, and released, is the layers'
-business (`gathered_layers`): each layer that owns split weights gathers them
-at its call, and with `recompute` its backward pass gathers them again
-instead of keeping them.
+A read gathers. Within a layer's call (`gathered_once`) each weight is
+gathered once, however often the layer reads it. When the gathered weights
+are made and freed is the layers' business (`recompute`): at stage 3 each
+layer that owns split weights gathers them for its forward pass in the layers'
+order and again for its backward pass, instead of keeping them in between.
 
 Variables with fewer elements than `keep_whole_below` stay whole on every
 replica (DeepSpeed's `stage3_param_persistence_threshold`): biases and norms
@@ -26,7 +27,9 @@ are cheap to keep and costly to gather one by one.
 
 from __future__ import annotations
 
-import math
+import contextlib
+import threading
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -34,7 +37,7 @@ from tfdist._compat.tf_distribute import distribute_lib, values
 
 from tfdist import _compat
 
-__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "is_sharded", "shard_weight"]
+__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "gathered_once", "is_sharded", "shard_weight", "split_weights_of"]
 
 # DeepSpeed's default `stage3_param_persistence_threshold` (elements).
 KEEP_WHOLE_BELOW = 100_000
@@ -79,23 +82,43 @@ class ShardedWeight(values.MirroredVariable):
         return tf.reshape(flat[:self.whole_shape.num_elements()], self.whole_shape)
 
     def _gathered(self) -> tf.Tensor:
-        """This replica's read: the slices all-gathered; its gradient, reduce-scattered into this slice's."""
-        collectives = self.collectives
-        d = collectives.ranks.index(_compat.replica_index())
-        piece = self.values[d]
-        size, length = self.whole_shape.num_elements(), piece.shape[0]
+        """This replica's read: gathered once in a layer's call (`gathered_once`), else at each read."""
+        cache = _ONCE.gathered
+        if cache is not None and id(self) in cache:
+            return cache[id(self)][1]
+        whole = self.gather(self.local_slice())
+        if cache is not None:
+            cache[id(self)] = (self, whole)  # holds the variable, so that its id is not reused
+        return whole
+
+    def local_slice(self) -> tf.Tensor:
+        """This replica's slice, read (a tape records the read: the slice's gradient is the variable's)."""
+        piece = self.values[self._local_index()]
+        with tf.device(piece.device):
+            return piece.read_value()
+
+    def gather(self, local: tf.Tensor) -> tf.Tensor:
+        """The whole value from this replica's slice `local`: the slices all-gathered; the gradient,
+        reduce-scattered into the slice's (weighted first by this replica's share of a short batch)."""
+        collectives, d = self.collectives, self._local_index()
+        size, length = self.whole_shape.num_elements(), local.shape[0]
 
         @tf.custom_gradient
         def gather(local):
             whole = tf.reshape(collectives.all_gather(d, local)[:size], self.whole_shape)
 
-            def reduce_scatter(upstream):  # weighted first by this replica's share of a short batch
+            def reduce_scatter(upstream, variables=None):
                 flat = tf.reshape(tf.convert_to_tensor(_compat.weighted_by_batch_share([upstream])[0]), [-1])
-                return collectives.reduce_scatter(d, tf.pad(flat, [[0, length * collectives.parts - size]]))
+                mine = collectives.reduce_scatter(d, tf.pad(flat, [[0, length * collectives.parts - size]]))
+                # Under a recomputing tape TensorFlow also counts the collectives' ordering tokens as variables.
+                return (mine, [None] * len(variables)) if variables is not None else mine
             return whole, reduce_scatter
 
-        with tf.device(piece.device):
-            return gather(piece.read_value())
+        with tf.device(self.values[d].device):
+            return gather(local)
+
+    def _local_index(self) -> int:
+        return self.collectives.ranks.index(_compat.replica_index())
 
     def assign(self, value, use_locking=False, name=None, read_value=True):
         if _in_update():
@@ -117,6 +140,27 @@ class ShardedWeight(values.MirroredVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
+class _Once(threading.local):
+    """The split weights gathered in the layer call this thread runs, if one runs in `gathered_once`."""
+
+    def __init__(self):
+        self.gathered: Optional[dict] = None
+
+
+_ONCE = _Once()
+
+
+@contextlib.contextmanager
+def gathered_once(given=()):
+    """Within: each split weight a replica reads is gathered at its first read only (a Keras layer reads its
+    kernel more than once), or is the value `given` for it ((ShardedWeight, whole tensor) pairs)."""
+    outer, _ONCE.gathered = _ONCE.gathered, {id(weight): (weight, whole) for weight, whole in given}
+    try:
+        yield
+    finally:
+        _ONCE.gathered = outer
+
+
 def shard_weight(variable, strategy, collectives, slices: list) -> None:
     """Makes the built Keras `variable` held as `slices` (this process's Keras variables, one per device
     of `collectives`, each as long as the whole's slice) filled with its value, in place."""
@@ -130,11 +174,13 @@ def shard_weight(variable, strategy, collectives, slices: list) -> None:
 
 
 def is_sharded(variable) -> bool:
-    return isinstance(getattr(variable, "value", None), ShardedWeight) or isinstance(variable, ShardedWeight)
+    """Whether the Keras `variable` (or the backend variable) is split over the replicas."""
+    return isinstance(_compat.backing_value(variable), ShardedWeight)
 
 
-def slice_length(variable, parts: int) -> int:
-    return -(-math.prod(variable.shape) // parts)
+def split_weights_of(layer) -> list:
+    """The `ShardedWeight`s behind the trainable variables `layer` itself holds (not its inner layers')."""
+    return [_compat.backing_value(v) for v in _compat.own_trainable_variables(layer) if is_sharded(v)]
 
 
 def _padded(value: tf.Tensor, length: int) -> tf.Tensor:

@@ -1,0 +1,150 @@
+"""Layers whose training step keeps only their inputs: their forward pass runs again in the backward pass.
+
+Rematerialization (Chen et al. 2016) trades one more forward pass of a layer
+for the tensors its backward pass would otherwise keep. `recompute(layer)`
+wraps the layer's call, in a step that records gradients, in a
+`tf.custom_gradient` whose backward pass runs the call again under a tape and
+takes the gradients of that second pass. TensorFlow's own `tf.recompute_grad`
+does the same but takes no keyword arguments in graph mode (`training=`,
+masks: keras-team/keras#21207, which is why `keras.RematScope` fails on the
+TensorFlow backend); here they ride along in a closure.
+
+The second pass reads what the first read: a Keras `StatelessScope` gives
+every non-trainable variable of the layer (Dropout's seeds, BatchNorm's
+statistics) the value it had before the first pass, and drops what the second
+pass writes. So a Dropout draws the same mask twice, and BatchNorm's moving
+statistics move once. Layers that draw random numbers from Keras's global seed
+generator (`keras.random.*` with no seed) would draw new ones: none of Keras's
+own layers do.
+
+Weights split over the replicas (`weight_shards`, ZeRO stage 3) are gathered
+where a layer reads them. A layer that owns such weights is wrapped too
+(`gather_in_order`), so that its gathered weights are freed after its
+forward pass and gathered again in its backward pass, and its gathers are
+issued in the layers' order: the forward gather of a layer waits for the
+input of the layer before it (one layer ahead: the gather overlaps that
+layer's compute), the backward one for the gradient reaching the layer after
+it. Without that order TensorFlow would run every gather as early as it can,
+and every layer's weights would be whole at once.
+
+Example:
+
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64, activation="relu"),
+    ...                           keras.layers.Dense(1)])
+    >>> for layer in model.layers:
+    ...     recompute(layer)
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tfdist import _compat
+from tfdist.parallel import weight_shards
+
+__all__ = ["is_recomputed", "recompute"]
+
+_WRAPPED = weakref.WeakKeyDictionary()  # each wrapped layer: its own call
+
+
+def recompute(layer: keras.layers.Layer, *, in_order: bool = False) -> None:
+    """Has `layer` keep only its inputs in a training step and run its forward pass again in the backward pass.
+
+    Args:
+      layer: a built or unbuilt Keras layer; wrapping it twice changes nothing.
+      in_order: issue the gathers of its split weights in the layers' order (`gather_in_order`): its forward
+        pass waits for the previous such layer's input, its backward pass for the next one's gradient.
+    """
+    if layer in _WRAPPED:
+        _WRAPPED[layer]["in_order"] |= in_order
+        return
+    own_call = layer.call
+    _WRAPPED[layer] = settings = {"in_order": in_order}
+
+    def call(*args, **kwargs):
+        if not _compat.gradients_recorded():  # inference, Keras's symbolic build: nothing to keep
+            return own_call(*args, **kwargs)
+        return _recomputed_call(layer, own_call, settings["in_order"], args, kwargs)
+
+    layer.call = call
+
+
+def is_recomputed(layer) -> bool:
+    return layer in _WRAPPED
+
+
+def _recomputed_call(layer, own_call, in_order, args, kwargs):
+    flat = tf.nest.flatten((args, kwargs))
+    at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]  # the tensors: custom_gradient's arguments
+    differentiable = [k for k, i in enumerate(at) if flat[i].dtype.is_floating]
+    # Before the first pass writes them: what the second pass must read again.
+    before = [(v, tf.identity(v.value)) for v in layer.non_trainable_variables]
+    # Its split weights enter as their slices (gathered inside, so that the gathers can wait, and their
+    # gradients reach the slices): a variable custom_gradient finds inside would be read whole.
+    split = weight_shards.split_weights_of(layer) if in_order else []
+    order = _order() if in_order else None
+    call_state = _compat.keras_call_state()  # the training flag and autocast dtype, for the second pass
+
+    def call_on(tensors, slices):
+        values = list(flat)
+        for i, t in zip(at, tensors):
+            values[i] = t
+        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+        whole = [weight.gather(piece) for weight, piece in zip(split, slices)]
+        with weight_shards.gathered_once(zip(split, whole)):
+            return own_call(*call_args, **call_kwargs)
+
+    @tf.custom_gradient
+    def forward(*arguments):
+        tensors, slices = arguments[:len(at)], arguments[len(at):]
+        with tf.control_dependencies(order.forward(tensors) if order else []):
+            outputs = call_on(tensors, slices)
+
+        def backward(*upstream, variables=None):
+            variables = list(variables or [])
+            sources = [tensors[k] for k in differentiable] + list(slices)
+            with tf.GradientTape() as tape, tf.control_dependencies(order.backward(upstream) if order else []):
+                tape.watch(sources + variables)
+                with keras.StatelessScope(state_mapping=before, initialize_variables=False), call_state():
+                    again = call_on(tensors, slices)
+            grads = tape.gradient(tf.nest.flatten(again), sources + variables, output_gradients=list(upstream))
+            by_tensor = dict(zip(differentiable, grads))
+            argument_grads = [by_tensor.get(k) for k in range(len(at))] + grads[len(differentiable):len(sources)]
+            return (argument_grads, grads[len(sources):]) if variables else argument_grads
+
+        return outputs, backward
+
+    return forward(*[flat[i] for i in at], *[weight.local_slice() for weight in split])
+
+
+class _Order(threading.local):
+    """Per step being traced and replica thread: the last forward input and backward gradient an in-order layer
+    saw, which the next one's gathers wait for."""
+
+    def __init__(self):
+        self.graph, self.last_input, self.last_upstream = None, None, None
+
+    def forward(self, tensors) -> list:
+        """The first layer's gathers wait for its own input, the others' for the previous layer's."""
+        previous, self.last_input = self.last_input, tensors[0] if tensors else None
+        return [t for t in (previous if previous is not None else self.last_input,) if t is not None]
+
+    def backward(self, upstream) -> list:
+        """The last layer's gathers wait for its own gradient, the others' for the next layer's."""
+        previous, self.last_upstream = self.last_upstream, upstream[0] if upstream else None
+        return [t for t in (previous if previous is not None else self.last_upstream,) if t is not None]
+
+
+_ORDER = _Order()
+
+
+def _order() -> _Order:
+    """The order of the step being traced (a new graph starts a new order)."""
+    graph = tf.compat.v1.get_default_graph()
+    if _ORDER.graph is not graph:
+        _ORDER.graph, _ORDER.last_input, _ORDER.last_upstream = graph, None, None
+    return _ORDER
