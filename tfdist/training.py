@@ -32,7 +32,9 @@ from tfdist.config.schema import Config, ModelName
 from tfdist.config.validation import check_job, check_transformer_split
 from tfdist.contract import contract
 from tfdist.data.sources import shard, with_count
+from tfdist.errors import ConfigError
 from tfdist.optimizers import build_optimizer
+from tfdist.parallel.recompute import remat
 from tfdist.reporting import format_summary, write_json
 from tfdist.strategies.factory import make_strategy, serves_only
 
@@ -89,6 +91,10 @@ def prepare(config: Config, strategy: Optional[tf.distribute.Strategy] = None) -
     with strategy.scope():
         model = build_model()
         answers.check_model(model)
+        try:
+            remat(model, train.remat)
+        except ValueError as error:
+            raise ConfigError("train.remat", str(error).removeprefix("`layers` "), train.remat) from None
         optimizer = build_optimizer(train, steps_per_epoch=steps, accumulation_steps=answers.accumulation_steps)
         model.compile(
             optimizer=precision.wrap_optimizer(optimizer, config.precision),

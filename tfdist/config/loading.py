@@ -269,13 +269,16 @@ def _float_from_text(text: str):
 
 
 def _convert_union(value: Any, options: list, key: str) -> Any:
-    # Only str-or-number unions exist (precision.loss_scale); validation checks
-    # which strings and numbers are allowed.
+    # Only str-or-number (precision.loss_scale) and str-or-list (train.remat) unions exist; validation
+    # checks which strings and numbers are allowed.
     if isinstance(value, str) and str in options:
         return value
+    listed = next((o for o in options if typing.get_origin(o) is tuple), None)
+    if isinstance(value, (list, tuple)) and listed is not None:
+        return _convert_tuple(value, typing.get_args(listed)[0], key)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and float in options:
         return float(value)
-    names = " or ".join(o.__name__ for o in options)
+    names = " or ".join("list" if typing.get_origin(o) is tuple else o.__name__ for o in options)
     raise ConfigError(key, f"must be a {names}.", value)
 
 

@@ -446,6 +446,13 @@ class TrainConfig:
         scaled rate over this many epochs (gradual warmup, Goyal et al. 2017).
       seed: seed for weights, data order and dropout.
       verbose: Keras progress output: 0 silent, 1 progress bar, 2 one line/epoch.
+      remat: which layers keep only their inputs in a training step and run
+        their forward pass again in the backward pass (rematerialization):
+        `none`, `full` (every layer that holds weights at the model's top
+        level, and inside nested models) or a list of layer names and class
+        names
+        (`[block0_mlp, MultiHeadAttention]`). Less activation memory for
+        about one more forward pass of those layers.
     """
 
     global_batch_size: int = bounded(64, low=1)
@@ -458,6 +465,7 @@ class TrainConfig:
     warmup_epochs: float = bounded(0.0, low=0)
     seed: int = bounded(1234, low=0)
     verbose: int = bounded(1, low=0, high=2)
+    remat: Union[str, tuple[str, ...]] = "none"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,6 +224,8 @@ def _check_train(config: Config) -> None:
         raise ConfigError(
             "train.warmup_epochs", f"must not exceed train.epochs ({t.epochs}).", t.warmup_epochs
         )
+    if isinstance(t.remat, str) and t.remat not in ("none", "full") or t.remat == ():
+        raise ConfigError("train.remat", "must be none, full or a list of layer names and class names.", t.remat)
 
 
 def _check_callbacks(config: Config) -> None:

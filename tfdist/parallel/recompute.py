@@ -27,12 +27,14 @@ layer's compute), the backward one for the gradient reaching the layer after
 it. Without that order TensorFlow would run every gather as early as it can,
 and every layer's weights would be whole at once.
 
+`remat(model, "full")` chooses the layers (the config's `train.remat`).
+
 Example:
 
     >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64, activation="relu"),
     ...                           keras.layers.Dense(1)])
-    >>> for layer in model.layers:
-    ...     recompute(layer)
+    >>> remat(model, "full")
+    ['dense', 'dense_1']
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.parallel import weight_shards
 
-__all__ = ["is_recomputed", "recompute"]
+__all__ = ["is_recomputed", "recompute", "recompute_again", "remat"]
 
 _WRAPPED = weakref.WeakKeyDictionary()  # each wrapped layer: its own call
 
@@ -59,22 +61,76 @@ def recompute(layer: keras.layers.Layer, *, in_order: bool = False) -> None:
       in_order: issue the gathers of its split weights in the layers' order (`gather_in_order`): its forward
         pass waits for the previous such layer's input, its backward pass for the next one's gradient.
     """
-    if layer in _WRAPPED:
+    if is_recomputed(layer):
         _WRAPPED[layer]["in_order"] |= in_order
         return
     own_call = layer.call
-    _WRAPPED[layer] = settings = {"in_order": in_order}
+    _WRAPPED[layer] = settings = {"in_order": in_order or _WRAPPED.get(layer, {}).get("in_order", False)}
 
     def call(*args, **kwargs):
         if not _compat.gradients_recorded():  # inference, Keras's symbolic build: nothing to keep
             return own_call(*args, **kwargs)
         return _recomputed_call(layer, own_call, settings["in_order"], args, kwargs)
 
+    call.recomputes = True
     layer.call = call
 
 
+def recompute_again(layer: keras.layers.Layer) -> None:
+    """Wraps `layer`'s call again if it was recomputed and something has since replaced its call (a layout
+    splits a layer by giving it a call of its own)."""
+    if layer in _WRAPPED and not is_recomputed(layer):
+        recompute(layer)
+
+
 def is_recomputed(layer) -> bool:
-    return layer in _WRAPPED
+    """Whether `layer`'s call is the recomputing one now."""
+    return getattr(layer.__dict__.get("call"), "recomputes", False)
+
+
+def remat(model: keras.Model, layers="full") -> list[str]:
+    """Has the chosen layers of `model` recompute their forward pass in the backward pass (`recompute`), under
+    any strategy: the layers' calls change, not the model, its weights or what it saves.
+
+    Args:
+      model: a built Keras model.
+      layers: `"full"` (every layer that holds weights at the model's top level, and inside models nested in
+        it, as keras-hub's task models hold their backbone), `"none"`, or a list of layer names and class
+        names (a name matches a layer anywhere in the model).
+
+    Returns:
+      The names of the layers that now recompute.
+
+    Raises:
+      ValueError: `layers` is none of these, or names no layer of the model.
+    """
+    if layers == "none":
+        return []
+    if layers == "full":
+        chosen = _top_level_with_weights(model)
+    elif isinstance(layers, (list, tuple)) and layers and all(isinstance(name, str) for name in layers):
+        every = _compat.nested_layers(model)
+        chosen = [layer for layer in every if layer.name in layers or type(layer).__name__ in layers]
+        unknown = sorted(set(layers) - {layer.name for layer in chosen} - {type(layer).__name__ for layer in chosen})
+        if unknown:
+            raise ValueError(f"`layers` names no layer or layer class of model {model.name!r}: {', '.join(unknown)}. "
+                             f"Its layers: {', '.join(layer.name for layer in every)}.")
+    else:
+        raise ValueError(f"`layers` must be 'full', 'none' or a list of layer names and class names. "
+                         f"Received: {layers!r}")
+    for layer in chosen:
+        recompute(layer)
+    return [layer.name for layer in chosen]
+
+
+def _top_level_with_weights(model) -> list:
+    chosen = []
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            chosen += _top_level_with_weights(layer)
+        elif layer.weights:
+            chosen.append(layer)
+    return chosen
 
 
 def _recomputed_call(layer, own_call, in_order, args, kwargs):
@@ -106,11 +162,13 @@ def _recomputed_call(layer, own_call, in_order, args, kwargs):
 
         def backward(*upstream, variables=None):
             variables = list(variables or [])
-            sources = [tensors[k] for k in differentiable] + list(slices)
+            # A tensor passed twice (attention's query and value) gets each argument's own gradient.
+            inputs = [tf.identity(t) for t in tensors]
+            sources = [inputs[k] for k in differentiable] + list(slices)
             with tf.GradientTape() as tape, tf.control_dependencies(order.backward(upstream) if order else []):
                 tape.watch(sources + variables)
                 with keras.StatelessScope(state_mapping=before, initialize_variables=False), call_state():
-                    again = call_on(tensors, slices)
+                    again = call_on(inputs, slices)
             grads = tape.gradient(tf.nest.flatten(again), sources + variables, output_gradients=list(upstream))
             by_tensor = dict(zip(differentiable, grads))
             argument_grads = [by_tensor.get(k) for k in range(len(at))] + grads[len(differentiable):len(sources)]

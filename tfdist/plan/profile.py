@@ -219,14 +219,18 @@ def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict
         return tape.gradient(loss, model.trainable_variables), forward_ops
 
     traced = {}
+    own = {layer: layer.__dict__.get("call") for layer in model.layers}  # a call of its own (recomputed) stays
     for layer in model.layers:
         layer.call = owning(layer)
     try:
         graph = tf.function(lambda x: traced.setdefault("step", step(x))[0]).get_concrete_function(
             tf.TensorSpec((batch, *input_shape), "float32")).graph
     finally:
-        for layer in model.layers:
-            del layer.call  # the class's own again
+        for layer, call in own.items():
+            if call is None:
+                del layer.call  # the class's own again
+            else:
+                layer.call = call
     operations = graph.get_operations()
     forward, backward = operations[:traced["step"][1]], operations[traced["step"][1]:]
     first_layer = next((layer.name for layer in model.layers if layer.name in owners.values()), "")

@@ -35,6 +35,7 @@ from tfdist.errors import ConfigError
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.megatron_pairs import functional_pairs, paired_blocks
 from tfdist.parallel.mesh_groups import MeshGroups
+from tfdist.parallel.recompute import recompute_again
 from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import multi_step_function
@@ -245,10 +246,12 @@ class SplitsByLayout:
                 if axes_by_layer[layer][name] is not None:
                     split(variable, axes_by_layer[layer][name], self, self.layout.model)
             layer.call = call
+            recompute_again(layer)
             if layer in taking:
                 layer.input_spec = None  # Keras's check wants the whole axis the layer may now take split
         for block, divided in blocks.items():
             block.call = split_block_call(block, divided, self.layout.model)
+            recompute_again(block)
         self._split_models.add(model)
 
 
