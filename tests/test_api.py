@@ -18,7 +18,7 @@ PUBLIC = {
     "tfdist": ["Checkpoint", "ClusterError", "Config", "ConfigError", "HorovodStrategy", "LayoutStrategy",
                "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PipelineStrategy",
                "TensorParallelStrategy", "Throughput", "__version__", "is_chief", "load_config", "make_strategy",
-               "prepare", "run", "set_distribution", "strategy_from"],
+               "prepare", "remat", "run", "set_distribution", "strategy_from"],
     "tfdist.layers": ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense",
                       "ShardedEmbedding", "shard_placement"],
     "tfdist.callbacks": ["Checkpoint", "DeviceMetrics", "EXIT_PREEMPTED", "EXIT_TERMINATED", "InputStalls",

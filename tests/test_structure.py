@@ -10,7 +10,8 @@ from helpers import ROOT
 # Lowest first: each of tfdist's packages and top-level modules, by name. A module may import from its own
 # package's layer and the ones before it, so the folders alone show the layering.
 LAYERS = [
-    ("foundation", ["errors", "config", "tf_startup", "checkpoint_store", "user_code", "timing", "_compat"]),
+    ("foundation", ["errors", "config", "tf_startup", "checkpoint_store", "user_code", "timing", "memory_limit",
+                    "_compat"]),
     ("contract", ["contract"]),
     ("parts", ["cluster", "parallel", "layers", "data", "horovod", "precision", "optimizers", "models", "reporting"]),
     ("strategies", ["strategies", "callbacks"]),

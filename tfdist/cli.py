@@ -28,7 +28,7 @@ from typing import Callable
 from absl import app, flags
 from absl import logging as absl_logging
 
-from tfdist.errors import CheckpointWriteError, ClusterError, ConfigError, HostsError
+from tfdist.errors import CheckpointWriteError, ClusterError, ConfigError, HostsError, MemoryLimitError
 from tfdist.tf_startup import import_tensorflow, quiet_tensorflow_log
 
 # Each command takes only its own flags (the table at the end); the help strings are shown per command.
@@ -438,7 +438,7 @@ def main(argv: list[str]) -> None:
         _COMMANDS[argv[1]].run(argv[2:])
     except ConfigError as e:
         _fail(str(e))
-    except (HostsError, CheckpointWriteError) as e:
+    except (HostsError, CheckpointWriteError, MemoryLimitError) as e:
         print(f"tfdist: error: {e}", file=sys.stderr)
         sys.exit(EXIT_RUNTIME)
     except ClusterError as e:

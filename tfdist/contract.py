@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from tfdist._compat.patches import install_patches as _install_patches
 from tfdist.errors import ClusterError
+from tfdist.memory_limit import guard_optimizer_build
 
 __all__ = ["StrategyContract", "contract", "install_patches"]
 
@@ -175,12 +176,22 @@ def install_patches() -> None:
                      gradient_all_reduce=lambda strategy: contract(strategy).gradient_all_reduce,
                      gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
                      reduce_gradients=lambda strategy, pairs: contract(strategy).reduce_gradients(pairs),
-                     after_compile=lambda strategy, model: contract(strategy).after_compile(model),
+                     after_compile=_after_compile,
                      before_save=lambda strategy, model: contract(strategy).before_save(model),
                      is_chief=lambda strategy: contract(strategy).is_chief,
                      multi_process=lambda strategy: contract(strategy).multi_process,
                      any_process=lambda strategy, flag: contract(strategy).any_process(flag),
                      splits_optimizers=lambda strategy: bool(getattr(contract(strategy), "shard_optimizer", 0)))
+
+
+def _after_compile(strategy, model) -> None:
+    """The strategy's own step after `compile` (a split optimizer's), then the memory check of the optimizer's
+    build: a state the process's memory limit cannot hold is one line, not a kill."""
+    answers = contract(strategy)
+    answers.after_compile(model)
+    guard_optimizer_build(getattr(model, "optimizer", None), replicas=strategy.num_replicas_in_sync,
+                          stage=getattr(answers, "shard_optimizer", 0),
+                          keep_whole_below=getattr(answers, "keep_whole_below", 0))
 
 
 def contract(strategy) -> StrategyContract:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointWriteError", "ClusterError", "ConfigError", "LayoutError", "error_reason"]
+__all__ = ["CheckpointWriteError", "ClusterError", "ConfigError", "LayoutError", "MemoryLimitError", "error_reason"]
 
 _MISSING = object()
 
@@ -41,6 +41,12 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a lost mount); the ones written before it are intact.
 
     The message names the step, the directory and the reason, and says which checkpoint a rerun resumes from.
+    """
+
+
+class MemoryLimitError(MemoryError):
+    """Training would take more memory than this process's limit allows (`tfdist.memory_limit`): the message
+    names the bytes, the limit and what splits them, where the kernel would have killed the process unexplained.
     """
 
 
