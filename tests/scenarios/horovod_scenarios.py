@@ -193,7 +193,8 @@ def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0"):
 
     def train(shard_optimizer, epochs, callbacks=()):
         keras.utils.set_random_seed(0)
-        strategy = HorovodStrategy(shard_optimizer=shard_optimizer) if shard_optimizer is not None else None
+        strategy = (HorovodStrategy(shard_optimizer=shard_optimizer, keep_whole_below=8)  # stage 3: the kernels
+                    if shard_optimizer is not None else None)
         with _dtype_policy(optimizer.partition("_adam")[0] if "float16" in optimizer else "float32"):
             with strategy.scope() if strategy else contextlib.nullcontext():
                 # 12*7 + 7 + 7*3 + 3 weights: lengths 2 ranks do not all divide, so slices are padded.

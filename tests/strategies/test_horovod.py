@@ -43,12 +43,14 @@ UNEVEN = "matches_single_process:examples=149"
 KERAS_API = ["keras_api_matches_single_process:accumulation=1", "keras_api_matches_single_process:accumulation=2"]
 # mixed_float16: two ranks against one process, the second with an overflow in rank 1's part only.
 LOSS_SCALING = ["loss_scaling_matches_single_process", "loss_scaling_matches_single_process:overflow_on_rank_1=1"]
-# The optimizer split over the ranks: stage 2 (reduce-scatter) with each optimizer, stage 1 once; Keras's
-# gradient accumulation at both (the unsplit Horovod job equals one process: MATCH_CASES).
+# The optimizer split over the ranks: stage 2 (reduce-scatter) with each optimizer, stage 1 once, stage 3 (the
+# weights split too) with those it takes; Keras's gradient accumulation at 1 and 2 (the unsplit Horovod job equals
+# one process: MATCH_CASES).
 SPLIT_CASES = [f"split_optimizer_matches_unsplit:stage=2,optimizer={name}" for name in (
     "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam",
     "adam_accumulating_4")] + [f"split_optimizer_matches_unsplit:stage=1,optimizer={name}" for name in (
-        "adam", "adam_accumulating_4")]
+        "adam", "adam_accumulating_4")] + [f"split_optimizer_matches_unsplit:stage=3,optimizer={name}" for name in (
+            "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam")]
 SPLIT_RESUME = "split_optimizer_matches_unsplit:stage=2,optimizer=adam,resume=1"
 
 
@@ -124,6 +126,8 @@ def test_an_optimizer_split_over_the_ranks_trains_the_unsplit_jobs_weights(cases
         assert report["devices"] == 2 and report["stage"] == int(case.split("stage=")[1][0])
         assert max(report["slot_bytes_per_device"]) <= 1.15 / 2 * report["unsplit_slot_bytes"]
         assert len(result["slot_devices"]) == 1
+        if report["stage"] == 3:  # the kernels' 105 weights halved (53 of them), the biases' 10 whole
+            assert report["weight_bytes_per_device"] == [4 * (53 + 10)], report
 
 
 @on_one_worker

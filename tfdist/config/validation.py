@@ -126,9 +126,10 @@ def _check_strategy(config: Config) -> None:
         if value != getattr(defaults, name) and not s.takes(name):
             raise ConfigError(f"strategy.{name}", f"only applies to {_taken_by(name)}{_ELSEWHERE.get(name, '')}; "
                               f"strategy.kind is {s.kind}.", getattr(value, "value", value))
-    if s.shard_optimizer == 3 and s.kind not in ("mirrored", "multi_worker_mirrored"):
-        raise ConfigError("strategy.shard_optimizer", f"3 (the weights split) applies to strategy.kind mirrored and "
-                          f"multi_worker_mirrored in this version; strategy.kind is {s.kind}.", s.shard_optimizer)
+    if s.shard_optimizer == 3 and s.kind not in ("mirrored", "multi_worker_mirrored", "horovod"):
+        raise ConfigError("strategy.shard_optimizer", f"3 (the weights split) applies to strategy.kind mirrored, "
+                          f"multi_worker_mirrored and horovod in this version; strategy.kind is {s.kind}.",
+                          s.shard_optimizer)
     if s.keep_whole_below != StrategyConfig().keep_whole_below and s.shard_optimizer != 3:
         raise ConfigError("strategy.keep_whole_below", "only applies with strategy.shard_optimizer: 3 (the weights "
                           f"split); strategy.shard_optimizer is {s.shard_optimizer}.", s.keep_whole_below)

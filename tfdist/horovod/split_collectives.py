@@ -8,7 +8,9 @@ slices:
 - stage 1: `hvd.allreduce` of the packed gradients, of which each rank keeps
   its slice (the bytes of an all-reduce, plus the all-gather's);
 - stage 2: `hvd.reducescatter`, so each rank receives only the sum of its
-  slice (reduce-scatter + all-gather: an all-reduce's bytes in all).
+  slice (reduce-scatter + all-gather: an all-reduce's bytes in all);
+- stage 3: the weights split too (`tfdist.parallel.weight_shards`): a layer's
+  read all-gathers them, their gradients `hvd.reducescatter`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class HorovodSliceCollectives:
     Args:
       hvd: the initialised `horovod.tensorflow` module.
       device: this rank's device.
-      stage: 1 (all-reduce, keep the slice) or 2 (reduce-scatter).
+      stage: 1 (all-reduce, keep the slice), 2 (reduce-scatter) or 3 (the weights split too).
       op: `average` or `sum`, as `HorovodAllReduce` combines the gradients
         (Keras scales each rank's loss by 1/size, so `average` sums).
       fp16_compression: send the gradients as float16.
@@ -34,9 +36,9 @@ class HorovodSliceCollectives:
     multi_process = True
 
     def __init__(self, hvd, device: str, *, stage: int, op: str, fp16_compression: bool):
-        if stage not in (1, 2) or op not in ("average", "sum"):
-            raise ValueError(f"Horovod splits an optimizer at stage 1 or 2 with op average or sum (Adasum combines "
-                             f"whole gradients). Received: stage {stage}, op {op}")
+        if stage not in (1, 2, 3) or op not in ("average", "sum"):
+            raise ValueError(f"Horovod splits an optimizer at stage 1, 2 or 3 with op average or sum (Adasum "
+                             f"combines whole gradients). Received: stage {stage}, op {op}")
         self.hvd, self.stage = hvd, stage
         self.devices, self.parts, self.ranks = (device,), hvd.size(), (hvd.rank(),)
         self._prescale = 1.0 if op == "average" else float(hvd.size())
@@ -45,7 +47,7 @@ class HorovodSliceCollectives:
     def reduce_scatter(self, d, packed):
         """This rank's slice of the sum over the ranks of `packed` (every rank's slices, in rank order)."""
         wire, context = self._compression.compress(packed * self._prescale if self._prescale != 1 else packed)
-        if self.stage == 2:
+        if self.stage >= 2:
             mine = self.hvd.reducescatter(wire, op=self.hvd.Sum)
         else:
             length = packed.shape[0] // self.parts

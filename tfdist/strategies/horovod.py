@@ -50,6 +50,7 @@ from tfdist.horovod.all_reduce import HorovodAllReduce
 from tfdist.horovod.liveness import collectives_are_down
 from tfdist.horovod.split_collectives import HorovodSliceCollectives
 from tfdist.parallel.optimizer_shards import SplitsOptimizerState
+from tfdist.parallel.weight_shards import KEEP_WHOLE_BELOW
 from tfdist.contract import StrategyContract
 from tfdist.strategies.process_group import HorovodProcesses
 from tfdist.strategies.process_input import PerProcessInput
@@ -145,7 +146,9 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         are lost or added), committing the state every this many batches; None: not elastic.
       shard_optimizer: 1 or 2 splits the state of an optimizer compiled under this strategy over the
         ranks (ZeRO stage 1: gradients all-reduced; 2: reduce-scattered,
-        `tfdist.horovod.split_collectives`); 0 keeps a whole copy on each.
+        `tfdist.horovod.split_collectives`), 3 the weights too (`tfdist.parallel.weight_shards`); 0 keeps a
+        whole copy on each.
+      keep_whole_below: at stage 3, variables of fewer elements stay whole on every rank.
 
     Raises:
       ImportError: Horovod is not installed (one line saying how to install it).
@@ -169,11 +172,12 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         backward_passes_per_step: int = 1,
         elastic_commit_batches: Optional[int] = None,
         shard_optimizer: int = 0,
+        keep_whole_below: int = KEEP_WHOLE_BELOW,
     ):
         if op not in _OPS:
             raise ValueError(f"`op` must be one of {', '.join(_OPS)}. Received: {op!r}")
-        if shard_optimizer not in (0, 1, 2) or (shard_optimizer and (op == "adasum" or elastic_commit_batches)):
-            raise ValueError("`shard_optimizer` must be 0, 1 or 2, and 0 with op adasum (it combines whole "
+        if shard_optimizer not in (0, 1, 2, 3) or (shard_optimizer and (op == "adasum" or elastic_commit_batches)):
+            raise ValueError("`shard_optimizer` must be 0, 1, 2 or 3, and 0 with op adasum (it combines whole "
                              f"gradients) or elastic training. Received: {shard_optimizer}, op {op}, "
                              f"elastic_commit_batches {elastic_commit_batches}")
         timeout = DEFAULT_STEP_TIMEOUT_SECONDS if stall_shutdown_seconds is None else stall_shutdown_seconds
@@ -202,7 +206,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         self.stall_shutdown_seconds = timeout
         self.accumulation_steps = backward_passes_per_step
         self.elastic_commit_batches = elastic_commit_batches
-        self.shard_optimizer = shard_optimizer
+        self.shard_optimizer, self.keep_whole_below = shard_optimizer, keep_whole_below
         self._op, self._fp16_compression = op, fp16_compression
         self._elastic_resets = 0
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None

@@ -243,9 +243,9 @@ class ReplicaGroupsStrategy(MirroredStrategy):
     def __init__(self, replica_devices: Sequence[Sequence[str]], processes: Optional[ProcessGroup] = None,
                  shard_optimizer: int = 0):
         if shard_optimizer == 3:
-            raise ValueError("`shard_optimizer` 3 (the weights split) applies to MirroredStrategy and "
-                             "MultiWorkerMirroredStrategy in this version, not to replica groups (pipeline, "
-                             "tensor_parallel). Received: 3")
+            raise ValueError("`shard_optimizer` 3 (the weights split) applies to MirroredStrategy, "
+                             "MultiWorkerMirroredStrategy and HorovodStrategy in this version, not to replica groups "
+                             "(pipeline, tensor_parallel). Received: 3")
         sizes = {len(devices) for devices in replica_devices}
         if len(sizes) != 1:
             raise ValueError(
