@@ -5,7 +5,8 @@ is split over the workers (`shard_optimizer=1`, 2 and 3).
 OPTIMIZERS in turn, 4 epochs of 5 steps (global batch 32), split at stage 1, at stages 2 and 3 (those
 of STAGE_2) and unsplit; every worker writes OUT_DIR/worker-N.json (its slot bytes and devices)
 and the weights to OUT_DIR/worker-N-NAME.npz, worker-N-NAME-stage2.npz, worker-N-NAME-stage3.npz and
-worker-N-NAME-stage0.npz. Adam's split job also saves a
+worker-N-NAME-stage0.npz, and Adam's at stage 3 with every layer recomputed (`tfdist.remat`) to
+worker-N-adam-stage3-remat.npz. Adam's split job also saves a
 `tfdist.Checkpoint` to OUT_DIR/checkpoint and a Keras file to OUT_DIR/together.keras
 (`strategy.save_model`), every worker joining, the chief writing.
 test_optimizer_shards_multi_worker.py starts two and trains the same models on one device.
@@ -20,6 +21,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+from tfdist import remat  # noqa: E402
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -45,8 +48,9 @@ def data():
     return x, x[:, :3].argmax(axis=1).astype("int32")
 
 
-def train(strategy, name, epochs=4, callbacks=()):
-    """The model trained with optimizer `name` under `strategy` (None: no strategy)."""
+def train(strategy, name, epochs=4, callbacks=(), recomputed="none"):
+    """The model trained with optimizer `name` under `strategy` (None: no strategy), its layers recomputing
+    their forward pass as `recomputed` says (`tfdist.remat`)."""
     x, y = data()
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")
     try:
@@ -55,6 +59,7 @@ def train(strategy, name, epochs=4, callbacks=()):
             # 12*7 + 7 + 7*3 + 3 weights: lengths 2 workers do not all divide, so slices are padded.
             model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(7, activation="tanh"),
                                       keras.layers.Dense(3, activation="softmax")])
+            remat(model, recomputed)
             model.compile(optimizer=OPTIMIZERS[name](), loss="sparse_categorical_crossentropy")
         model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
     finally:
@@ -94,5 +99,8 @@ if __name__ == "__main__":
             if stage:
                 result[name][f"stage_{stage}_report"] = shards_of(model.optimizer).report()
         strategy.shard_optimizer = 1
+    strategy.shard_optimizer = 3  # with every layer recomputed too
+    np.savez(os.path.join(out_dir, f"worker-{index}-adam-stage3-remat.npz"),
+             *train(strategy, "adam", recomputed="full").get_weights())
     with open(os.path.join(out_dir, f"worker-{index}.json"), "w") as f:
         json.dump(result, f)

@@ -40,6 +40,7 @@ BENCHMARKS = {
     "plan_published": "benchmarks.plan_published",
     "precision": "benchmarks.precision",
     "ps_worker_loss": "benchmarks.ps_worker_loss",
+    "remat": "benchmarks.remat",
     "scaling": "tfdist.bench.scaling",
     "sharded_optimizer": "benchmarks.sharded_optimizer",
     "synthetic": "tfdist.bench.synthetic",
@@ -61,6 +62,7 @@ CONFIG_UNUSED = {
     "plan_published": "it plans the published runs' models on their clusters.",
     "precision": "it sets every job itself; only the precision changes within a kind.",
     "ps_worker_loss": "it kills workers of the parameter-server job it starts itself.",
+    "remat": "it sets its own device, threads and models.",
     "sharded_optimizer": "it sets its own devices, threads and model.",
     "tensor_parallel": "it sets its own devices, threads and model.",
 }

@@ -154,21 +154,31 @@ def _recomputed_call(layer, own_call, in_order, args, kwargs):
         with weight_shards.gathered_once(zip(split, whole)):
             return own_call(*call_args, **call_kwargs)
 
+    # What waits is only what a pass reads first, copies of its inputs and slices: a control input on the
+    # layer's own ops would keep TensorFlow from fusing them (a matmul, its bias and activation), and the
+    # second pass would round otherwise than the first.
     @tf.custom_gradient
     def forward(*arguments):
         tensors, slices = arguments[:len(at)], arguments[len(at):]
         with tf.control_dependencies(order.forward(tensors) if order else []):
-            outputs = call_on(tensors, slices)
+            slices_now = [tf.identity(piece) for piece in slices]
+        outputs = call_on(tensors, slices_now)
 
         def backward(*upstream, variables=None):
             variables = list(variables or [])
-            # A tensor passed twice (attention's query and value) gets each argument's own gradient.
-            inputs = [tf.identity(t) for t in tensors]
-            sources = [inputs[k] for k in differentiable] + list(slices)
-            with tf.GradientTape() as tape, tf.control_dependencies(order.backward(upstream) if order else []):
+            # The second pass waits for the backward pass to reach the layer (for the next layer's gradient,
+            # in order): TensorFlow would otherwise run every layer's as soon as its inputs exist, during the
+            # forward pass, and keep all of them. A tensor passed twice (attention's query and value) gets
+            # each argument's own gradient through its own copy.
+            reached = order.backward(upstream) if order else [g for g in upstream[:1] if g is not None]
+            with tf.control_dependencies(reached):
+                inputs = [tf.identity(t) for t in tensors]
+                pieces = [tf.identity(piece) for piece in slices]
+            sources = [inputs[k] for k in differentiable] + pieces
+            with tf.GradientTape() as tape:
                 tape.watch(sources + variables)
                 with keras.StatelessScope(state_mapping=before, initialize_variables=False), call_state():
-                    again = call_on(inputs, slices)
+                    again = call_on(inputs, pieces)
             grads = tape.gradient(tf.nest.flatten(again), sources + variables, output_gradients=list(upstream))
             by_tensor = dict(zip(differentiable, grads))
             argument_grads = [by_tensor.get(k) for k in range(len(at))] + grads[len(differentiable):len(sources)]

@@ -31,7 +31,7 @@ import math
 
 from tfdist import _compat
 
-__all__ = ["LayerCost", "ModelProfile", "profile"]
+__all__ = ["LayerCost", "ModelProfile", "kept_bytes", "profile"]
 
 TRAINING_FLOPS_PER_FORWARD = 3  # forward, then the backward's products for the inputs and for the weights
 
@@ -97,6 +97,7 @@ def profile(config, *, activations: bool = True) -> ModelProfile:
     """
     import keras
     import numpy as np
+    import tensorflow as tf
 
     from tfdist import data, models, precision
     from tfdist.optimizers import build_optimizer
@@ -109,10 +110,10 @@ def profile(config, *, activations: bool = True) -> ModelProfile:
         optimizer = precision.wrap_optimizer(build_optimizer(config.train, steps_per_epoch=1), config.precision)
         optimizer.build(model.trainable_variables)
         slot_bytes = sum(_nbytes(v) for v in optimizer.variables if len(v.shape))
-        flops, kept_one = _traced_step(model, source.input_shape, 1)
+        flops, kept_one = _traced_step(model, tf.TensorSpec((1, *source.input_shape), "float32"))
         kept = {}
         if activations:
-            _, kept_two = _traced_step(model, source.input_shape, 2)
+            _, kept_two = _traced_step(model, tf.TensorSpec((2, *source.input_shape), "float32"))
             kept = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}  # what grows per example
         outputs = _layer_outputs(model, np.zeros((2, *source.input_shape), "float32"))
         split = _split_paths(config, model)
@@ -183,9 +184,15 @@ def _layer_cost(layer, output, flops: dict, kept: dict, split: set) -> LayerCost
     )
 
 
-def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict[str, int]]:
+def kept_bytes(model, spec) -> int:
+    """The bytes of forward tensors one training step's backward pass reads (what it keeps), traced on inputs
+    of `spec` (a `tf.TensorSpec`, or a structure of them as the model takes); nothing runs."""
+    return sum(_traced_step(model, spec)[1].values())
+
+
+def _traced_step(model, spec) -> tuple[dict[str, float], dict[str, int]]:
     """(forward FLOPs, bytes kept for the backward pass) by top-level layer name, from one training
-    step's gradient traced at `batch` examples (nothing runs).
+    step's gradient traced on inputs of `spec` (nothing runs).
 
     An op belongs to the top-level layer whose `call` created it: each layer's call is wrapped while
     tracing to take the ops it adds to the graph (name scopes would not do: a second trace renames
@@ -223,8 +230,7 @@ def _traced_step(model, input_shape, batch: int) -> tuple[dict[str, float], dict
     for layer in model.layers:
         layer.call = owning(layer)
     try:
-        graph = tf.function(lambda x: traced.setdefault("step", step(x))[0]).get_concrete_function(
-            tf.TensorSpec((batch, *input_shape), "float32")).graph
+        graph = tf.function(lambda x: traced.setdefault("step", step(x))[0]).get_concrete_function(spec).graph
     finally:
         for layer, call in own.items():
             if call is None:
