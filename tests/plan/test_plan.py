@@ -123,6 +123,8 @@ JOBS = {
                         Layout(2, zero=1), ["CPU:0"]),
     "mirrored_zero_2": ("configs/default.yaml", ["strategy.logical_devices=4", "strategy.shard_optimizer=2"],
                         Layout(4, zero=2), ["CPU:0"]),
+    "mirrored_zero_3": ("configs/default.yaml", ["strategy.logical_devices=2", "strategy.shard_optimizer=3",
+                                                 "strategy.keep_whole_below=0"], Layout(2, zero=3), ["CPU:0"]),
     "pipeline": ("configs/pipeline.yaml", ["pipeline.balance_by=params"], Layout(2, stages=2), ["CPU:0", "CPU:1"]),
     "tensor_parallel": ("configs/tensor_parallel.yaml", [], Layout(1, tensor_parallel=2), ["CPU:0"]),
     "pipeline_tensor_parallel": ("configs/pipeline_tensor_parallel.yaml", ["pipeline.balance_by=params"],
@@ -156,6 +158,57 @@ def test_predicted_weight_and_optimizer_bytes_are_what_each_device_holds(job):
     for stage, device in zip(predicted.memory_by_stage, devices):
         assert stage["weights"] == pytest.approx(weights[device], rel=0.05), (device, stage, weights)
         assert stage["optimizer"] == pytest.approx(slots[device], rel=0.05), (device, stage, slots)
+
+
+def test_predicted_activations_with_remat_are_what_the_probe_measures_and_cost_a_forward_pass():
+    """The profile traces the model again with every layer with weights recomputing: what it keeps per example
+    is what a model built and recomputed apart keeps (the probe), within 5%; a recomputing layout holds less
+    and steps slower by the recomputed layers' forward pass."""
+    import tensorflow as tf
+
+    from tfdist import data, models, remat
+    from tfdist.config import load_config
+    from tfdist.plan.profile import kept_bytes
+
+    config = load_config(None, ["model.name=transformer", "model.width=64", "model.depth=2", "model.heads=4",
+                                *IN_THIS_PROCESS])
+    model = profile(config)
+    predicted = sum(layer.kept_bytes_per_example_remat for layer in model.layers)
+    source = data.load_source(config.data, seed=1, steps_per_epoch_set=True)
+    built = models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes)
+    remat(built, "full")
+    measured = (kept_bytes(built, tf.TensorSpec((2, *source.input_shape), "float32"))
+                - kept_bytes(built, tf.TensorSpec((1, *source.input_shape), "float32")))
+    assert predicted == pytest.approx(measured, rel=0.05)
+    assert predicted < 0.3 * sum(layer.kept_bytes_per_example for layer in model.layers)
+    cluster = Cluster(devices=1, device_flops=1e9)
+    kept, again = (predict(model, cluster, Layout(1, remat=remat_), global_batch=64, micro_batches=1)
+                   for remat_ in (False, True))
+    assert again.memory["activations"] < 0.5 * kept.memory["activations"]
+    forward = sum(layer.forward_flops_per_example for layer in model.layers if layer.trainable_bytes)
+    assert again.step_ms["compute"] - kept.step_ms["compute"] == pytest.approx(1000 * forward * 64 / 1e9)
+
+
+def test_the_planner_proposes_stage_3_or_remat_where_only_they_fit():
+    """Memory alone too small for the unsplit weights and state: the fastest layout that fits splits the
+    weights (ZeRO 3) or recomputes; its overrides make a config `tfdist train` takes."""
+    from tfdist.config import load_config
+
+    config = load_config(None, ["model.name=transformer", "model.width=64", "model.depth=2", "model.heads=4",
+                                *IN_THIS_PROCESS])
+    model = profile(config)
+    rows = {row["layout"]: row for row in make_plan(config, Cluster(devices=4, device_flops=1e9,
+                                                                     intra_link=1e9))["layouts"]}
+    assert {"data 4, ZeRO 3", "data 4, ZeRO 3, remat", "data 4, remat"} <= set(rows)
+    zero_2, zero_3 = rows["data 4, ZeRO 2"]["memory_bytes"], rows["data 4, ZeRO 3"]["memory_bytes"]
+    assert zero_3["weights"] < zero_2["weights"] and zero_3["gathered"] > 0
+    # Between ZeRO 3's memory and ZeRO 2's: only the split weights fit.
+    limit = (zero_2["total"] + zero_3["total"]) / 2
+    result = make_plan(config, Cluster(devices=4, device_flops=1e9, intra_link=1e9, device_memory=limit), model)
+    best = result["recommended"]
+    assert best["zero"] == 3 and best["fits"], best
+    config = load_config(None, ["model.name=transformer", *result["recommended_overrides"]])
+    assert config.strategy.shard_optimizer == 3 and config.strategy.kind == "mirrored"
 
 
 def test_uneven_stages_leave_the_other_stages_slots_as_bubble_and_shared_cores_bound_the_step():

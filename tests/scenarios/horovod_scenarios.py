@@ -180,11 +180,11 @@ def _split_optimizer(name):
             "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1)}[name]()
 
 
-def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0", remat="0"):
+def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0", recompute="0"):
     """The optimizer's state split over the ranks (`shard_optimizer`) against the same Horovod job
     unsplit: 20 steps of global batch BATCH, and each rank's slot bytes. With `resume`, a checkpoint
     every rank joins, resumed by a split job and by one plain process, and a Keras file saved by one
-    process refused. With `remat`, the split job's layers also recompute their forward pass
+    process refused. With `recompute`, the split job's layers also recompute their forward pass
     (`tfdist.remat(model, "full")`)."""
     from tfdist import Checkpoint
     from tfdist.parallel.optimizer_shards import shards_of
@@ -201,7 +201,7 @@ def split_optimizer_matches_unsplit(stage="1", optimizer="adam", resume="0", rem
                 # 12*7 + 7 + 7*3 + 3 weights: lengths 2 ranks do not all divide, so slices are padded.
                 model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(7, activation="tanh"),
                                           keras.layers.Dense(3, activation="softmax")])
-                if remat == "1" and shard_optimizer:
+                if recompute == "1" and shard_optimizer:
                     remat(model, "full")
                 model.compile(optimizer=_split_optimizer(optimizer), loss="sparse_categorical_crossentropy")
             model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))

@@ -51,7 +51,7 @@ SPLIT_CASES = [f"split_optimizer_matches_unsplit:stage=2,optimizer={name}" for n
     "adam_accumulating_4")] + [f"split_optimizer_matches_unsplit:stage=1,optimizer={name}" for name in (
         "adam", "adam_accumulating_4")] + [f"split_optimizer_matches_unsplit:stage=3,optimizer={name}" for name in (
             "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam")] + [
-    "split_optimizer_matches_unsplit:stage=3,optimizer=adam,remat=1"]  # and every layer recomputed
+    "split_optimizer_matches_unsplit:stage=3,optimizer=adam,recompute=1"]  # and every layer recomputed
 SPLIT_RESUME = "split_optimizer_matches_unsplit:stage=2,optimizer=adam,resume=1"
 
 

@@ -68,7 +68,8 @@ def layout_overrides(layout: Layout, cluster: Cluster, global_batch: int) -> lis
         return [f"strategy.logical_devices={cluster.per_host}",
                 f"layout.data_devices={cluster.per_host // layout.tensor_parallel}",
                 f"strategy.data_parallel={'multi_worker' if across else 'local'}"]
-    overrides = [f"strategy.logical_devices={cluster.per_host}", f"strategy.shard_optimizer={layout.zero}"]
+    overrides = [f"strategy.logical_devices={cluster.per_host}", f"strategy.shard_optimizer={layout.zero}",
+                 f"train.remat={'full' if layout.remat else 'none'}"]
     if layout.stages > 1:
         overrides += ["strategy.kind=pipeline", f"pipeline.num_stages={layout.stages}",
                       f"strategy.data_parallel={'multi_worker' if across else 'local'}"]

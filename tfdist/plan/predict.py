@@ -2,8 +2,9 @@
 
 A layout is data parallel over `dp` replicas, each replica `stages`
 pipeline stages of `tensor_parallel` devices each (stages x tensor_parallel
-x dp = the devices), with the optimizer state split `zero` ways or not, or
-parameter servers. For each:
+x dp = the devices), with the optimizer state split `zero` ways or not (ZeRO
+3: the weights too, for data parallelism alone), with activations recomputed
+(`remat`) or kept, or parameter servers. For each:
 
 - **memory per device** (the fullest device): its stage's weights (a
   tensor-parallel layer's divided by the group), as many gradient bytes, the
@@ -12,11 +13,16 @@ parameter servers. For each:
   examples in flight (a replica's batch; in a pipeline, micro-batches of it:
   all M under GPipe, K - stage under 1F1B; with recompute, each
   micro-batch's stage input), and one of them at its fullest in the backward
-  pass (`_fullest_per_example`);
+  pass (`_fullest_per_example`); with remat, what the profile traced with
+  every layer that holds weights recomputing, and a layer's own tensors again
+  while its backward pass runs;
+  with ZeRO 3, 1/dp of the weights and gradients, and the largest layer's
+  weights gathered whole (`gathered`);
 - **step time**, with nothing overlapped (tfdist measured no overlap of
   all-reduce with the backward pass on CPUs): compute from the stage's
-  training FLOPs at the device's sustained rate (or, `measured`, the
-  stages' own times on this machine); a pipeline runs M micro-batch slots of
+  training FLOPs at the device's sustained rate (with remat, one more
+  forward pass of the recomputed layers; or, `measured`, the stages' own
+  times on this machine); a pipeline runs M micro-batch slots of
   its slowest stage, and its bubble is the other stages' slots once (the
   first micro-batch passes through them before it reaches the slowest, the
   last after it): (K - 1)/(M + K - 1) of the step when the stages are even;
@@ -24,7 +30,7 @@ parameter servers. For each:
   group forward and backward; the stages pass activations and their
   gradients on; data parallelism all-reduces the gradients with a ring (2(N
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
-  all-gather), over the hosts' links when the replicas span hosts, where
+  all-gather, and for ZeRO 3's two gathers and reduce-scatter), over the hosts' links when the replicas span hosts, where
   every device of a host sends its own ring's share at once; across hosts
   the cluster's `link_latency` (a step's fixed cost, when given) and its
   `host_rate` (the transport's own work on each byte: serializing, copying)
@@ -64,6 +70,7 @@ class Layout:
     zero: int = 0
     parameter_server: bool = False
     mesh: bool = False  # `strategy.kind: layout`: its variables split over `tensor_parallel` devices
+    remat: bool = False  # `train.remat: full`: the layers with weights recompute their forward pass
 
     @property
     def name(self) -> str:
@@ -77,7 +84,7 @@ class Layout:
         if self.tensor_parallel > 1:
             parts.append(f"tensor {self.tensor_parallel}")
         name = " x ".join(parts)
-        return name + (f", ZeRO {self.zero}" if self.zero else "")
+        return name + (f", ZeRO {self.zero}" if self.zero else "") + (", remat" if self.remat else "")
 
 
 @dataclasses.dataclass
@@ -119,7 +126,9 @@ def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int, model_a
             dp = cluster.devices // (stages * tensor)
             if global_batch % dp:
                 continue
-            found += [Layout(dp, stages, tensor, zero) for zero in ((0, 1, 2) if dp > 1 else (0,))]
+            # ZeRO 3 splits the weights of a data-parallel job (not yet a pipeline's or a tensor group's).
+            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if stages * tensor == 1 else (0, 1, 2)
+            found += [Layout(dp, stages, tensor, zero, remat=remat) for zero in zeros for remat in (False, True)]
     if cluster.devices > 1 and global_batch % cluster.devices == 0:
         found.append(Layout(cluster.devices, parameter_server=True))
     return found
@@ -146,6 +155,7 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     costs = [layer.trainable_bytes if balance_by == "params" else layer.forward_flops_per_example
              for layer in model.layers]
     starts = [0, *balance(costs, k), len(model.layers)] if k > 1 else [0, len(model.layers)]
+    recomputed = _recomputed(model.layers) if layout.remat else {}
     stages = [model.layers[a:b] for a, b in zip(starts, starts[1:])]
 
     def share(layer, value):  # a layer's share on one device: what is split divided by the group, the rest whole
@@ -154,21 +164,31 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     def other_share(layer, value):  # non-trainable weights: split by tfdist's tensor-parallel layers alone
         return value / t if layer.tensor_parallel else value
 
-    memory_by_stage, compute_ms, tp_ms = [], [], []
+    memory_by_stage, compute_ms, tp_ms, moved_bytes = [], [], [], []
     rate = cluster.device_flops
     for index, layers in enumerate(stages):
         trainable = sum(share(layer, layer.trainable_bytes) for layer in layers)
         other = sum(other_share(layer, layer.other_bytes) for layer in layers)
         slots = model.slot_bytes * trainable / max(model.trainable_bytes, 1) / (dp if layout.zero else 1)
+        # ZeRO 3: a 1/dp slice of the weights and their gradients, and one layer's whole weights gathered.
+        gathered = max((layer.trainable_bytes for layer in layers), default=0) if layout.zero == 3 else 0
+        held = trainable / dp if layout.zero == 3 else trainable
         in_flight = 1 if k == 1 else (m if schedule == "gpipe" else min(m, k - index))
+        kept = [recomputed.get(layer.name, layer) for layer in layers]
         # The micro-batches waiting for their backward pass hold what it keeps (with recompute: only the
-        # stage's input); the one in its backward pass holds the most it ever does.
+        # stage's input); the one in its backward pass holds the most it ever does, and with remat a
+        # recomputed layer's own tensors again while its backward pass runs.
         waiting = layers[0].output_bytes_per_example if recompute and k > 1 else \
-            sum(share(layer, layer.kept_bytes_per_example) for layer in layers)
-        activations = micro * ((in_flight - 1) * waiting + _fullest_per_example(layers, share))
-        memory_by_stage.append({"weights": trainable + other, "gradients": trainable, "optimizer": slots,
-                                "activations": activations})
+            sum(share(layer, layer.kept_bytes_per_example) for layer in kept)
+        again = max((share(layer, layer.kept_bytes_per_example) for layer in layers
+                     if layout.remat and (layer.trainable_bytes or layer.other_bytes)), default=0.0)
+        activations = micro * ((in_flight - 1) * waiting + _fullest_per_example(kept, share) + again)
+        memory_by_stage.append({"weights": held + other, "gradients": held, "optimizer": slots,
+                                "activations": activations, **({"gathered": gathered} if gathered else {})})
+        moved_bytes.append(trainable)
         flops = sum(share(layer, layer.forward_flops_per_example) for layer in layers) * TRAINING_FLOPS_PER_FORWARD
+        flops += sum(share(layer, layer.forward_flops_per_example) for layer in layers
+                     if layout.remat and (layer.trainable_bytes or layer.other_bytes))
         compute_ms.append(1000 * flops * micro / rate if rate else 0.0)
         # Each tensor-parallel layer's output is summed (or gathered) across the group, and its input
         # gradient in the backward pass: two ring all-reduces of the micro-batch's output.
@@ -184,8 +204,8 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     pipeline_ms = 1000 * 2 * boundary * micro / cluster.intra_link if k > 1 and cluster.intra_link else 0.0
     slot_ms = [compute_ms[i] + tp_ms[i] + pipeline_ms for i in range(k)]  # one micro-batch on each stage
     slowest = max(range(k), key=lambda i: slot_ms[i])
-    gradient_bytes = max(memory["gradients"] for memory in memory_by_stage)
-    factor = {0: 2, 1: 3, 2: 2}[layout.zero] * (dp - 1) / dp
+    gradient_bytes = max(moved_bytes)  # whole: what the reductions (and ZeRO 3's gathers) move
+    factor = {0: 2, 1: 3, 2: 2, 3: 3}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
         moved = factor * gradient_bytes * (k * t)
         data_ms = cluster.crossing_ms(1000 * moved / cluster.across_hosts, moved)
@@ -208,6 +228,13 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     memory_by_stage = [{**memory, "total": sum(memory.values())} for memory in memory_by_stage]
     return _prediction(model, layout, max(memory_by_stage, key=lambda memory: memory["total"]), cluster, step,
                        global_batch, memory_by_stage)
+
+
+def _recomputed(layers) -> dict:
+    """With remat, each layer as the backward pass sees it, by name: keeping what the profile traced with every
+    layer that holds weights recomputing."""
+    return {layer.name: dataclasses.replace(layer, kept_bytes_per_example=layer.kept_bytes_per_example_remat)
+            for layer in layers}
 
 
 def _fullest_per_example(layers, share) -> float:

@@ -10,7 +10,8 @@ optimizer and reads, per top-level layer:
   between stages;
 - the bytes per example the backward pass keeps of its forward tensors (a
   training step's gradient traced at 1 and 2 examples: the layer's tensors
-  the gradient's ops read);
+  the gradient's ops read), and the same with every layer that holds
+  weights recomputing its forward pass (`train.remat: full`, traced again);
 - its forward FLOPs per example (the statistics TensorFlow's profiler
   counts, over the ops its call adds to the traced model, batch 1; einsums,
   which they leave out, counted from their shapes); a
@@ -47,6 +48,7 @@ class LayerCost:
     tensor_parallel: bool  # tfdist splits its weights and matmuls over a tensor-parallel group
     trainable_variables: int = 0  # each read and updated by an RPC of its own under parameter servers
     split_bytes: int = 0  # of its trainable bytes, those a layout (`strategy.kind: layout`) splits
+    kept_bytes_per_example_remat: int = 0  # the same with `train.remat: full`
 
     @property
     def split_fraction(self) -> float:
@@ -101,6 +103,7 @@ def profile(config, *, activations: bool = True) -> ModelProfile:
 
     from tfdist import data, models, precision
     from tfdist.optimizers import build_optimizer
+    from tfdist.parallel.recompute import remat
 
     precision.apply_policy(config.precision)
     try:
@@ -111,18 +114,29 @@ def profile(config, *, activations: bool = True) -> ModelProfile:
         optimizer.build(model.trainable_variables)
         slot_bytes = sum(_nbytes(v) for v in optimizer.variables if len(v.shape))
         flops, kept_one = _traced_step(model, tf.TensorSpec((1, *source.input_shape), "float32"))
-        kept = {}
+        kept, kept_remat = {}, {}
         if activations:
-            _, kept_two = _traced_step(model, tf.TensorSpec((2, *source.input_shape), "float32"))
-            kept = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}  # what grows per example
+            kept = _kept_per_example(model, source.input_shape, kept_one)
         outputs = _layer_outputs(model, np.zeros((2, *source.input_shape), "float32"))
         split = _split_paths(config, model)
-        layers = tuple(_layer_cost(layer, output, flops, kept, split) for layer, output in outputs)
+        if activations:  # last: the layers' calls recompute from here on
+            remat(model, "full")
+            kept_remat = _kept_per_example(model, source.input_shape)
+        layers = tuple(_layer_cost(layer, output, flops, kept, split, kept_remat) for layer, output in outputs)
         compute_dtype = keras.mixed_precision.dtype_policy().compute_dtype
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     return ModelProfile(name=model.name, layers=layers, slot_bytes=slot_bytes, optimizer=type(optimizer).__name__,
                         compute_dtype=compute_dtype)
+
+
+def _kept_per_example(model, input_shape, kept_one=None) -> dict:
+    """What the backward pass keeps per example, by top-level layer: what grows from 1 example to 2."""
+    import tensorflow as tf
+
+    one = kept_one if kept_one is not None else _traced_step(model, tf.TensorSpec((1, *input_shape), "float32"))[1]
+    two = _traced_step(model, tf.TensorSpec((2, *input_shape), "float32"))[1]
+    return {name: two.get(name, 0) - one.get(name, 0) for name in two}
 
 
 def _nbytes(variable) -> int:
@@ -161,7 +175,7 @@ def _split_paths(config, model) -> set:
         raise ConfigError(key, f"does not fit the model: {error}", "see above") from None
 
 
-def _layer_cost(layer, output, flops: dict, kept: dict, split: set) -> LayerCost:
+def _layer_cost(layer, output, flops: dict, kept: dict, split: set, kept_remat: dict) -> LayerCost:
     import keras
     import tensorflow as tf
 
@@ -181,6 +195,7 @@ def _layer_cost(layer, output, flops: dict, kept: dict, split: set) -> LayerCost
         tensor_parallel=isinstance(layer, parallel),
         trainable_variables=len(layer.trainable_weights),
         split_bytes=sum(_nbytes(v) for v in layer.trainable_weights if v.path in split),
+        kept_bytes_per_example_remat=kept_remat.get(layer.name, 0),
     )
 
 
