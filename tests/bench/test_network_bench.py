@@ -16,6 +16,8 @@ def test_the_algorithms_bytes():
     assert algorithm_bytes("parameter_server", 1000) == {"sent": 1000, "received": 1000}  # gradients out, weights in
     assert algorithm_bytes("multi_worker_fp16", 1000, hosts=2) == {"sent": 500, "received": 500}
     assert algorithm_bytes("parameter_server_fp16", 1000) == {"sent": 500, "received": 1000}  # weights in float32
+    # ZeRO 3: the weights gathered twice and their gradients reduce-scattered, 3 (N - 1) / N.
+    assert algorithm_bytes("multi_worker_split3", 1000, hosts=2) == {"sent": 1500, "received": 1500}
 
 
 def test_a_sparse_gradient_is_all_gathered_or_read_and_sent_as_rows():
@@ -78,10 +80,22 @@ def test_the_split_optimizers_figures_compare_it_with_the_same_kind_unsplit():
         return {"link": link, "samples_per_sec": samples, "bytes_vs_algorithm": 1.0,
                 "link_bytes_per_step": {"sent": sent, "received": received}}
 
+    def timed(step_ms, *args):
+        return {**row(*args), "step_time_ms": step_ms}
+
     figures = _figures({"horovod": [row("100mbit", 1000, 600, 600), row("1gbit", 5000, 600, 600)],
-                        "horovod_split": [row("100mbit", 800, 606, 612), row("1gbit", 4500, 600, 600)]})
+                        "horovod_split": [timed(80, "100mbit", 800, 606, 612), timed(20, "1gbit", 4500, 600, 600)],
+                        "horovod_split3": [timed(120, "100mbit", 500, 900, 900), timed(22, "1gbit", 4000, 900, 900)],
+                        "horovod_split3_no_prefetch": [timed(132, "100mbit", 450, 900, 900),
+                                                       timed(22, "1gbit", 4000, 900, 900)]})
     assert figures["split_bytes_ratio_horovod"] == pytest.approx(1.02)  # the larger direction, at its worst link
     assert figures["split_speed_ratio_horovod"] == pytest.approx(0.8)  # at the slowest link
+    # ZeRO 3's step over stage 2's, link by link.
+    assert figures["split3_step_vs_split_horovod@100mbit"] == pytest.approx(1.5)
+    assert figures["split3_step_vs_split_horovod@1gbit"] == pytest.approx(1.1)
+    assert figures["prefetch_gain_horovod@100mbit"] == pytest.approx(1.1)  # the step without it over with it
+    assert figures["prefetch_gain_horovod@1gbit"] == pytest.approx(1.0)
+    assert algorithm_bytes("multi_worker_split3_no_prefetch", 1000, hosts=2)["sent"] == 1500
 
 
 @needs_root

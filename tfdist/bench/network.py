@@ -30,6 +30,15 @@ model, data and batch per worker for every kind:
   larger direction, at the link where it is largest), `split_speed_ratio_KIND`
   its samples/sec over theirs at the slowest link. Dense models only: a
   sparse gradient would be made dense to be sliced.
+- `multi_worker_split3`, `horovod_split3`: the weights split too
+  (`strategy.shard_optimizer: 3`, every variable): each layer's weights are
+  all-gathered for its forward and backward passes and the gradients
+  reduce-scattered, 3 (N - 1) / N of the weights' bytes (its
+  `algorithm_bytes`). Figure `split3_step_vs_split_KIND@LINK` is its step
+  time over stage 2's at each link. `multi_worker_split3_no_prefetch` gathers
+  each layer's weights only when its own input is there
+  (`strategy.prefetch_weights: false`): figure `prefetch_gain_KIND@LINK` is
+  its step time over the prefetching job's.
 
 For each kind and link it reports samples/sec and the step time (wall clock,
 completed work, as `tfdist train` measures them) and the bytes the reporting
@@ -103,6 +112,10 @@ _COMPRESSED = {"multi_worker": "strategy.gradient_compression=fp16", "horovod": 
 _PACKED = {"multi_worker": "strategy.bytes_per_pack=65536"}
 # Reduce-scatter + all-gather: an all-reduce's bytes.
 _SPLIT = {"multi_worker": "strategy.shard_optimizer=2", "horovod": "strategy.shard_optimizer=2"}
+# The weights split too (ZeRO 3), every variable: two all-gathers and a reduce-scatter, 1.5 all-reduces' bytes;
+# and without prefetch (each layer's gather when its own input is there), for what prefetch gives.
+_WEIGHTS_SPLIT = ["strategy.shard_optimizer=3", "strategy.keep_whole_below=0"]
+_NO_PREFETCH = {"multi_worker": "strategy.prefetch_weights=false"}
 SPARSE_MODEL = "sparse_embedding"  # --model's name for tfdist.bench.sparse_workload
 BYTES_TOLERANCE = 1.10  # measured over algorithm bytes, per the issue's target
 OVERLAP_TARGET = 0.7
@@ -161,7 +174,8 @@ def algorithm_bytes(kind: str, gradient_bytes: float, hosts: int = HOSTS,
     narrowed = 2 if kind.endswith("_fp16") else 1  # float16 halves the floating-point gradients, not indices
     if kind.startswith("parameter_server"):
         return {"sent": (gradient_bytes + rows) / narrowed + indices, "received": gradient_bytes + rows}
-    ring = 2 * (hosts - 1) / hosts * gradient_bytes / narrowed
+    passes = 3 if "_split3" in kind else 2  # ZeRO 3: two gathers of the weights and a reduce-scatter
+    ring = passes * (hosts - 1) / hosts * gradient_bytes / narrowed
     gathered = (hosts - 1) * (rows + indices)
     return {"sent": ring + gathered, "received": ring + gathered}
 
@@ -230,6 +244,10 @@ class _Planned:
                 self.chosen[f"{kind}_packed"] = (flags, common + strategy + batch + [_PACKED[kind]])
             if kind in _SPLIT and model != SPARSE_MODEL:
                 self.chosen[f"{kind}_split"] = (flags, common + strategy + batch + [_SPLIT[kind]])
+                self.chosen[f"{kind}_split3"] = (flags, common + strategy + batch + _WEIGHTS_SPLIT)
+                if kind in _NO_PREFETCH:
+                    self.chosen[f"{kind}_split3_no_prefetch"] = (
+                        flags, common + strategy + batch + _WEIGHTS_SPLIT + [_NO_PREFETCH[kind]])
         for variant, (flags, overrides) in self.chosen.items():
             for link in self.links:
                 self.jobs[f"{variant}@{link}"] = (["launch", *flags, "--hosts", str(HOSTS), "--link", link], overrides)
@@ -325,6 +343,12 @@ def _figures(table: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 for split, whole in pairs)
             split, whole = pairs[_slowest_link(table[kind])]
             figures[f"split_speed_ratio_{kind}"] = split["samples_per_sec"] / whole["samples_per_sec"]
+        if f"{kind}_split3" in table:  # ZeRO 3's step time over stage 2's, at every link
+            for split3, split in zip(table[f"{kind}_split3"], table[f"{kind}_split"]):
+                figures[f"split3_step_vs_split_{kind}@{split['link']}"] = split3["step_time_ms"] / split["step_time_ms"]
+        if f"{kind}_split3_no_prefetch" in table:  # what prefetch gives: the step without it over the step with
+            for late, early in zip(table[f"{kind}_split3_no_prefetch"], table[f"{kind}_split3"]):
+                figures[f"prefetch_gain_{kind}@{early['link']}"] = late["step_time_ms"] / early["step_time_ms"]
     figures["bytes_within_tolerance"] = all(v <= BYTES_TOLERANCE for k, v in figures.items()
                                             if k.startswith("bytes_vs_algorithm_"))
     figures["overlap_target"] = OVERLAP_TARGET

@@ -199,6 +199,11 @@ class StrategyConfig:
         split as at stage 2): biases and norms cost little to keep and much to
         gather one by one. DeepSpeed's stage3_param_persistence_threshold,
         with its default.
+      prefetch_weights: with shard_optimizer 3, a layer's weights are
+        gathered while the layer before it computes (and, in the backward
+        pass, the layer after it), so that on a network the gathers overlap
+        compute; false gathers them when the layer's own input is there (one
+        layer's weights fewer held at once).
     """
 
     kind: str = dataclasses.field(default="mirrored", metadata={"choices": KINDS})
@@ -214,6 +219,7 @@ class StrategyConfig:
     data_parallel: DataParallel = DataParallel.LOCAL
     shard_optimizer: int = bounded(0, low=0, high=3)
     keep_whole_below: int = bounded(100_000, low=0)
+    prefetch_weights: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "kind", KindName(self.kind))

@@ -130,9 +130,11 @@ def _check_strategy(config: Config) -> None:
         raise ConfigError("strategy.shard_optimizer", f"3 (the weights split) applies to strategy.kind mirrored, "
                           f"multi_worker_mirrored and horovod in this version; strategy.kind is {s.kind}.",
                           s.shard_optimizer)
-    if s.keep_whole_below != StrategyConfig().keep_whole_below and s.shard_optimizer != 3:
-        raise ConfigError("strategy.keep_whole_below", "only applies with strategy.shard_optimizer: 3 (the weights "
-                          f"split); strategy.shard_optimizer is {s.shard_optimizer}.", s.keep_whole_below)
+    for name in ("keep_whole_below", "prefetch_weights"):
+        value = getattr(s, name)
+        if value != getattr(StrategyConfig(), name) and s.shard_optimizer != 3:
+            raise ConfigError(f"strategy.{name}", "only applies with strategy.shard_optimizer: 3 (the weights "
+                              f"split); strategy.shard_optimizer is {s.shard_optimizer}.", value)
     h = config.horovod
     if s.shard_optimizer and kind.processes is RANKS and (h.op.value == "adasum" or h.elastic
                                                           or h.backward_passes_per_step != 1):

@@ -75,7 +75,7 @@ ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.opt
 
 def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
                           collectives=None, keep_whole_below: int = weight_shards.KEEP_WHOLE_BELOW,
-                          model: keras.Model | None = None) -> OptimizerShards:
+                          model: keras.Model | None = None, prefetch: bool = True) -> OptimizerShards:
     """Splits `optimizer`'s state over `strategy`'s replicas; call before the optimizer is built
     (tfdist's strategies call it at `compile` when given `shard_optimizer`).
 
@@ -92,6 +92,8 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
       model: at stage 3, the model compiled with `optimizer`: each of its layers that owns split weights
         gathers them in the layers' order and again in its backward pass (`recompute`); without it, where
         they are read, and kept for the backward pass.
+      prefetch: at stage 3, a layer's gather is issued while the layer before it computes (FSDP's prefetch);
+        False: when the layer's own input (or gradient) is there.
 
     Returns:
       The `OptimizerShards` that now build and update it.
@@ -117,7 +119,7 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
                          "(shard_optimizer 3) in this version: its accumulators are whole. Use stage 2, or a larger "
                          f"batch. Received: gradient_accumulation_steps={inner.gradient_accumulation_steps}")
     shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy), keep_whole_below,
-                             model)
+                             model, prefetch)
     _SPLIT[optimizer] = shards
     return shards
 
@@ -159,9 +161,9 @@ class OptimizerShards:
     slots (`copies[d]`), once the optimizer is built; `whole_slots` shows those slots unsplit."""
 
     def __init__(self, optimizer, inner, strategy, collectives, keep_whole_below=weight_shards.KEEP_WHOLE_BELOW,
-                 model=None):
+                 model=None, prefetch=True):
         self.optimizer, self.inner, self.strategy, self.collectives = optimizer, inner, strategy, collectives
-        self.keep_whole_below, self.model = keep_whole_below, model
+        self.keep_whole_below, self.model, self.prefetch = keep_whole_below, model, prefetch
         self.sharded: set[int] = set()  # indices of the variables whose weights are split too (stage 3)
         self.devices = collectives.devices  # this process's, one slice each
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
@@ -190,7 +192,7 @@ class OptimizerShards:
             split = {id(variables[i]) for i in self.sharded}
             for layer in [self.model, *_compat.nested_layers(self.model)]:
                 if any(id(v) in split for v in _compat.own_trainable_variables(layer)):
-                    recompute.recompute(layer, in_order=True)
+                    recompute.recompute(layer, in_order=True, ahead=self.prefetch)
         _compat.build_without_slots(self.inner, variables)
         # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt. They
         # update; the optimizer accumulates (its update runs theirs on its update steps).
@@ -428,6 +430,7 @@ class SplitsOptimizerState:
 
     shard_optimizer = 0
     keep_whole_below = weight_shards.KEEP_WHOLE_BELOW
+    prefetch_weights = True
 
     def slice_collectives(self):
         """How the replicas share the slices; default: the strategy's TensorFlow collectives."""
@@ -435,7 +438,8 @@ class SplitsOptimizerState:
 
     def after_compile(self, model: keras.Model) -> None:
         if self.shard_optimizer:
-            shard_optimizer_state(model.optimizer, self, self.slice_collectives(), self.keep_whole_below, model)
+            shard_optimizer_state(model.optimizer, self, self.slice_collectives(), self.keep_whole_below, model,
+                                  self.prefetch_weights)
 
     def before_save(self, model: keras.Model) -> None:
         shards = shards_of(getattr(model, "optimizer", None))

@@ -19,13 +19,14 @@ own layers do.
 
 Weights split over the replicas (`weight_shards`, ZeRO stage 3) are gathered
 where a layer reads them. A layer that owns such weights is wrapped too
-(`gather_in_order`), so that its gathered weights are freed after its
+(`recompute(layer, in_order=True)`), so that its gathered weights are freed after its
 forward pass and gathered again in its backward pass, and its gathers are
 issued in the layers' order: the forward gather of a layer waits for the
 input of the layer before it (one layer ahead: the gather overlaps that
 layer's compute), the backward one for the gradient reaching the layer after
 it. Without that order TensorFlow would run every gather as early as it can,
-and every layer's weights would be whole at once.
+and every layer's weights would be whole at once. Likewise every second pass
+waits for the backward pass to reach its layer.
 
 `remat(model, "full")` chooses the layers (the config's `train.remat`).
 
@@ -53,24 +54,28 @@ __all__ = ["is_recomputed", "recompute", "recompute_again", "remat"]
 _WRAPPED = weakref.WeakKeyDictionary()  # each wrapped layer: its own call
 
 
-def recompute(layer: keras.layers.Layer, *, in_order: bool = False) -> None:
+def recompute(layer: keras.layers.Layer, *, in_order: bool = False, ahead: bool = True) -> None:
     """Has `layer` keep only its inputs in a training step and run its forward pass again in the backward pass.
 
     Args:
       layer: a built or unbuilt Keras layer; wrapping it twice changes nothing.
-      in_order: issue the gathers of its split weights in the layers' order (`gather_in_order`): its forward
-        pass waits for the previous such layer's input, its backward pass for the next one's gradient.
+      in_order: issue the gathers of its split weights in the layers' order: its forward pass's wait for the
+        previous such layer's input, its backward pass's for the next one's gradient.
+      ahead: with `in_order`, one layer ahead as just said (prefetch); False: each gather waits for its own
+        layer's input or gradient.
     """
     if is_recomputed(layer):
-        _WRAPPED[layer]["in_order"] |= in_order
+        _WRAPPED[layer].update(in_order=_WRAPPED[layer]["in_order"] or in_order, ahead=ahead)
         return
     own_call = layer.call
-    _WRAPPED[layer] = settings = {"in_order": in_order or _WRAPPED.get(layer, {}).get("in_order", False)}
+    earlier = _WRAPPED.get(layer, {})
+    _WRAPPED[layer] = settings = {"in_order": in_order or earlier.get("in_order", False),
+                                  "ahead": earlier.get("ahead", ahead)}
 
     def call(*args, **kwargs):
         if not _compat.gradients_recorded():  # inference, Keras's symbolic build: nothing to keep
             return own_call(*args, **kwargs)
-        return _recomputed_call(layer, own_call, settings["in_order"], args, kwargs)
+        return _recomputed_call(layer, own_call, settings, args, kwargs)
 
     call.recomputes = True
     layer.call = call
@@ -133,7 +138,7 @@ def _top_level_with_weights(model) -> list:
     return chosen
 
 
-def _recomputed_call(layer, own_call, in_order, args, kwargs):
+def _recomputed_call(layer, own_call, settings, args, kwargs):
     flat = tf.nest.flatten((args, kwargs))
     at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]  # the tensors: custom_gradient's arguments
     differentiable = [k for k, i in enumerate(at) if flat[i].dtype.is_floating]
@@ -141,8 +146,8 @@ def _recomputed_call(layer, own_call, in_order, args, kwargs):
     before = [(v, tf.identity(v.value)) for v in layer.non_trainable_variables]
     # Its split weights enter as their slices (gathered inside, so that the gathers can wait, and their
     # gradients reach the slices): a variable custom_gradient finds inside would be read whole.
-    split = weight_shards.split_weights_of(layer) if in_order else []
-    order = _order() if in_order else None
+    split = weight_shards.split_weights_of(layer) if settings["in_order"] else []
+    order, ahead = (_order() if settings["in_order"] else None), settings["ahead"]
     call_state = _compat.keras_call_state()  # the training flag and autocast dtype, for the second pass
 
     def call_on(tensors, slices):
@@ -160,7 +165,7 @@ def _recomputed_call(layer, own_call, in_order, args, kwargs):
     @tf.custom_gradient
     def forward(*arguments):
         tensors, slices = arguments[:len(at)], arguments[len(at):]
-        with tf.control_dependencies(order.forward(tensors) if order else []):
+        with tf.control_dependencies(order.forward(tensors, ahead) if order else []):
             slices_now = [tf.identity(piece) for piece in slices]
         outputs = call_on(tensors, slices_now)
 
@@ -170,7 +175,7 @@ def _recomputed_call(layer, own_call, in_order, args, kwargs):
             # in order): TensorFlow would otherwise run every layer's as soon as its inputs exist, during the
             # forward pass, and keep all of them. A tensor passed twice (attention's query and value) gets
             # each argument's own gradient through its own copy.
-            reached = order.backward(upstream) if order else [g for g in upstream[:1] if g is not None]
+            reached = order.backward(upstream, ahead) if order else [g for g in upstream[:1] if g is not None]
             with tf.control_dependencies(reached):
                 inputs = [tf.identity(t) for t in tensors]
                 pieces = [tf.identity(piece) for piece in slices]
@@ -196,15 +201,17 @@ class _Order(threading.local):
     def __init__(self):
         self.graph, self.last_input, self.last_upstream = None, None, None
 
-    def forward(self, tensors) -> list:
-        """The first layer's gathers wait for its own input, the others' for the previous layer's."""
+    def forward(self, tensors, ahead: bool) -> list:
+        """A layer's gathers wait for the previous layer's input (`ahead`; the first layer's for its own), or
+        for its own."""
         previous, self.last_input = self.last_input, tensors[0] if tensors else None
-        return [t for t in (previous if previous is not None else self.last_input,) if t is not None]
+        return [t for t in (previous if ahead and previous is not None else self.last_input,) if t is not None]
 
-    def backward(self, upstream) -> list:
-        """The last layer's gathers wait for its own gradient, the others' for the next layer's."""
+    def backward(self, upstream, ahead: bool) -> list:
+        """A layer's gathers wait for the next layer's gradient (`ahead`; the last layer's for its own), or for
+        its own."""
         previous, self.last_upstream = self.last_upstream, upstream[0] if upstream else None
-        return [t for t in (previous if previous is not None else self.last_upstream,) if t is not None]
+        return [t for t in (previous if ahead and previous is not None else self.last_upstream,) if t is not None]
 
 
 _ORDER = _Order()

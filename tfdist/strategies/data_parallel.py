@@ -62,14 +62,15 @@ class MirroredStrategy(SplitsOptimizerState, StrategyContract, tf.distribute.Mir
     _extended_type = mirrored_strategy.MirroredExtended
 
     def __init__(self, devices=None, cross_device_ops=None, *, process_index: int = 0, shard_optimizer: int = 0,
-                 keep_whole_below: int = KEEP_WHOLE_BELOW):
+                 keep_whole_below: int = KEEP_WHOLE_BELOW, prefetch_weights: bool = True):
         """`process_index`: this process's index when its local collectives share a cluster's
         collective runtime with other processes (their local groups must not share keys).
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over its
         devices, 2 also reduce-scatters the gradients, 3 splits the weights too; 0 keeps a whole copy on each.
-        `keep_whole_below`: at stage 3, variables with fewer elements stay whole on every device."""
+        `keep_whole_below`: at stage 3, variables with fewer elements stay whole on every device;
+        `prefetch_weights`: at stage 3, gather a layer's weights while the layer before it computes."""
         self.shard_optimizer = collective_ops_stage(shard_optimizer)
-        self.keep_whole_below = keep_whole_below
+        self.keep_whole_below, self.prefetch_weights = keep_whole_below, prefetch_weights
         make_named_cpus(devices)
         self._collective_key_base = (next(self._key_bases) * self._KEYS_PER_INSTANCE
                                      + process_index * self._KEYS_PER_PROCESS)

@@ -140,7 +140,8 @@ def _mirrored(config: Config, gpus: int) -> MirroredStrategy:
         AllReduce.REDUCTION_TO_ONE_DEVICE: tf.distribute.ReductionToOneDevice,
     }[s.all_reduce]()
     return MirroredStrategy(devices=local_devices(config, gpus), cross_device_ops=cross_device_ops,
-                            shard_optimizer=s.shard_optimizer, keep_whole_below=s.keep_whole_below)
+                            shard_optimizer=s.shard_optimizer, keep_whole_below=s.keep_whole_below,
+                            prefetch_weights=s.prefetch_weights)
 
 
 _WIRE_DTYPES = {GradientCompression.NONE: None, GradientCompression.FP16: "float16",
@@ -170,7 +171,8 @@ def _multi_worker(config: Config, gpus: int = 0) -> MultiWorkerMirroredStrategy:
             return MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options,
                                                gradient_compression=_WIRE_DTYPES[s.gradient_compression],
                                                shard_optimizer=s.shard_optimizer,
-                                               keep_whole_below=s.keep_whole_below)
+                                               keep_whole_below=s.keep_whole_below,
+                                               prefetch_weights=s.prefetch_weights)
     except tf.errors.DeadlineExceededError:
         spec = resolver.cluster_spec().as_dict()
         missing = [f"/job:{job}/replica:0/task:{i}" for job, addresses in spec.items()
@@ -224,6 +226,8 @@ def _horovod(config: Config, gpus: int = 0) -> HorovodStrategy:
             backward_passes_per_step=h.backward_passes_per_step,
             elastic_commit_batches=h.elastic_commit_batches if h.elastic else None,
             shard_optimizer=config.strategy.shard_optimizer,
+            keep_whole_below=config.strategy.keep_whole_below,
+            prefetch_weights=config.strategy.prefetch_weights,
         )
     except ImportError as error:
         raise ConfigError("strategy.kind", f"horovod needs Horovod: {error}", config.strategy.kind) from None

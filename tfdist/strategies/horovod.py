@@ -149,6 +149,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         `tfdist.horovod.split_collectives`), 3 the weights too (`tfdist.parallel.weight_shards`); 0 keeps a
         whole copy on each.
       keep_whole_below: at stage 3, variables of fewer elements stay whole on every rank.
+      prefetch_weights: at stage 3, gather a layer's weights while the layer before it computes.
 
     Raises:
       ImportError: Horovod is not installed (one line saying how to install it).
@@ -173,6 +174,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         elastic_commit_batches: Optional[int] = None,
         shard_optimizer: int = 0,
         keep_whole_below: int = KEEP_WHOLE_BELOW,
+        prefetch_weights: bool = True,
     ):
         if op not in _OPS:
             raise ValueError(f"`op` must be one of {', '.join(_OPS)}. Received: {op!r}")
@@ -207,6 +209,7 @@ class HorovodStrategy(SplitsOptimizerState, StrategyContract, distribute_lib.Str
         self.accumulation_steps = backward_passes_per_step
         self.elastic_commit_batches = elastic_commit_batches
         self.shard_optimizer, self.keep_whole_below = shard_optimizer, keep_whole_below
+        self.prefetch_weights = prefetch_weights
         self._op, self._fp16_compression = op, fp16_compression
         self._elastic_resets = 0
         self._watchdog = StepWatchdog(timeout, f"rank {hvd.rank()}") if timeout else None

@@ -55,7 +55,7 @@ class MultiWorkerMirroredStrategy(SplitsOptimizerState, StrategyContract, tf.dis
     clips_after_all_reduce = True  # gradient clipping sees the all-reduced gradient, as on one device
 
     def __init__(self, *args, gradient_compression: Optional[str] = None, shard_optimizer: int = 0,
-                 keep_whole_below: int = KEEP_WHOLE_BELOW, **kwargs):
+                 keep_whole_below: int = KEEP_WHOLE_BELOW, prefetch_weights: bool = True, **kwargs):
         """Takes TensorFlow's arguments, and `gradient_compression`: `float16` or `bfloat16` sends the
         gradients at half their bytes (cast before the all-reduce and back after it, as Horovod's fp16
         compression does); None sends them as they are. Either way they are all-reduced last layer
@@ -63,14 +63,15 @@ class MultiWorkerMirroredStrategy(SplitsOptimizerState, StrategyContract, tf.dis
         `shard_optimizer`: 1 splits the state of an optimizer compiled under this strategy over every
         worker's replicas (`tfdist.parallel.optimizer_shards`), 2 also reduce-scatters the gradients, 3 splits
         the weights too, all but those of fewer than `keep_whole_below` elements (`tfdist.parallel.weight_shards`);
-        0 keeps a whole copy on each."""
+        0 keeps a whole copy on each; `prefetch_weights`: at stage 3, gather a layer's weights while the layer
+        before it computes."""
         if gradient_compression not in (None, "float16", "bfloat16"):
             raise ValueError(f"`gradient_compression` must be None, 'float16' or 'bfloat16'. "
                              f"Received: {gradient_compression!r}")
         stage = collective_ops_stage(shard_optimizer)
         super().__init__(*args, **kwargs)
         self.gradient_all_reduce = gradient_compression or ""
-        self.shard_optimizer, self.keep_whole_below = stage, keep_whole_below
+        self.shard_optimizer, self.keep_whole_below, self.prefetch_weights = stage, keep_whole_below, prefetch_weights
 
     def keras_hooks(self, model):
         # Keras's own train function would reduce every log in a collective of its own, every step.
