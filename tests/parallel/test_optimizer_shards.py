@@ -379,8 +379,9 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 
 @pytest.mark.parametrize("setting, message", [
     ("strategy.shard_optimizer=4", "`strategy.shard_optimizer` must be >= 0 and <= 3. Received: 4"),
-    ("strategy.shard_optimizer=3,strategy.kind=pipeline", "`strategy.shard_optimizer` 3 (the weights split) applies "
-                                                          "to strategy.kind mirrored, multi_worker_mirrored and horovod"),
+    ("strategy.shard_optimizer=3,strategy.kind=pipeline",
+     "`strategy.shard_optimizer` 3 (the weights split) applies to strategy.kind mirrored, multi_worker_mirrored and "
+     "horovod"),
     ("strategy.keep_whole_below=10", "`strategy.keep_whole_below` only applies with strategy.shard_optimizer: 3"),
     ("strategy.prefetch_weights=false", "`strategy.prefetch_weights` only applies with strategy.shard_optimizer: 3"),
     ("strategy.kind=one_device", "`strategy.shard_optimizer` only applies to strategy.kind=mirrored, "

@@ -260,8 +260,8 @@ class OptimizerShards:
                 for positions in by_dtype.values():
                     whole = [p for p in positions if indices[p] not in self.sharded]
                     if whole:
-                        self._update_whole(distribution, d, rank, [(grads[p], variables[p], self.slices[d][indices[p]])
-                                                                   for p in whole], learning_rate, reduced, only_if)
+                        triples = [(grads[p], variables[p], self.slices[d][indices[p]]) for p in whole]
+                        self._update_whole(distribution, d, rank, triples, learning_rate, reduced, only_if)
                     for p in (p for p in positions if indices[p] in self.sharded):
                         piece = self.slices[d][indices[p]]  # the weights' slice: its gradient is this slice's sum
                         with tf.device(piece.value.device):
@@ -276,7 +276,8 @@ class OptimizerShards:
         pieces = [piece for _, _, piece in triples]
         lengths = [piece.shape[0] for piece in pieces]
         # A gradient that crossed processes may have lost its static shape: its variable's.
-        local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, g, d)), v.shape) for g, v, _ in triples]
+        local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, g, d)), v.shape)
+                       for g, v, _ in triples]
         if reduced:
             mine = [self._slice(g, rank, n) for g, n in zip(local_grads, lengths)]
         else:  # slice e of every gradient, e = 0..parts-1: replica e receives the sum of the e-th part
@@ -314,10 +315,11 @@ class OptimizerShards:
             if sliced:
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([squares[i] for i in sliced]))
                 squares.update({i: summed[k] for k, i in enumerate(sliced)})
-            if inner.clipnorm:  # Keras's arithmetic, in its order: a gradient of rounding noise (a bias before
-                # a BatchNormalization) clipped otherwise moves Adam's step
-                norms = {i: tf.sqrt(squares[i]) for i in present}
-                grads = [None if g is None else g * inner.clipnorm / tf.cast(tf.maximum(norms[i], inner.clipnorm), g.dtype)
+            if inner.clipnorm:
+                # Keras's arithmetic, in its order: a gradient of rounding noise (a bias before a
+                # BatchNormalization) clipped otherwise moves Adam's step.
+                limits = {i: tf.maximum(tf.sqrt(squares[i]), inner.clipnorm) for i in present}
+                grads = [None if g is None else g * inner.clipnorm / tf.cast(limits[i], g.dtype)
                          for i, g in enumerate(grads)]
             else:  # global_clipnorm, as Keras's `clip_by_global_norm` (a NaN scale when the norm is not finite)
                 norm = tf.sqrt(tf.add_n(list(squares.values())))
@@ -399,8 +401,7 @@ class WholeSlot(Trackable):
         self.shape, self.dtype = tuple(variable.shape), pieces[0].dtype
 
     def read_value(self) -> tf.Tensor:
-        whole = self.collectives.gather_pieces([piece.value for piece in self.pieces])
-        return tf.reshape(whole[:math.prod(self.shape)], self.shape)
+        return weight_shards.joined([piece.value for piece in self.pieces], self.shape, self.collectives)
 
     def numpy(self):
         return self.read_value().numpy()
@@ -410,10 +411,7 @@ class WholeSlot(Trackable):
         if tuple(value.shape) != self.shape:
             raise ValueError(f"A slot of shape {self.shape} cannot take a value of shape {tuple(value.shape)}: "
                              "the saved optimizer was built for other variables.")
-        length = self.pieces[0].shape[0]
-        flat = tf.pad(tf.reshape(value, [-1]), [[0, length * self.collectives.parts - math.prod(self.shape)]])
-        return tf.group([piece.assign(flat[rank * length:(rank + 1) * length])
-                         for rank, piece in zip(self.collectives.ranks, self.pieces)])
+        return tf.group(weight_shards.assign_slices(self.pieces, value, self.collectives))
 
     # How tf.train.Checkpoint saves and restores a trackable that is not a tf.Variable itself.
     def _serialize_to_tensors(self):

@@ -37,7 +37,8 @@ from tfdist._compat.tf_distribute import distribute_lib, values
 
 from tfdist import _compat
 
-__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "gathered_once", "is_sharded", "shard_weight", "split_weights_of"]
+__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "gathered_once", "is_sharded", "joined",
+           "shard_weight", "split_weights_of"]
 
 # DeepSpeed's default `stage3_param_persistence_threshold` (elements).
 KEEP_WHOLE_BELOW = 100_000
@@ -78,8 +79,7 @@ class ShardedWeight(values.MirroredVariable):
         return np.asarray(self.numpy(), dtype=dtype)
 
     def _whole(self) -> tf.Tensor:
-        flat = self.collectives.gather_pieces([component.read_value() for component in self.values])
-        return tf.reshape(flat[:self.whole_shape.num_elements()], self.whole_shape)
+        return joined([component.read_value() for component in self.values], self.whole_shape, self.collectives)
 
     def _gathered(self) -> tf.Tensor:
         """This replica's read: gathered once in a layer's call (`gathered_once`), else at each read."""
@@ -126,10 +126,7 @@ class ShardedWeight(values.MirroredVariable):
         if _in_replica(self):
             raise ValueError(f"Variable {self.name!r} is split over the replicas (shard_optimizer 3): a replica "
                              "cannot assign its whole value. Assign it outside the step.")
-        flat = _padded(tf.convert_to_tensor(value, self.dtype), self.values[0].shape[0] * self.collectives.parts)
-        length = self.values[0].shape[0]
-        for rank, component in zip(self.collectives.ranks, self.values):
-            component.assign(flat[rank * length:(rank + 1) * length], use_locking=use_locking)
+        assign_slices(self.values, tf.convert_to_tensor(value, self.dtype), self.collectives, use_locking=use_locking)
         return self._whole() if read_value else None
 
     # A checkpoint holds the whole value, as one device's would.
@@ -165,10 +162,7 @@ def shard_weight(variable, strategy, collectives, slices: list) -> None:
     """Makes the built Keras `variable` held as `slices` (this process's Keras variables, one per device
     of `collectives`, each as long as the whole's slice) filled with its value, in place."""
     with tf.init_scope():  # eager, also when called as a step is traced
-        flat = _padded(tf.convert_to_tensor(variable.numpy()), slices[0].shape[0] * collectives.parts)
-        length = slices[0].shape[0]
-        for rank, piece in zip(collectives.ranks, slices):
-            piece.assign(flat[rank * length:(rank + 1) * length])
+        assign_slices(slices, tf.convert_to_tensor(variable.numpy()), collectives)
         _compat.replace_variable_value(
             variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives))
 
@@ -183,9 +177,21 @@ def split_weights_of(layer) -> list:
     return [_compat.backing_value(v) for v in _compat.own_trainable_variables(layer) if is_sharded(v)]
 
 
-def _padded(value: tf.Tensor, length: int) -> tf.Tensor:
+def joined(values, shape, collectives) -> tf.Tensor:
+    """The whole value of `shape` from this process's slices of it (`values`, one per device of `collectives`):
+    every process's slices gathered (a collective when there are several), the padding dropped."""
+    shape = tf.TensorShape(shape)
+    return tf.reshape(collectives.gather_pieces(list(values))[:shape.num_elements()], shape)
+
+
+def assign_slices(pieces, value: tf.Tensor, collectives, **assign_options) -> list:
+    """Cuts `value` flat, padded to a multiple of the slices, and assigns each of this process's `pieces`
+    (variables, one per device of `collectives`) the slice at its rank; returns the assignments."""
+    length = pieces[0].shape[0]
     flat = tf.reshape(value, [-1])
-    return tf.pad(flat, [[0, length - flat.shape[0]]])
+    flat = tf.pad(flat, [[0, length * collectives.parts - flat.shape[0]]])
+    return [piece.assign(flat[rank * length:(rank + 1) * length], **assign_options)
+            for rank, piece in zip(collectives.ranks, pieces)]
 
 
 def _in_update() -> bool:

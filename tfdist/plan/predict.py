@@ -30,8 +30,9 @@ x dp = the devices), with the optimizer state split `zero` ways or not (ZeRO
   group forward and backward; the stages pass activations and their
   gradients on; data parallelism all-reduces the gradients with a ring (2(N
   - 1)/N of the bytes; 3(N - 1)/N for ZeRO stage 1's all-reduce plus
-  all-gather, and for ZeRO 3's two gathers and reduce-scatter), over the hosts' links when the replicas span hosts, where
-  every device of a host sends its own ring's share at once; across hosts
+  all-gather, and for ZeRO 3's two gathers and reduce-scatter), over the
+  hosts' links when the replicas span hosts, where every device of a host
+  sends its own ring's share at once; across hosts
   the cluster's `link_latency` (a step's fixed cost, when given) and its
   `host_rate` (the transport's own work on each byte: serializing, copying)
   add to the wire time; on a cluster whose devices share a host's cores
