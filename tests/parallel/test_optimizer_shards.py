@@ -15,6 +15,7 @@ from tfdist import Checkpoint, MirroredStrategy, load_config
 from benchmarks.sharded_optimizer import step_collectives
 from tfdist.errors import ConfigError
 from tfdist.parallel.optimizer_shards import ELEMENTWISE_OPTIMIZERS, shard_optimizer_state, shards_of
+from tfdist.parallel.weight_shards import is_sharded
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
 from tfdist.strategies.replica_groups import bytes_by_device
 from tfdist.training import run
@@ -270,7 +271,7 @@ def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
 REPLICA_GROUPS = {  # 2 replicas of 2 devices each: a stage, or a placed layer's device
     "pipeline": lambda split: PipelineStrategy(2, 2, devices=FOUR, boundaries=["second"], verbose=False,
-                                               shard_optimizer=split),
+                                               shard_optimizer=split, keep_whole_below=KEEP_WHOLE_BELOW),
     "tensor_parallel": lambda split: TensorParallelStrategy(FOUR, group_size=2, placement={"second": "/cpu:1"},
                                                             shard_optimizer=split),
 }
@@ -295,7 +296,9 @@ def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_besid
         return model
 
     whole = train(0)
-    for stage in (1, 2):  # the gradients all-reduced, or reduce-scattered
+    # The gradients all-reduced, or reduce-scattered; in a pipeline the weights split too, each stage's among
+    # its devices.
+    for stage in (1, 2, 3) if kind == "pipeline" else (1, 2):
         split = train(stage)
         for a, b in zip(whole.get_weights(), split.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
@@ -309,9 +312,19 @@ def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_besid
         report = split.distribute_strategy.job_report(split)  # the summary and --metrics_out
         assert report["optimizer_state"]["devices"] == 2 and report["optimizer_state"]["stage"] == stage
         assert "optimizer_state" not in whole.distribute_strategy.job_report(whole)
-        if kind == "pipeline":  # the stages' bytes count the slices' slots where they live
+        if kind == "pipeline":  # the stages' bytes count the slices' slots (and weights) where they live
             for whole_stage, split_stage in zip(*(m.distribute_strategy.stage_memory(m) for m in (whole, split))):
                 assert 0 < split_stage["optimizer"] <= 1.15 / 2 * whole_stage["optimizer"], (whole_stage, split_stage)
+                held_by = 1.15 / 2 if stage == 3 else 1
+                assert 0 < split_stage["params"] <= held_by * whole_stage["params"], (stage, whole_stage, split_stage)
+        if stage == 3:  # each replica's copy of a split weight is its slice, on its stage's device
+            for v, unsplit_v in zip(split.trainable_variables, whole.trainable_variables):
+                assert is_sharded(v) == (math.prod(v.shape) >= KEEP_WHOLE_BELOW), v.path
+                if is_sharded(v):
+                    assert [c.shape[0] for c in v.value.values] == [-(-math.prod(v.shape) // 2)] * 2
+                    assert [c.device for c in v.value.values] == [c.device for c in unsplit_v.value.values]
+            assert report["optimizer_state"]["weight_bytes_per_device"][0] < report["optimizer_state"][
+                "unsplit_weight_bytes"] * 1.15 / 2
 
 
 @pytest.mark.parametrize("path, placed", [("configs/pipeline.yaml", []),
@@ -325,14 +338,14 @@ def test_a_pipeline_or_tensor_parallel_config_passes_the_split_to_its_strategy(c
     assert make_strategy(config).shard_optimizer == 1
 
 
-@pytest.mark.parametrize("kind", ["mirrored", "multi_worker_mirrored", "horovod"])
+@pytest.mark.parametrize("kind", ["mirrored", "multi_worker_mirrored", "horovod", "pipeline"])
 def test_a_config_passes_the_weights_split_to_its_strategy(cpus, monkeypatch, kind):
     """`strategy.keep_whole_below` and `prefetch_weights` reach each kind's strategy (each strategy's
     constructor stands in, taking what the factory gives it)."""
     from tfdist.strategies import factory
 
     given = {}
-    for name in ("MirroredStrategy", "MultiWorkerMirroredStrategy", "HorovodStrategy"):
+    for name in ("MirroredStrategy", "MultiWorkerMirroredStrategy", "HorovodStrategy", "PipelineStrategy"):
         monkeypatch.setattr(factory, name, lambda *args, **kwargs: given.update(kwargs))
     monkeypatch.setattr(factory, "cluster_resolver", lambda config: _NoCluster())
     config = load_config(None, [f"strategy.kind={kind}", "strategy.shard_optimizer=3", "strategy.keep_whole_below=10",
@@ -352,6 +365,8 @@ def test_a_model_split_over_its_groups_does_not_split_its_optimizer_yet(cpus):
 
     with pytest.raises(ValueError, match="`shard_optimizer` cannot split the optimizer of a model split over groups"):
         TensorParallelStrategy(FOUR, group_size=2, shard_optimizer=1)
+    with pytest.raises(ValueError, match="`shard_optimizer` 3 .* does not apply to TensorParallelStrategy"):
+        TensorParallelStrategy(FOUR, group_size=2, placement={"second": "/cpu:1"}, shard_optimizer=3)
     config = load_config(os.path.join(ROOT, "configs/tensor_parallel.yaml"), [
         "strategy.shard_optimizer=1", "runtime.intra_op_threads=0", "runtime.inter_op_threads=0"])
     with pytest.raises(ConfigError, match="^`strategy.shard_optimizer` cannot split the optimizer of a model split"):
@@ -379,9 +394,9 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 
 @pytest.mark.parametrize("setting, message", [
     ("strategy.shard_optimizer=4", "`strategy.shard_optimizer` must be >= 0 and <= 3. Received: 4"),
-    ("strategy.shard_optimizer=3,strategy.kind=pipeline",
-     "`strategy.shard_optimizer` 3 (the weights split) applies to strategy.kind mirrored, multi_worker_mirrored and "
-     "horovod"),
+    ("strategy.shard_optimizer=3,strategy.kind=tensor_parallel",
+     "`strategy.shard_optimizer` 3 (the weights split) applies to strategy.kind mirrored, multi_worker_mirrored, "
+     "horovod and pipeline"),
     ("strategy.keep_whole_below=10", "`strategy.keep_whole_below` only applies with strategy.shard_optimizer: 3"),
     ("strategy.prefetch_weights=false", "`strategy.prefetch_weights` only applies with strategy.shard_optimizer: 3"),
     ("strategy.kind=one_device", "`strategy.shard_optimizer` only applies to strategy.kind=mirrored, "

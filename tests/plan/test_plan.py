@@ -51,9 +51,13 @@ def test_the_step_time_is_its_terms():
     step = pipe.step_ms
     assert step["bubble"] / step["total"] == pytest.approx(3 / 11)
     assert step["compute"] == pytest.approx(1000 * 3 * 2 * 1e6 * 4 * 8 / 1e9)  # 2 layers a stage, 8 x 4 examples
-    for zero, factor in ((0, 2), (1, 3), (2, 2)):
+    for zero, factor in ((0, 2), (1, 3), (2, 2), (3, 3)):
         data = predict(model, cluster, Layout(4, zero=zero), global_batch=32, micro_batches=1).step_ms
         assert data["data_parallel"] == pytest.approx(1000 * factor * 3 / 4 * 32000 / 1e9)
+    # A pipeline at ZeRO 3 gathers a stage's weights twice and reduce-scatters them once per micro-batch.
+    split_pipe = predict(model, cluster, Layout(2, stages=2, zero=3), global_batch=32, micro_batches=4,
+                         balance_by="params").step_ms
+    assert split_pipe["data_parallel"] == pytest.approx(1000 * 3 * 4 * 1 / 2 * 16000 / 1e9)
     across = Cluster(devices=4, hosts=2, device_flops=1e9, intra_link=1e9, link=8e9 / HOST_LINK_EFFICIENCY)
     ring = predict(model, across, Layout(4), global_batch=32, micro_batches=1).step_ms["data_parallel"]
     assert ring == pytest.approx(1000 * 2 * 3 / 4 * 32000 / 1e9)  # the ring's bytes over the link's 1 GB/s of data
@@ -126,6 +130,9 @@ JOBS = {
     "mirrored_zero_3": ("configs/default.yaml", ["strategy.logical_devices=2", "strategy.shard_optimizer=3",
                                                  "strategy.keep_whole_below=0"], Layout(2, zero=3), ["CPU:0"]),
     "pipeline": ("configs/pipeline.yaml", ["pipeline.balance_by=params"], Layout(2, stages=2), ["CPU:0", "CPU:1"]),
+    "pipeline_zero_3": ("configs/pipeline.yaml", ["pipeline.balance_by=params", "strategy.shard_optimizer=3",
+                                                  "strategy.keep_whole_below=0"], Layout(2, stages=2, zero=3),
+                        ["CPU:0", "CPU:1"]),
     "tensor_parallel": ("configs/tensor_parallel.yaml", [], Layout(1, tensor_parallel=2), ["CPU:0"]),
     "pipeline_tensor_parallel": ("configs/pipeline_tensor_parallel.yaml", ["pipeline.balance_by=params"],
                                  Layout(1, stages=2, tensor_parallel=2), ["CPU:0", "CPU:2"]),

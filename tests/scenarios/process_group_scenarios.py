@@ -11,8 +11,8 @@ which also makes a Keras DataParallel one of the launcher's). Process 0 saves th
 weights (unsharded), the per-epoch loss, and the predictions and evaluation
 loss over the training data to OUT (.npz). Every process
 trains on its shard of the same global batches as the one-device reference.
-With SHARD (0, 1 or 2) the job trains with Adam, its state split over the
-replicas of both processes at that stage (0: unsplit); each process records
+With SHARD (0 to 3) the job trains with Adam, its state (at 3 its kernels
+too) split over the replicas of both processes at that stage (0: unsplit); each process records
 its slot and weight bytes by device, and a pipeline's processes save the
 model together (`strategy.save_model`) to OUT.keras.
 """
@@ -86,9 +86,10 @@ def strategy_for(backend, layout, shard=0):
         return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(4)],
                                 boundaries=["hidden1"], verbose=False, data_parallel=backend,
                                 layout=Layout(model=2, rules=rules))
-    if layout.startswith("pipeline"):
+    if layout.startswith("pipeline"):  # at stage 3 the kernels of 64 elements and more are split
         return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(2 * REPLICAS)],
-                                balance_by="params", verbose=False, data_parallel=backend, shard_optimizer=shard)
+                                balance_by="params", verbose=False, data_parallel=backend, shard_optimizer=shard,
+                                keep_whole_below=64)
     return TensorParallelStrategy(["/cpu:0", "/cpu:1"], data_parallel=backend)  # Megatron's split of the model
 
 

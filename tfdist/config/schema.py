@@ -190,7 +190,8 @@ class StrategyConfig:
         device keeps 1/N of every variable of keep_whole_below elements or
         more, a layer's weights are all-gathered for its forward and backward
         passes, and the gradients reduce-scattered (stage 3: strategy.kind
-        mirrored, multi_worker_mirrored and horovod in this version). 0 keeps a whole
+        mirrored, multi_worker_mirrored, horovod and pipeline, not with a
+        pipeline's tensor_parallel_size, in this version). 0 keeps a whole
         copy on every device. For strategy.kind=mirrored,
         multi_worker_mirrored, horovod, pipeline and tensor_parallel (over the
         replicas of every process with data_parallel).

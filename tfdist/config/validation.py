@@ -126,9 +126,9 @@ def _check_strategy(config: Config) -> None:
         if value != getattr(defaults, name) and not s.takes(name):
             raise ConfigError(f"strategy.{name}", f"only applies to {_taken_by(name)}{_ELSEWHERE.get(name, '')}; "
                               f"strategy.kind is {s.kind}.", getattr(value, "value", value))
-    if s.shard_optimizer == 3 and s.kind not in ("mirrored", "multi_worker_mirrored", "horovod"):
+    if s.shard_optimizer == 3 and s.kind not in ("mirrored", "multi_worker_mirrored", "horovod", "pipeline"):
         raise ConfigError("strategy.shard_optimizer", f"3 (the weights split) applies to strategy.kind mirrored, "
-                          f"multi_worker_mirrored and horovod in this version; strategy.kind is {s.kind}.",
+                          f"multi_worker_mirrored, horovod and pipeline in this version; strategy.kind is {s.kind}.",
                           s.shard_optimizer)
     for name in ("keep_whole_below", "prefetch_weights"):
         value = getattr(s, name)

@@ -223,7 +223,8 @@ class OptimizerShards:
         """
         if not self.copies:  # not built yet: the slices will be made beside the variables
             return
-        index = {id(v): i for i, v in enumerate(_compat.optimizer_variables(self.inner))}
+        variables = _compat.optimizer_variables(self.inner)
+        index = {id(v): i for i, v in enumerate(variables)}
         for d, copy in enumerate(self.copies):
             remade = []
             for variable, devices in moves:
@@ -233,6 +234,15 @@ class OptimizerShards:
                     remade += [(piece, _single_device_variables(devices[d])) for piece in beside]
             with self.strategy.scope():
                 _compat.remake_variables(remade, copy)
+        # A split weight is its slices: held again by the remade ones. Holding a slice changes its key (its
+        # weight's), so the copies are keyed again too.
+        split = [i for i in (index.get(id(v)) for v, _ in moves) if i in self.sharded]
+        with contextlib.ExitStack() as keyed:
+            keyed.enter_context(_compat.optimizer_keys_kept(self.optimizer, [variables[i] for i in split]))
+            for d, copy in enumerate(self.copies):
+                keyed.enter_context(_compat.optimizer_keys_kept(copy, [self.slices[d][i] for i in split]))
+            for i in split:
+                weight_shards.hold_in(variables[i], self.strategy, self.collectives, [s[i] for s in self.slices])
 
     def update(self, grads, variables, learning_rate):
         """A step, in replica context: the gradients are reduce-scattered (each device receives the sum of

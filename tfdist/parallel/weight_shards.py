@@ -37,7 +37,7 @@ from tfdist._compat.tf_distribute import distribute_lib, values
 
 from tfdist import _compat
 
-__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "gathered_once", "is_sharded", "joined",
+__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "gathered_once", "hold_in", "is_sharded", "joined",
            "shard_weight", "split_weights_of"]
 
 # DeepSpeed's default `stage3_param_persistence_threshold` (elements).
@@ -108,8 +108,10 @@ class ShardedWeight(values.MirroredVariable):
             whole = tf.reshape(collectives.all_gather(d, local)[:size], self.whole_shape)
 
             def reduce_scatter(upstream, variables=None):
-                flat = tf.reshape(tf.convert_to_tensor(_compat.weighted_by_batch_share([upstream])[0]), [-1])
-                mine = collectives.reduce_scatter(d, tf.pad(flat, [[0, length * collectives.parts - size]]))
+                with tf.device(self.values[d].device):  # among the devices that hold the slices
+                    flat = tf.reshape(tf.convert_to_tensor(_compat.weighted_by_batch_share([upstream])[0]), [-1])
+                    padded = tf.pad(flat, [[0, length * collectives.parts - size]])
+                mine = collectives.reduce_scatter(d, padded)
                 # Under a recomputing tape TensorFlow also counts the collectives' ordering tokens as variables.
                 return (mine, [None] * len(variables)) if variables is not None else mine
             return whole, reduce_scatter
@@ -163,8 +165,13 @@ def shard_weight(variable, strategy, collectives, slices: list) -> None:
     of `collectives`, each as long as the whole's slice) filled with its value, in place."""
     with tf.init_scope():  # eager, also when called as a step is traced
         assign_slices(slices, tf.convert_to_tensor(variable.numpy()), collectives)
-        _compat.replace_variable_value(
-            variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives))
+        hold_in(variable, strategy, collectives, slices)
+
+
+def hold_in(variable, strategy, collectives, slices: list) -> None:
+    """Makes the Keras `variable` held by `slices` as they are (made again elsewhere, with their values)."""
+    _compat.replace_variable_value(
+        variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives))
 
 
 def is_sharded(variable) -> bool:

@@ -127,8 +127,8 @@ def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int, model_a
             dp = cluster.devices // (stages * tensor)
             if global_batch % dp:
                 continue
-            # ZeRO 3 splits the weights of a data-parallel job (not yet a pipeline's or a tensor group's).
-            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if stages * tensor == 1 else (0, 1, 2)
+            # ZeRO 3 splits the weights of a data-parallel job or pipeline (not yet a tensor group's).
+            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if tensor == 1 else (0, 1, 2)
             found += [Layout(dp, stages, tensor, zero, remat=remat) for zero in zeros for remat in (False, True)]
     if cluster.devices > 1 and global_batch % cluster.devices == 0:
         found.append(Layout(cluster.devices, parameter_server=True))
@@ -206,7 +206,8 @@ def predict(model: ModelProfile, cluster: Cluster, layout: Layout, *, global_bat
     slot_ms = [compute_ms[i] + tp_ms[i] + pipeline_ms for i in range(k)]  # one micro-batch on each stage
     slowest = max(range(k), key=lambda i: slot_ms[i])
     gradient_bytes = max(moved_bytes)  # whole: what the reductions (and ZeRO 3's gathers) move
-    factor = {0: 2, 1: 3, 2: 2, 3: 3}[layout.zero] * (dp - 1) / dp
+    # ZeRO 3 gathers twice and reduce-scatters once for every micro-batch.
+    factor = {0: 2, 1: 3, 2: 2, 3: 3 * m}[layout.zero] * (dp - 1) / dp
     if dp > 1 and cluster.hosts > 1:  # every device position's ring crosses the hosts' links at once
         moved = factor * gradient_bytes * (k * t)
         data_ms = cluster.crossing_ms(1000 * moved / cluster.across_hosts, moved)

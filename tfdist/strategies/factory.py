@@ -252,6 +252,8 @@ def _pipeline(config: Config, gpus: int) -> PipelineStrategy:
             tensor_parallel_size=tensor_parallel_size(config, len(devices)),
             data_parallel=_process_group(config),
             shard_optimizer=config.strategy.shard_optimizer,
+            keep_whole_below=config.strategy.keep_whole_below,
+            prefetch_weights=config.strategy.prefetch_weights,
         )
 
 

@@ -64,6 +64,7 @@ from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.split_variables import is_split, split, split_axis
 from tfdist.parallel.device_group import current_replica
 from tfdist.parallel.optimizer_shards import held_variables
+from tfdist.parallel.weight_shards import KEEP_WHOLE_BELOW
 from tfdist.parallel.pipelined_step import PipelinedStep, split_micro_batches
 from tfdist.parallel.placement import call_in_context
 from tfdist.reporting import megabytes
@@ -111,7 +112,9 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
       shard_optimizer: 1 splits the optimizer's state over the replicas (ZeRO
         stage 1), each slice of a stage's variable on that stage's device of
         its replica, over the replicas of every process with `data_parallel`;
-        2 also reduce-scatters the gradients (stage 2).
+        2 also reduce-scatters the gradients (stage 2); 3 splits the weights
+        too, each stage's among the stage's devices of the replicas.
+      keep_whole_below, prefetch_weights: at stage 3, as for `MirroredStrategy`.
       layout: a `keras.distribution.LayoutMap` or `ModelParallel` (or a
         `tfdist.parallel.layout.Layout`) that splits every stage over its
         model axis (M devices a stage, in place of `tensor_parallel_size`),
@@ -141,6 +144,8 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         place_variables: bool = True,
         data_parallel: Union[str, tf.distribute.Strategy] = "local",
         shard_optimizer: int = 0,
+        keep_whole_below: int = KEEP_WHOLE_BELOW,
+        prefetch_weights: bool = True,
         layout=None,
     ):
         self._orders = schedules.stage_orders(schedule, num_stages, num_micro_batches)
@@ -193,7 +198,8 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         self._partitions: dict[int, partition_lib.Partition] = {}
         self._said_whole = False  # that a custom loop's step runs unpipelined (once)
         self._micro_batch_sizes: dict[int, int] = {}  # per model: the micro-batch its step was traced with
-        super().__init__(self.stage_devices, processes=processes, shard_optimizer=shard_optimizer)
+        super().__init__(self.stage_devices, processes=processes, shard_optimizer=shard_optimizer,
+                         keep_whole_below=keep_whole_below, prefetch_weights=prefetch_weights)
         self._stage = _CurrentStage()
         if layout is not None:
             self._start_splitting(dataclasses.replace(layout, data=len(self.stage_devices) // layout.model,

@@ -68,7 +68,7 @@ class ProcessGroup:
 
     def reduce_scatter(self, tensor: tf.Tensor, device: str, stage: int) -> tf.Tensor:
         """This process's part (the `index`-th of `size`) of the sum over the processes of the 1-D
-        `tensor` on `device`: by a reduce-scatter at `stage` 2, at stage 1 by an all-reduce of which
+        `tensor` on `device`: by a reduce-scatter at `stage` 2 or 3, at stage 1 by an all-reduce of which
         it keeps its part (ZeRO's stages, `tfdist.parallel.optimizer_shards`)."""
         raise NotImplementedError
 
@@ -164,7 +164,7 @@ class HorovodProcesses(ProcessGroup):
     def reduce_scatter(self, tensor, device, stage):
         hvd = self.strategy.hvd
         with tf.device(device):
-            if stage == 2:
+            if stage >= 2:
                 return hvd.reducescatter(tensor, op=hvd.Sum)
             length = tensor.shape[0] // self.size
             return hvd.allreduce(tensor, op=hvd.Sum)[self.index * length:(self.index + 1) * length]

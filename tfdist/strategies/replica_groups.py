@@ -41,12 +41,13 @@ from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf
-from tfdist._compat.tf_distribute import (cross_device_ops_lib, device_util, distribute_utils,
-                                          mirrored_strategy, values)
+from tfdist._compat.tf_distribute import (cross_device_ops_lib, cross_device_utils, device_util,
+                                          distribute_utils, mirrored_strategy, numpy_dataset, values)
 
 from tfdist import _compat
 from tfdist.parallel.device_group import DeviceGroup, current_replica
-from tfdist.parallel.optimizer_shards import shards_of
+from tfdist.parallel import weight_shards
+from tfdist.parallel.optimizer_shards import DeviceCollectives, shards_of
 from tfdist.contract import contract
 from tfdist.strategies.data_parallel import MirroredStrategy, make_named_cpus
 from tfdist.strategies.horovod import HorovodStrategy
@@ -101,17 +102,65 @@ class _AcrossProcesses(tf.distribute.CrossDeviceOps):
         ]
 
 
+class _Columns:
+    """The collectives of each device of a replica with its counterparts in the others (a column: a stage's
+    devices, a placed layer's), for values that live there. TensorFlow's collective launchers (what
+    MirroredStrategy runs per device) under a group key of each column's own, so that a split variable's
+    slices are gathered where its copies live, not on the replicas' first devices."""
+
+    def __init__(self, strategy: "ReplicaGroupsStrategy"):
+        self.firsts = _compat.collective_launchers(strategy)  # the strategy's own, on the replicas' first devices
+        self.devices = [[_device_name(device) for device in group.devices] for group in strategy.replicas]
+        keys, options = _compat.collective_keys(strategy), self.firsts[0]._options
+        self.launchers: dict[str, cross_device_utils.CollectiveReplicaLauncher] = {}
+        for position in range(1, len(self.devices[0]) if len(self.devices) > 1 else 0):
+            column = [device_util.canonicalize(group.devices[position]) for group in strategy.replicas]
+            group_key = keys.get_group_key(column)
+            for device in column:
+                self.launchers[_device_name(device)] = cross_device_utils.CollectiveReplicaLauncher(
+                    group_key, len(column), keys, device, options)
+
+    def device(self, d: int, tensor) -> str:
+        """The device of local replica d that `tensor` lies on, else the replica's first."""
+        device = _device_name(tensor.device) if tensor.device else None
+        return device if device in self.devices[d] else self.devices[d][0]
+
+    def launcher(self, d: int, tensor):
+        return self.launchers.get(self.device(d, tensor)) or self.firsts[d]
+
+
+def _device_name(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+
+
+class _SlicesInColumns(DeviceCollectives):
+    """How the replicas of one process share split slices: as MirroredStrategy's replicas do, each
+    value among the devices that hold its copies (`_Columns`)."""
+
+    def __init__(self, strategy: "ReplicaGroupsStrategy", stage: int):
+        super().__init__(strategy, stage)
+        self.columns = _Columns(strategy)
+
+    def reduce_scatter(self, d, packed):
+        return _compat.slice_of_sum(self.columns.launcher(d, packed), packed, self.ranks[d], self.stage)
+
+    def all_gather(self, d, piece):
+        return _compat.all_gather(self.columns.launcher(d, piece), piece)
+
+
 class _SlicesAcrossProcesses:
     """How the replicas of every process share an optimizer state split over all of them (the
     collectives `shard_optimizer_state` takes; see `DeviceCollectives`).
 
     Replica r of process p holds slice p x L + r (its replica id in sync, L
     replicas a process) of every variable. A step reduces the packed
-    gradients across the processes first, on each replica's first device with
+    gradients across the processes first, on the device that holds them with
     its counterparts (each process receives the sum of its L slices), then
-    among the process's replicas; the updated slices are gathered the other
-    way round. Either step reduce-scatters at stage 2 and all-reduces then
-    keeps its part at stage 1, so the bytes are those of the one-level split.
+    among the process's replicas (`_Columns`); the updated slices are gathered
+    the other way round. Either step reduce-scatters at stages 2 and 3 and
+    all-reduces then keeps its part at stage 1, so the bytes are those of the
+    one-level split.
     """
 
     multi_process = True
@@ -121,17 +170,19 @@ class _SlicesAcrossProcesses:
         self.devices = tuple(strategy.extended.worker_devices)
         self.parts = len(self.devices) * processes.size
         self.ranks = tuple(processes.index * len(self.devices) + d for d in range(len(self.devices)))
+        self.columns = _Columns(strategy)
 
     def reduce_scatter(self, d, packed):
-        ours = self.processes.reduce_scatter(packed, self.devices[d], self.stage)
+        ours = self.processes.reduce_scatter(packed, self.columns.device(d, packed), self.stage)
         if len(self.devices) == 1:
             return ours
-        return _compat.slice_of_sum(_compat.collective_launchers(self.strategy)[d], ours, d, self.stage)
+        return _compat.slice_of_sum(self.columns.launcher(d, packed), ours, d, self.stage)
 
     def all_gather(self, d, piece):
+        device = self.columns.device(d, piece)
         if len(self.devices) > 1:
-            piece = _compat.all_gather(_compat.collective_launchers(self.strategy)[d], piece)
-        return self.processes.all_gather(piece, self.devices[d])
+            piece = _compat.all_gather(self.columns.launcher(d, piece), piece)
+        return self.processes.all_gather(piece, device)
 
     def gather_pieces(self, pieces):
         """Every replica's piece of a slot, in slice order: a collective, so every process saves together."""
@@ -194,14 +245,15 @@ class _ReplicaGroupsExtended(PerProcessInput, mirrored_strategy.MirroredExtended
         return (self._processes.index, self._processes.size) if self._processes is not None else None
 
     def _create_variable(self, next_creator, **kwargs):
-        if self._processes is not None:
+        reference = kwargs.get("colocate_with")
+        # A variable of one device (a split optimizer's slice of this process's) keeps its own value.
+        if self._processes is not None and not isinstance(reference, numpy_dataset.SingleDevice):
             initial_value = kwargs["initial_value"]
 
             def from_process_0():  # every process starts from the same value
                 return self._processes.broadcast(initial_value() if callable(initial_value) else initial_value)
 
             kwargs["initial_value"] = from_process_0
-        reference = kwargs.get("colocate_with")
         if reference is None:
             strategy = self._container_strategy()
             device = strategy.variable_device()
@@ -230,8 +282,11 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         placed nowhere else.
       shard_optimizer: 1 splits the state of an optimizer compiled under this
         strategy over the replicas (of every process), each slice beside its
-        variable's copy, and 2 also reduce-scatters the gradients (3, the
-        weights split too, is refused in this version).
+        variable's copy, 2 also reduce-scatters the gradients, and 3 splits
+        the weights too: each replica's copy of a large variable becomes its
+        slice, gathered among the devices that hold the variable's copies
+        (a stage's devices) when a layer reads it.
+      keep_whole_below, prefetch_weights: at stage 3, as for `MirroredStrategy`.
 
     Raises:
       ValueError: no replicas, replicas of different sizes, a device that
@@ -241,11 +296,8 @@ class ReplicaGroupsStrategy(MirroredStrategy):
     _extended_type = _ReplicaGroupsExtended
 
     def __init__(self, replica_devices: Sequence[Sequence[str]], processes: Optional[ProcessGroup] = None,
-                 shard_optimizer: int = 0):
-        if shard_optimizer == 3:
-            raise ValueError("`shard_optimizer` 3 (the weights split) applies to MirroredStrategy, "
-                             "MultiWorkerMirroredStrategy and HorovodStrategy in this version, not to replica groups "
-                             "(pipeline, tensor_parallel). Received: 3")
+                 shard_optimizer: int = 0, keep_whole_below: int = weight_shards.KEEP_WHOLE_BELOW,
+                 prefetch_weights: bool = True):
         sizes = {len(devices) for devices in replica_devices}
         if len(sizes) != 1:
             raise ValueError(
@@ -255,7 +307,8 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         DeviceGroup([d for devices in replica_devices for d in devices])  # one check for missing and repeated devices
         self.replicas = [DeviceGroup(devices) for devices in replica_devices]
         super().__init__(devices=[group.devices[0] for group in self.replicas],
-                         process_index=processes.index if processes else 0, shard_optimizer=shard_optimizer)
+                         process_index=processes.index if processes else 0, shard_optimizer=shard_optimizer,
+                         keep_whole_below=keep_whole_below, prefetch_weights=prefetch_weights)
         self.processes = processes
         if processes is not None:
             _check_same_layout(processes, len(self.replicas), len(self.replicas[0].devices))
@@ -270,7 +323,7 @@ class ReplicaGroupsStrategy(MirroredStrategy):
     def slice_collectives(self):
         """How the replicas share a split optimizer state: across processes too, when they span several."""
         if self.processes is None:
-            return super().slice_collectives()
+            return _SlicesInColumns(self, self.shard_optimizer)
         return _SlicesAcrossProcesses(self, self.processes, self.shard_optimizer)
 
     @property
@@ -366,7 +419,8 @@ class ReplicaGroupsStrategy(MirroredStrategy):
         """
         made_beside = self.extended.made_beside()
         by_storage = {id(variable.value): (variable, device) for variable, device in destinations}
-        moves, beside = list(destinations), []
+        # A variable split over the replicas (stage 3) is held by its slices, which its shards move.
+        moves, beside = [(v, device) for v, device in destinations if not weight_shards.is_sharded(v)], []
         for slot in optimizer.variables if optimizer is not None else []:
             reference = made_beside.get(id(slot.value))
             if reference in by_storage:

@@ -66,7 +66,7 @@ class TensorParallelStrategy(SplitsByLayout, ReplicaGroupsStrategy):
       shard_optimizer: with placement, 1 splits the optimizer's state over
         the groups (ZeRO stage 1), each slice beside its variable, over the
         groups of every process with `data_parallel`; 2 also reduce-scatters
-        the gradients (stage 2). Not with a split model in this version.
+        the gradients (stage 2). Not with a split model, nor 3, in this version.
 
     Raises:
       ValueError: a device that does not exist or is named twice, a group size
@@ -98,6 +98,9 @@ class TensorParallelStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         if splits and shard_optimizer:
             raise ValueError("`shard_optimizer` cannot split the optimizer of a model split over groups of "
                              f"{size} devices in this version; it splits a placed model's, or give group_size=1.")
+        if shard_optimizer == 3:  # a placed layer's gradient op would read a split weight whole
+            raise ValueError("`shard_optimizer` 3 (the weights split) does not apply to TensorParallelStrategy in "
+                             "this version; use 2, or a PipelineStrategy. Received: 3")
         replicas = [[device] for device in devices] if splits else [group.devices for group in self.groups]
         super().__init__(replicas, processes=processes, shard_optimizer=shard_optimizer)
         if splits:  # each group a row of the mesh, the groups its data axis
