@@ -325,6 +325,30 @@ def test_the_replicas_of_a_pipeline_or_tensor_parallel_job_split_the_state_besid
                     assert [c.device for c in v.value.values] == [c.device for c in unsplit_v.value.values]
             assert report["optimizer_state"]["weight_bytes_per_device"][0] < report["optimizer_state"][
                 "unsplit_weight_bytes"] * 1.15 / 2
+            if kind == "pipeline":  # each stage's split weights are gathered on its own devices
+                # Per device: 2 split variables x 2 micro-batches x (forward + backward) gathers, and 2 x 2
+                # reduce-scatters; on the first stage's also the whole variables' packed update (1 of each).
+                expected = {"CollectiveGatherV2": [9, 8, 9, 8], "CollectiveAllToAllV2": [5, 4, 5, 4]}
+                assert _collectives_by_device(split, x[:32], y[:32]) == expected
+
+
+def _collectives_by_device(model, x, y) -> dict:
+    """The collective ops of one traced training step of `model` (under its strategy), by type: how many on
+    each of CPU:0-3."""
+    import tensorflow as tf
+
+    from tfdist import _compat
+
+    strategy = model.distribute_strategy
+    data = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)))))
+    step = tf.function(tf.autograph.experimental.do_not_convert(
+        lambda batch: strategy.run(model.train_step, args=(batch,))))
+    graph = step.get_concrete_function(data).graph
+    counts = {}
+    for op in (op for g in (graph, *_compat.graph_functions(graph)) for op in g.get_operations()):
+        if op.type.startswith("Collective"):
+            counts.setdefault(op.type, [0] * 4)[int(op.device.rsplit(":", 1)[-1])] += 1
+    return counts
 
 
 @pytest.mark.parametrize("path, placed", [("configs/pipeline.yaml", []),
