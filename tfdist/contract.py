@@ -186,12 +186,17 @@ def install_patches() -> None:
 
 def _after_compile(strategy, model) -> None:
     """The strategy's own step after `compile` (a split optimizer's), then the memory check of the optimizer's
-    build: a state the process's memory limit cannot hold is one line, not a kill."""
+    build: a state the process's memory limit cannot hold is one line, not a kill. With the weights split
+    (`shard_optimizer` 3) a built model's optimizer is built now: a custom training loop would build it in
+    its first step, after its forward pass read the weights whole."""
     answers = contract(strategy)
     answers.after_compile(model)
-    guard_optimizer_build(getattr(model, "optimizer", None), replicas=strategy.num_replicas_in_sync,
-                          stage=getattr(answers, "shard_optimizer", 0),
+    optimizer, stage = getattr(model, "optimizer", None), getattr(answers, "shard_optimizer", 0)
+    guard_optimizer_build(optimizer, replicas=strategy.num_replicas_in_sync, stage=stage,
                           keep_whole_below=getattr(answers, "keep_whole_below", 0))
+    if stage == 3 and model.built and optimizer is not None and not optimizer.built:
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
 
 
 def contract(strategy) -> StrategyContract:

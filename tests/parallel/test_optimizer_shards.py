@@ -215,6 +215,48 @@ def _assert_same_weights(a, b, exact=False):
         np.testing.assert_allclose(x, y, atol=0 if exact else 1e-6, rtol=0)
 
 
+def test_a_custom_training_loop_trains_split_weights_as_unsplit(cpus):
+    """TensorFlow's custom-training guide's loop (a tape inside `strategy.run`, `tf.nn.compute_average_loss`,
+    `apply_gradients`) with the model compiled under the scope: at stage 3 the optimizer is built at `compile`,
+    so the loop's first forward pass already gathers split weights, and it trains the unsplit weights. A model
+    built only in the loop is refused in one line."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 12)).astype("float32")
+    y = x[:, :3].argmax(axis=1).astype("int32")
+
+    def train(stage, built=True):
+        strategy = MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=stage, keep_whole_below=KEEP_WHOLE_BELOW)
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([*([keras.Input((12,))] if built else []), keras.layers.Dense(16, "relu"),
+                                      keras.layers.Dense(3)])
+            optimizer = keras.optimizers.Adam(0.01)
+            model.compile(optimizer=optimizer)
+            loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+        def step(batch):
+            features, labels = batch
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
+                                                  global_batch_size=32)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        distributed_step = tf.function(lambda batch: strategy.run(step, args=(batch,)))
+        for batch in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)):
+            distributed_step(batch)
+        return model
+
+    unsplit, split = train(0), train(3)
+    assert [is_sharded(v) for v in split.trainable_variables] == [True, True, True, False]
+    for a, b in zip(unsplit.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="must be built before the first step reads them"):
+        train(3, built=False)
+
+
 @pytest.mark.parametrize("name, stage", [("adam", 1), ("mixed_float16_loss_scaling", 1), ("adam", 3)])
 def test_a_killed_split_run_resumes_from_its_checkpoint_bit_exact(cpus, tmp_path, name, stage):
     keras.mixed_precision.set_dtype_policy("mixed_float16" if "float16" in name else "float32")

@@ -37,6 +37,7 @@ from tfdist._compat.keras_internals import (
 from tfdist._compat.optional import horovod, nvml, xspace
 from tfdist._compat.patches import (
     batches_read,
+    built_in_a_step,
     forget_step_functions,
     gradient_weight,
     keras_step_function,
@@ -78,6 +79,7 @@ __all__ = [
     "batches_read",
     "broadcast",
     "build_for_training",
+    "built_in_a_step",
     "build_without_slots",
     "check_versions",
     "collective_keys",

@@ -132,6 +132,12 @@ def replace_update_step(optimizer, update) -> None:
     optimizer._backend_update_step = update
 
 
+def updates_replaced(optimizer) -> bool:
+    """Whether `replace_update_step` gave `optimizer` (or the optimizer it wraps, for loss scaling) its update."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return "_backend_update_step" in vars(inner)
+
+
 def replace_clipping(optimizer, clip) -> None:
     """Has `optimizer` clip with `clip(grads, trainable_variables)` instead of its `_clip_gradients(grads)`.
 

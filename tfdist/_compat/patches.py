@@ -17,7 +17,9 @@ import threading
 import weakref
 from typing import Callable
 
-__all__ = ["forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
+from tfdist._compat.keras_internals import updates_replaced
+
+__all__ = ["built_in_a_step", "forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read", "parameter_server_writes_in_reverse",
            "weighted_by_batch_share"]
 
@@ -481,6 +483,15 @@ def _install_save_reference_objects_outside_strategies() -> None:
     saving_lib.get_attr_skipset = get_attr_skipset
 
 
+_IN_A_STEP = threading.local()  # set while an optimizer first applied in a traced step builds
+
+
+def built_in_a_step() -> bool:
+    """Whether the optimizer building now was first applied inside a traced step (a custom loop's), after
+    the step's forward pass: it builds outside the step (`_install_optimizer_build_outside_the_step`)."""
+    return getattr(_IN_A_STEP, "on", False)
+
+
 def _install_optimizer_build_outside_the_step() -> None:
     """Builds a Keras optimizer's slots outside the traced step when its first `apply` runs inside one.
 
@@ -491,7 +502,7 @@ def _install_optimizer_build_outside_the_step() -> None:
     'cond/else/_1/cond/Placeholder'" (keras-team/keras#19246), under tfdist's strategies and TensorFlow's
     own alike. Here the slots are made once, eagerly (`tf.init_scope`), from the step's cross-replica
     context (`merge_call`), as an optimizer built before the loop would have them. Under a strategy that
-    splits the optimizer `compile` gets (`shard_optimizer`), this one is whole, and it says so. Idempotent.
+    splits the optimizer `compile` gets (`shard_optimizer`), another one is whole, and it says so. Idempotent.
     """
     import tensorflow as tf
     from keras.src import backend
@@ -508,12 +519,16 @@ def _install_optimizer_build_outside_the_step() -> None:
             trainable_variables = list(trainable_variables)
 
             def build(_):
-                with tf.init_scope(), backend.name_scope(self.name, caller=self):
-                    self.build(trainable_variables)
+                _IN_A_STEP.on = True
+                try:
+                    with tf.init_scope(), backend.name_scope(self.name, caller=self):
+                        self.build(trainable_variables)
+                finally:
+                    _IN_A_STEP.on = False
 
             context.merge_call(build)
             self.built = True
-            if _ASK["splits_optimizers"](tf.distribute.get_strategy()):
+            if _ASK["splits_optimizers"](tf.distribute.get_strategy()) and not updates_replaced(self):
                 print(f"tfdist: strategy.shard_optimizer splits the state of the optimizer model.compile gets; "
                       f"{self.name}, first applied in a custom loop, keeps a whole copy on every device",
                       file=sys.stderr, flush=True)

@@ -179,6 +179,11 @@ class OptimizerShards:
             _compat.replace_clipping(inner, self._clip_as_one_device)
 
     def build(self, variables):
+        if self.collectives.stage == 3 and _compat.built_in_a_step():
+            raise ValueError("An optimizer whose weights are split over the replicas (shard_optimizer 3) must be "
+                             "built before the first step reads them: build the model before `compile` (or call "
+                             "`optimizer.build(model.trainable_variables)` under the strategy's scope) when "
+                             "training in a custom loop.")
         # At stage 3 the large variables' slices become the weights themselves (`weight_shards`), before
         # anything keys the variables: a sharded variable's key is its first slice's.
         self.sharded = {i for i, v in enumerate(variables)
