@@ -169,8 +169,9 @@ def keras_api_matches_single_process(accumulation="1"):
 
 
 def _split_optimizer(name):
-    if name == "adamw_excluding_biases":
-        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+    if name in ("adamw_excluding_biases", "adamw_accumulating_4"):
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1,
+                                           gradient_accumulation_steps=4 if "accumulating" in name else None)
         optimizer.exclude_from_weight_decay(var_names=["bias"])
         return optimizer
     return {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),

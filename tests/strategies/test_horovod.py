@@ -44,13 +44,14 @@ KERAS_API = ["keras_api_matches_single_process:accumulation=1", "keras_api_match
 # mixed_float16: two ranks against one process, the second with an overflow in rank 1's part only.
 LOSS_SCALING = ["loss_scaling_matches_single_process", "loss_scaling_matches_single_process:overflow_on_rank_1=1"]
 # The optimizer split over the ranks: stage 2 (reduce-scatter) with each optimizer, stage 1 once, stage 3 (the
-# weights split too) with those it takes; Keras's gradient accumulation at 1 and 2 (the unsplit Horovod job equals
+# weights split too) with those it takes; Keras's gradient accumulation at 1, 2 and 3 (the unsplit Horovod job equals
 # one process: MATCH_CASES).
 SPLIT_CASES = [f"split_optimizer_matches_unsplit:stage=2,optimizer={name}" for name in (
     "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam",
     "adam_accumulating_4")] + [f"split_optimizer_matches_unsplit:stage=1,optimizer={name}" for name in (
         "adam", "adam_accumulating_4")] + [f"split_optimizer_matches_unsplit:stage=3,optimizer={name}" for name in (
-            "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam")] + [
+            "sgd_momentum", "adam", "adamw_excluding_biases", "adam_global_clipnorm", "mixed_float16_adam",
+            "adamw_accumulating_4")] + [
     "split_optimizer_matches_unsplit:stage=3,optimizer=adam,recompute=1"]  # and every layer recomputed
 SPLIT_RESUME = "split_optimizer_matches_unsplit:stage=2,optimizer=adam,resume=1"
 

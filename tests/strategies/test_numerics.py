@@ -105,12 +105,14 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
 
 
 @pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas",
-                                  "mirrored_shard_optimizer_1", "mirrored_4_replicas_shard_optimizer_2"])
+                                  "mirrored_shard_optimizer_1", "mirrored_4_replicas_shard_optimizer_2",
+                                  "mirrored_4_replicas_shard_optimizer_3", "pipeline_2_replicas_shard_optimizer_3"])
 def test_gradient_accumulation_matches_one_device(kind):
     """Keras accumulates gradients under a conditional whose branches enter the cross-replica context, which fails
     under every TensorFlow strategy at the first step (keras-team/keras#20582); tfdist's kinds accumulate as one
-    device does, an optimizer split over the replicas too, and the tensor-parallel model split by Megatron's split
-    found in it (its Dense pair, whose accumulators are split beside the kernels)."""
+    device does, an optimizer split over the replicas too (at stage 3 with its weights and their accumulators), and
+    the tensor-parallel model split by Megatron's split found in it (its Dense pair, whose accumulators are split
+    beside the kernels)."""
     import keras
     import tensorflow as tf
 
@@ -123,6 +125,12 @@ def test_gradient_accumulation_matches_one_device(kind):
         "mirrored_shard_optimizer_1": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=1),
         "mirrored_4_replicas_shard_optimizer_2": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)],
                                                                           shard_optimizer=2),
+        # The weights split too, and their accumulators with them (the kernels and the first bias).
+        "mirrored_4_replicas_shard_optimizer_3": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)],
+                                                                          shard_optimizer=3, keep_whole_below=16),
+        "pipeline_2_replicas_shard_optimizer_3": lambda: PipelineStrategy(2, 2, devices=[f"/cpu:{i}" for i in range(4)],
+                                                                          verbose=False, shard_optimizer=3,
+                                                                          keep_whole_below=16),
         "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False),
         "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
     }

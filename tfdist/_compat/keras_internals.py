@@ -132,6 +132,12 @@ def replace_update_step(optimizer, update) -> None:
     optimizer._backend_update_step = update
 
 
+def gradient_accumulators(optimizer) -> list:
+    """The variables Keras's gradient accumulation sums each variable's gradients in, in the order of
+    `optimizer_variables` (none without `gradient_accumulation_steps`)."""
+    return list(getattr(optimizer, "_accumulated_gradients", None) or [])
+
+
 def updates_replaced(optimizer) -> bool:
     """Whether `replace_update_step` gave `optimizer` (or the optimizer it wraps, for loss scaling) its update."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)

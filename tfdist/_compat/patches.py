@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Callable
 
-from tfdist._compat.keras_internals import updates_replaced
+from tfdist._compat.keras_internals import backing_value, updates_replaced
 
 __all__ = ["built_in_a_step", "forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
            "training_epoch_iterator", "resume_epoch_iterator", "batches_read", "parameter_server_writes_in_reverse",
@@ -569,8 +569,15 @@ def _install_gradient_accumulation_under_strategies() -> None:
             return keras_apply(self, grads, trainable_variables)
         split_update = accumulated_update(self)
         steps = self.gradient_accumulation_steps
-        grads = weighted_by_batch_share(grads)
-        grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
+        # A weight split over the replicas (ZeRO 3) has its slice's gradient summed in the backward pass already.
+        owed = [i for i, v in enumerate(trainable_variables)
+                if not getattr(backing_value(v), "gradient_reduced", False)]
+        grads = list(grads)
+        if owed:
+            weighted = weighted_by_batch_share([grads[i] for i in owed])
+            summed = self._all_reduce_sum_gradients([(g, trainable_variables[i]) for g, i in zip(weighted, owed)])
+            for i, (g, _) in zip(owed, summed):
+                grads[i] = g
         sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
         averages = self._tfdist_keras_clip([(g + total) / steps for g, total in zip(grads, sums)])
         is_update_step = (self._iterations + 1) % steps == 0

@@ -114,10 +114,12 @@ def shard_optimizer_state(optimizer: keras.optimizers.Optimizer, strategy: tf.di
                          f"Received: a built {type(inner).__name__}")
     if inner.use_ema:
         raise ValueError(f"`optimizer` with use_ema cannot be split over devices yet. Received: {type(inner).__name__}")
-    if collectives is not None and collectives.stage == 3 and inner.gradient_accumulation_steps:
-        raise ValueError("`optimizer` with gradient_accumulation_steps cannot train weights split over devices "
-                         "(shard_optimizer 3) in this version: its accumulators are whole. Use stage 2, or a larger "
-                         f"batch. Received: gradient_accumulation_steps={inner.gradient_accumulation_steps}")
+    if (collectives is not None and collectives.stage == 3 and inner.gradient_accumulation_steps
+            and (inner.clipnorm or inner.global_clipnorm)):
+        raise ValueError("`optimizer` with gradient_accumulation_steps cannot clip by norm weights split over devices "
+                         "(shard_optimizer 3) in this version: use clipvalue, or stage 2. Received: "
+                         f"gradient_accumulation_steps={inner.gradient_accumulation_steps}, clipnorm={inner.clipnorm}, "
+                         f"global_clipnorm={inner.global_clipnorm}")
     shards = OptimizerShards(optimizer, inner, strategy, collectives or DeviceCollectives(strategy), keep_whole_below,
                              model, prefetch)
     _SPLIT[optimizer] = shards
@@ -169,6 +171,7 @@ class OptimizerShards:
         self.copies: list[keras.optimizers.Optimizer] = []  # one per device
         self.slices: list[list[keras.Variable]] = []  # [device][variable]: that device's slice of the weights
         self.whole_slots: list[WholeSlot] = []  # in the order the unsplit optimizer makes its slots
+        self.accumulator_slices: dict[int, list] = {}  # stage 3: a split weight's index -> its accumulator's slices
         self._slots: list[list] = []  # [device]: (slot, index of its slice), in the order the copy made them
         inner.build = self.build
         optimizer.save_own_variables = self.save_own_variables
@@ -199,6 +202,12 @@ class OptimizerShards:
                 if any(id(v) in split for v in _compat.own_trainable_variables(layer)):
                     recompute.recompute(layer, in_order=True, ahead=self.prefetch)
         _compat.build_without_slots(self.inner, variables)
+        accumulators = _compat.gradient_accumulators(self.inner)
+        for i in sorted(self.sharded) if accumulators else ():  # a split weight's gradients add up in its slices
+            with self.strategy.scope():
+                self.accumulator_slices[i] = [self._slice_beside(variables[i], d) for d in range(len(self.devices))]
+            weight_shards.hold_in(accumulators[i], self.strategy, self.collectives, self.accumulator_slices[i],
+                                  gathers=False)
         # The copies take the rate from the optimizer at each update: a schedule need not be rebuilt. They
         # update; the optimizer accumulates (its update runs theirs on its update steps).
         config = {**self.inner.get_config(), "learning_rate": 0.0, "gradient_accumulation_steps": None}
@@ -236,6 +245,7 @@ class OptimizerShards:
                 i = index.get(id(variable))
                 if i is not None:
                     beside = [self.slices[d][i]] + [slot for slot, j in self._slots[d] if j == i]
+                    beside += [self.accumulator_slices[i][d]] if i in self.accumulator_slices else []
                     remade += [(piece, _single_device_variables(devices[d])) for piece in beside]
             with self.strategy.scope():
                 _compat.remake_variables(remade, copy)
@@ -248,6 +258,9 @@ class OptimizerShards:
                 keyed.enter_context(_compat.optimizer_keys_kept(copy, [self.slices[d][i] for i in split]))
             for i in split:
                 weight_shards.hold_in(variables[i], self.strategy, self.collectives, [s[i] for s in self.slices])
+                if i in self.accumulator_slices:
+                    weight_shards.hold_in(_compat.gradient_accumulators(self.inner)[i], self.strategy,
+                                          self.collectives, self.accumulator_slices[i], gathers=False)
 
     def update(self, grads, variables, learning_rate):
         """A step, in replica context: the gradients are reduce-scattered (each device receives the sum of
@@ -314,6 +327,8 @@ class OptimizerShards:
         slices'. A replica's share of a short batch weighs its whole variables' gradients here (it weighed the
         split ones before their reduce-scatter)."""
         inner, context = self.inner, tf.distribute.get_replica_context()
+        if inner.gradient_accumulation_steps:  # accumulated, then weighted, summed and clipped (`patches`)
+            return grads
         split = [weight_shards.is_sharded(v) for v in variables]
         grads = [g if split[i] else _compat.weighted_by_batch_share([g])[0] for i, g in enumerate(grads)]
         if not (inner.clipnorm or inner.global_clipnorm or inner.clipvalue):

@@ -52,15 +52,19 @@ class ShardedWeight(values.MirroredVariable):
       components: this process's slices, one per device, in the order of the collectives' devices.
       shape: the whole variable's shape.
       collectives: how the replicas gather and reduce-scatter the slices (`DeviceCollectives` or Horovod's).
+      gathers: False for state that is split as the weights are (a gradient accumulator): a replica reads and
+        writes its own slice.
     """
 
-    def __init__(self, strategy, components, shape, collectives):
+    gradient_reduced = True  # a replica's gradient of it is its slice's, summed over the replicas
+
+    def __init__(self, strategy, components, shape, collectives, gathers=True):
         super().__init__(strategy, components, aggregation=tf.VariableAggregation.NONE)
-        self.whole_shape, self.collectives = tf.TensorShape(shape), collectives
+        self.whole_shape, self.collectives, self.gathers = tf.TensorShape(shape), collectives, gathers
 
     # Where a read happens decides what it reads.
     def value(self):
-        if _in_update():
+        if _in_update() or (not self.gathers and _in_replica(self)):
             return super().value()
         return self._gathered() if _in_replica(self) else self._whole()
 
@@ -125,11 +129,22 @@ class ShardedWeight(values.MirroredVariable):
     def assign(self, value, use_locking=False, name=None, read_value=True):
         if _in_update():
             return super().assign(value, use_locking, name, read_value)
+        if not self.gathers and _in_replica(self):
+            return self._own_slice().assign(value, use_locking, name, read_value)
         if _in_replica(self):
             raise ValueError(f"Variable {self.name!r} is split over the replicas (shard_optimizer 3): a replica "
                              "cannot assign its whole value. Assign it outside the step.")
         assign_slices(self.values, tf.convert_to_tensor(value, self.dtype), self.collectives, use_locking=use_locking)
         return self._whole() if read_value else None
+
+    def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+        if not self.gathers and _in_replica(self) and not _in_update():
+            return self._own_slice().assign_add(delta, use_locking, name, read_value)
+        return super().assign_add(delta, use_locking, name, read_value)
+
+    def _own_slice(self):
+        """The slice of state a replica writes outside an update (Horovod's: its process's one)."""
+        return self.values[0] if len(self.values) == 1 else self.values[self._local_index()]
 
     # A checkpoint holds the whole value, as one device's would.
     def _serialize_to_tensors(self):
@@ -168,10 +183,11 @@ def shard_weight(variable, strategy, collectives, slices: list) -> None:
         hold_in(variable, strategy, collectives, slices)
 
 
-def hold_in(variable, strategy, collectives, slices: list) -> None:
-    """Makes the Keras `variable` held by `slices` as they are (made again elsewhere, with their values)."""
+def hold_in(variable, strategy, collectives, slices: list, gathers=True) -> None:
+    """Makes the Keras `variable` held by `slices` as they are (made again elsewhere, with their values);
+    `gathers`: as `ShardedWeight`'s."""
     _compat.replace_variable_value(
-        variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives))
+        variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives, gathers))
 
 
 def is_sharded(variable) -> bool:
