@@ -193,6 +193,13 @@ def test_a_built_optimizer_is_refused(cpus):
         shard_optimizer_state(optimizer, strategy)
 
 
+def test_clipping_by_norm_with_accumulation_at_stage_3_is_refused(cpus):
+    strategy = MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=3)
+    with pytest.raises(ValueError, match="cannot clip by norm weights split over devices"):
+        shard_optimizer_state(keras.optimizers.Adam(clipnorm=1.0, gradient_accumulation_steps=2), strategy,
+                              strategy.slice_collectives())
+
+
 class _Killed(Exception):
     pass
 

@@ -526,6 +526,7 @@ class DeviceCollectives:
         self.ranks = tuple(strategy.experimental_local_results(
             strategy.experimental_distribute_values_from_function(lambda context: context.replica_id_in_sync_group)))
         self.multi_process = self.parts > len(self.devices)
+        self._gathers: dict = {}  # (slice shape, dtype) -> every process's slices gathered (`gather_pieces`)
 
     def reduce_scatter(self, d, packed):
         return _compat.slice_of_sum(_compat.collective_launchers(self.strategy)[d], packed, self.ranks[d], self.stage)
@@ -536,9 +537,12 @@ class DeviceCollectives:
     def gather_pieces(self, pieces):
         if not self.multi_process:
             return tf.concat(pieces, axis=0)
-        mine = dict(zip(self.ranks, pieces))
-        return self.strategy.gather(self.strategy.experimental_distribute_values_from_function(
-            lambda context: mine[context.replica_id_in_sync_group]), axis=0)
+        # One traced gather per slice shape, reused: the strategy's own `gather` traces anew at every call, which
+        # made reading a many-variable model whole (get_weights, a checkpoint) take seconds.
+        key = (tuple(pieces[0].shape), pieces[0].dtype)
+        if key not in self._gathers:
+            self._gathers[key] = tf.function(lambda *local: [self.all_gather(d, p) for d, p in enumerate(local)][0])
+        return self._gathers[key](*pieces)
 
 
 def _build_noting_slots(copy, slices) -> list:
