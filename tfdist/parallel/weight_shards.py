@@ -20,6 +20,10 @@ are made and freed is the layers' business (`recompute`): at stage 3 each
 layer that owns split weights gathers them for its forward pass in the layers'
 order and again for its backward pass, instead of keeping them in between.
 
+Keras's gradient accumulator of a split weight (`gradient_accumulation_steps`)
+is split with it: a `ShardedWeight` that does not gather, each replica
+reading and adding to its own slice, and whole outside the step.
+
 Variables with fewer elements than `keep_whole_below` stay whole on every
 replica (DeepSpeed's `stage3_param_persistence_threshold`): biases and norms
 are cheap to keep and costly to gather one by one.
