@@ -447,19 +447,22 @@ def test_a_pipeline_or_tensor_parallel_config_passes_the_split_to_its_strategy(c
     assert make_strategy(config).shard_optimizer == 1
 
 
-@pytest.mark.parametrize("kind", ["mirrored", "multi_worker_mirrored", "horovod", "pipeline"])
+@pytest.mark.parametrize("kind", ["mirrored", "multi_worker_mirrored", "horovod", "pipeline", "tensor_parallel",
+                                  "layout"])
 def test_a_config_passes_the_weights_split_to_its_strategy(cpus, monkeypatch, kind):
     """`strategy.keep_whole_below` and `prefetch_weights` reach each kind's strategy (each strategy's
     constructor stands in, taking what the factory gives it)."""
     from tfdist.strategies import factory
 
     given = {}
-    for name in ("MirroredStrategy", "MultiWorkerMirroredStrategy", "HorovodStrategy", "PipelineStrategy"):
+    for name in ("MirroredStrategy", "MultiWorkerMirroredStrategy", "HorovodStrategy", "PipelineStrategy",
+                 "TensorParallelStrategy", "LayoutStrategy"):
         monkeypatch.setattr(factory, name, lambda *args, **kwargs: given.update(kwargs))
     monkeypatch.setattr(factory, "cluster_resolver", lambda config: _NoCluster())
-    config = load_config(None, [f"strategy.kind={kind}", "strategy.shard_optimizer=3", "strategy.keep_whole_below=10",
-                                "strategy.prefetch_weights=false", "runtime.intra_op_threads=0",
-                                "runtime.inter_op_threads=0"])
+    layout = ["layout.megatron=true"] if kind == "layout" else []
+    config = load_config(None, [f"strategy.kind={kind}", *layout, "strategy.shard_optimizer=3",
+                                "strategy.keep_whole_below=10", "strategy.prefetch_weights=false",
+                                "runtime.intra_op_threads=0", "runtime.inter_op_threads=0"])
     factory._builder(kind)(config, 0)
     assert (given["shard_optimizer"], given["keep_whole_below"], given["prefetch_weights"]) == (3, 10, False)
 
@@ -469,16 +472,15 @@ class _NoCluster:
         return type("Spec", (), {"jobs": []})()
 
 
-def test_a_model_split_over_its_groups_does_not_split_its_optimizer_yet(cpus):
+def test_a_placed_model_does_not_split_its_weights_yet(cpus):
     from tfdist import ConfigError, make_strategy
 
-    with pytest.raises(ValueError, match="`shard_optimizer` cannot split the optimizer of a model split over groups"):
-        TensorParallelStrategy(FOUR, group_size=2, shard_optimizer=1)
-    with pytest.raises(ValueError, match="`shard_optimizer` 3 .* does not apply to TensorParallelStrategy"):
+    with pytest.raises(ValueError, match="`shard_optimizer` 3 .* does not apply to a placed model"):
         TensorParallelStrategy(FOUR, group_size=2, placement={"second": "/cpu:1"}, shard_optimizer=3)
     config = load_config(os.path.join(ROOT, "configs/tensor_parallel.yaml"), [
-        "strategy.shard_optimizer=1", "runtime.intra_op_threads=0", "runtime.inter_op_threads=0"])
-    with pytest.raises(ConfigError, match="^`strategy.shard_optimizer` cannot split the optimizer of a model split"):
+        "strategy.shard_optimizer=3", "placement.layers=[classifier=/cpu:1]", "runtime.intra_op_threads=0",
+        "runtime.inter_op_threads=0"])
+    with pytest.raises(ConfigError, match="^`strategy.shard_optimizer` 3 .* does not apply to a placed model"):
         make_strategy(config)
 
 
@@ -503,13 +505,12 @@ def test_a_config_splits_the_state_and_trains_the_same_weights(tmp_path):
 
 @pytest.mark.parametrize("setting, message", [
     ("strategy.shard_optimizer=4", "`strategy.shard_optimizer` must be >= 0 and <= 3. Received: 4"),
-    ("strategy.shard_optimizer=3,strategy.kind=tensor_parallel",
-     "`strategy.shard_optimizer` 3 (the weights split) applies to strategy.kind mirrored, multi_worker_mirrored, "
-     "horovod and pipeline"),
+    ("strategy.kind=pipeline,strategy.tensor_parallel_size=2", "`strategy.shard_optimizer` cannot split the "
+                                                               "optimizer of a pipeline whose stages are split"),
     ("strategy.keep_whole_below=10", "`strategy.keep_whole_below` only applies with strategy.shard_optimizer: 3"),
     ("strategy.prefetch_weights=false", "`strategy.prefetch_weights` only applies with strategy.shard_optimizer: 3"),
     ("strategy.kind=one_device", "`strategy.shard_optimizer` only applies to strategy.kind=mirrored, "
-                                 "multi_worker_mirrored, pipeline, horovod or tensor_parallel"),
+                                 "multi_worker_mirrored, pipeline, horovod, tensor_parallel or layout"),
     ("strategy.kind=horovod,horovod.elastic=true", "`strategy.shard_optimizer` cannot split the optimizer of a "
                                                    "Horovod job with horovod.op adasum"),
 ])

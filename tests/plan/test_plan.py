@@ -139,6 +139,9 @@ JOBS = {
     "layout": ("configs/layout.yaml", [], Layout(1, tensor_parallel=2, mesh=True), ["CPU:0"]),
     "layout_data_axis": ("configs/layout.yaml", ["strategy.logical_devices=4", "layout.data_devices=2"],
                          Layout(2, tensor_parallel=2, mesh=True), ["CPU:0"]),
+    "layout_data_axis_zero_3": ("configs/layout.yaml", ["strategy.logical_devices=4", "layout.data_devices=2",
+                                                        "strategy.shard_optimizer=3", "strategy.keep_whole_below=0"],
+                                Layout(2, tensor_parallel=2, mesh=True, zero=3), ["CPU:0"]),
 }
 
 

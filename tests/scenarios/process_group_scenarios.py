@@ -4,8 +4,9 @@
 (the cluster from TF_CONFIG) or `horovod` (under horovodrun), or `one_device`
 for the reference; LAYOUT is `pipeline` (2 stages on this process's 2 logical
 CPUs), `pipeline_2x2` (2 replicas of 2 stages on 4), `pipeline_layout` (2
-stages split by a layout over 2 devices each, on 4), `tensor_parallel` (a
-group of 2) or `layout_gemma` (keras-hub's Gemma causal LM split by its own
+stages split by a layout over 2 devices each, on 4), `layout_split` (the
+pipeline's model split by those rules over 2, as a `LayoutStrategy`),
+`tensor_parallel` (a group of 2) or `layout_gemma` (keras-hub's Gemma causal LM split by its own
 layout map over 2, its ModelParallel made a strategy by `tfdist.strategy_from`,
 which also makes a Keras DataParallel one of the launcher's). Process 0 saves the trained
 weights (unsharded), the per-epoch loss, and the predictions and evaluation
@@ -36,7 +37,7 @@ import numpy as np  # noqa: E402
 from tfdist._compat import graph_functions  # noqa: E402
 from tfdist.layers import ColumnParallelDense, ParallelMLP, RowParallelDense  # noqa: E402
 from tfdist.parallel.layout import Layout  # noqa: E402
-from tfdist.strategies import PipelineStrategy, TensorParallelStrategy  # noqa: E402
+from tfdist.strategies import LayoutStrategy, PipelineStrategy, TensorParallelStrategy  # noqa: E402
 import tfdist  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -60,7 +61,7 @@ def model(layout):
                                                   num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
                                                   head_dim=8, dropout=0.0)
         return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    if layout.startswith("pipeline"):
+    if layout.startswith("pipeline") or layout == "layout_split":
         hidden = [keras.layers.Dense(16, activation="relu", name="hidden0"),
                   keras.layers.Dense(16, activation="relu", name="hidden1"),
                   keras.layers.Dense(16, activation="tanh", name="hidden2")]
@@ -80,9 +81,13 @@ def strategy_for(backend, layout, shard=0):
         mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
         layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
         return tfdist.strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
-    if layout == "pipeline_layout":  # each stage split over 2 devices: hidden0's columns, then hidden1's rows
-        rules = ((".*hidden0/kernel", (None, "model")), (".*hidden0/bias", ("model",)),
-                 (".*hidden1/kernel", ("model", None)))
+    # hidden0's columns, then hidden1's rows, over 2 devices
+    rules = ((".*hidden0/kernel", (None, "model")), (".*hidden0/bias", ("model",)),
+             (".*hidden1/kernel", ("model", None)))
+    if layout == "layout_split":  # the pipeline's model split by those rules over this process's 2 devices
+        return LayoutStrategy(Layout(model=2, rules=rules), ["/cpu:0", "/cpu:1"], data_parallel=backend,
+                              shard_optimizer=shard, keep_whole_below=64)
+    if layout == "pipeline_layout":  # each stage split over 2 devices
         return PipelineStrategy(num_stages=2, num_micro_batches=2, devices=[f"/cpu:{i}" for i in range(4)],
                                 boundaries=["hidden1"], verbose=False, data_parallel=backend,
                                 layout=Layout(model=2, rules=rules))
@@ -159,7 +164,7 @@ def split_state(strategy, trained, out):
                    "weights": bytes_by_device(trained.trainable_variables),
                    "report": shards.report() if shards else None,
                    "ranks": list(shards.collectives.ranks) if shards else []}, f)
-    if isinstance(strategy, PipelineStrategy):
+    if isinstance(strategy, (PipelineStrategy, LayoutStrategy)):
         strategy.save_model(trained, f"{out}.keras")
 
 
@@ -172,7 +177,7 @@ if __name__ == "__main__":
         results.update(keras_data_parallel())                # can abort its peers' collectives (TensorFlow's)
     if shard is not None and backend != "one_device":
         split_state(strategy, trained, out)
-    elif shard is not None and layout.startswith("pipeline"):  # the reference's optimizer state, to compare saved ones
+    elif shard is not None:  # the reference's optimizer state, to compare saved ones
         results["optimizer"] = np.concatenate([np.ravel(v.numpy()) for v in trained.optimizer.variables])
     if getattr(strategy, "is_chief", True):
         np.savez(out, *weights, **results, replicas=getattr(strategy, "num_replicas_in_sync", 1),

@@ -13,6 +13,7 @@ from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
 from tfdist.strategies.layout import LayoutStrategy
+from tfdist.strategies.tensor_parallel import TensorParallelStrategy
 
 X = np.random.default_rng(0).normal(size=(64, 6, 16)).astype("float32")
 Y = np.random.default_rng(1).integers(0, 5, size=(64,))
@@ -100,6 +101,52 @@ def test_adams_two_slots_are_split_beside_each_variable_and_training_follows_one
     for whole, got in zip(one.get_weights(), split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=2e-4)
     assert sum(is_split(v) for v in split.optimizer.variables) == 2 * 10
+
+
+def test_the_optimizer_state_and_weights_split_over_the_data_axis_train_as_unsplit(tmp_path):
+    """`shard_optimizer` on a 2 x 2 mesh (a LayoutStrategy's, and TensorParallelStrategy's split by Megatron's
+    split): each device splits its own shard (or whole variable) over the 2 rows.
+    Stages 2 and 3 train the unsplit layout's weights; each device holds half its slots, at stage 3 about half
+    its weights too (the attention's projections, recomputed inside their paired block), and a stage-3 Keras
+    file loads on one device with the same predictions."""
+    from tfdist.parallel.optimizer_shards import shards_of
+    from tfdist.parallel.weight_shards import is_sharded
+    from tfdist.strategies.replica_groups import bytes_by_device
+
+    # SGD: Adam would scale the rounding noise of the attention key bias's gradient (zero in exact arithmetic),
+    # which the split sums in another order, up to lr x 1e-2 (see the test above).
+    optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    whole, _ = _trained(LayoutStrategy(megatron_layout_map(2, data=2)), optimizer)
+    unsplit_slots = bytes_by_device([v for v in whole.optimizer.variables if len(v.shape)])
+    unsplit_weights = bytes_by_device(whole.trainable_variables)
+    for stage in (2, 3):
+        strategy = LayoutStrategy(megatron_layout_map(2, data=2), shard_optimizer=stage, keep_whole_below=64)
+        split, _ = _trained(strategy, optimizer)
+        for a, b in zip(whole.get_weights(), split.get_weights()):
+            np.testing.assert_allclose(b, a, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
+        shards = shards_of(split.optimizer)
+        slots = bytes_by_device([s for copy in shards.copies for s in copy.variables if len(s.shape)])
+        assert set(slots) == set(unsplit_slots) == {f"CPU:{i}" for i in range(4)}
+        for device, nbytes in slots.items():
+            assert nbytes <= 1.15 / 2 * unsplit_slots[device], (stage, device, slots, unsplit_slots)
+        if stage == 3:  # the split shards and the whole kernels of 64 elements and more: half on each device
+            assert [is_sharded(v) for v in split.trainable_variables] == [
+                int(np.prod(v.shape)) >= 64 for v in whole.trainable_variables]
+            # The layout's split stays (the attention's and the MLP's kernels and biases).
+            assert [is_split(v) for v in split.trainable_variables] == [is_split(v) for v in whole.trainable_variables]
+            assert sum(is_split(v) for v in split.trainable_variables) == 10
+            weights = bytes_by_device(split.trainable_variables)
+            for device, nbytes in weights.items():
+                assert nbytes <= 0.6 * unsplit_weights[device], (device, weights, unsplit_weights)
+            split.save(tmp_path / "stage3.keras")
+            loaded = keras.models.load_model(tmp_path / "stage3.keras")  # one device, whole
+            np.testing.assert_allclose(loaded.predict(X, verbose=0), whole.predict(X, verbose=0), atol=1e-5)
+    # Megatron's split found by TensorParallelStrategy over 2 groups of 2: the same mesh, split the same way.
+    tensor_parallel, _ = _trained(TensorParallelStrategy([f"/cpu:{i}" for i in range(4)], group_size=2,
+                                                         shard_optimizer=3, keep_whole_below=64), optimizer)
+    for a, b in zip(whole.get_weights(), tensor_parallel.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=0)
+    assert bytes_by_device(tensor_parallel.trainable_variables) == weights
 
 
 def test_ordinary_keras_training_on_a_2x2_mesh_follows_one_device(tmp_path):

@@ -94,6 +94,7 @@ def one_device_adam(tmp_path_factory):
 @pytest.mark.xdist_group("process_groups_one_device")
 @pytest.mark.parametrize("backend, layout, stage", [
     ("multi_worker", "pipeline", 2), ("multi_worker", "pipeline_2x2", 1), ("multi_worker", "pipeline_2x2", 3),
+    ("multi_worker", "layout_split", 3),
     pytest.param("horovod", "pipeline", 1, marks=pytest.mark.horovod),
     pytest.param("horovod", "pipeline", 3, marks=pytest.mark.horovod),
 ])
@@ -101,19 +102,22 @@ def test_an_optimizer_split_over_every_processs_replicas_trains_the_one_device_w
         tmp_path, one_device_adam, backend, layout, stage):
     """`shard_optimizer` with `data_parallel`: each replica of each process (1, or 2 of 2 stages each in
     `pipeline_2x2`) keeps the slots of its own slice of every variable, beside the variable (its
-    stage's device), and the job trains one device's weights; a pipeline's model saved by both processes
-    at once holds the state whole. At stage 3 each replica's copy of a kernel is its slice too, gathered
-    among the stage's devices of both processes."""
+    stage's device), and the job trains one device's weights; the model saved by both processes at once
+    holds the state whole. At stage 3 each replica's copy of a kernel is its slice too, gathered among the
+    stage's devices of both processes; split by a layout (`layout_split`), each device's own shard is split
+    between the processes."""
     out = tmp_path / "split"
     result = _run(backend, layout, f"{out}.npz", str(stage))
-    reference = one_device_adam[layout.removesuffix("_2x2")]  # 2 replicas a process: the same model
+    reference = one_device_adam["pipeline"]  # 2 replicas a process, or split by a layout: the same model
     replicas = 2 if layout.endswith("2x2") else 1
     for key in (k for k in reference.files if k.startswith("arr_")):
         np.testing.assert_allclose(result[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
     for index in range(2):
         held = json.loads((tmp_path / f"split-p{index}.json").read_text())
-        parts = 2 * replicas  # every replica of both processes
-        assert held["ranks"] == [index * replicas + r for r in range(replicas)], held
+        parts = 2 * replicas  # every replica of both processes (a layout's: every row of the mesh)
+        # A layout's 2 devices are one row, each splitting its own shard: both hold the process's slice.
+        ranks = [index] * 2 if layout == "layout_split" else [index * replicas + r for r in range(replicas)]
+        assert held["ranks"] == ranks, held
         assert held["report"]["devices"] == parts and held["report"]["stage"] == stage
         # Adam keeps two slots the size of each weight: unsplit, twice the weights' bytes on each device.
         assert set(held["slots"]) == set(held["weights"]) == {f"CPU:{i}" for i in range(2 * replicas)}, held
@@ -123,12 +127,11 @@ def test_an_optimizer_split_over_every_processs_replicas_trains_the_one_device_w
         if stage == 3:  # each replica: 1/parts of the split kernels, and the rest (15% of the model) whole
             for nbytes in report["weight_bytes_per_device"]:
                 assert nbytes <= (1 / parts + 0.15) * report["unsplit_weight_bytes"], report
-    if layout.startswith("pipeline"):
-        import keras
+    import keras
 
-        saved = keras.models.load_model(f"{out}.keras")  # one plain process reads the state whole
-        state = np.concatenate([np.ravel(v.numpy()) for v in saved.optimizer.variables])
-        np.testing.assert_allclose(state, reference["optimizer"], atol=1e-5, rtol=0)
+    saved = keras.models.load_model(f"{out}.keras")  # one plain process reads the state whole
+    state = np.concatenate([np.ravel(v.numpy()) for v in saved.optimizer.variables])
+    np.testing.assert_allclose(state, reference["optimizer"], atol=1e-5, rtol=0)
 
 
 def _workers(tmp_path, overrides_per_task, *common):

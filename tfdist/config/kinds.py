@@ -123,7 +123,7 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          options=("tensor_parallel_size", "data_parallel", "shard_optimizer"), sections=("placement",),
          splits_tensors=True),
     Kind("layout", "an unchanged model split by a layout's rules (Keras's distribution API)", ONE,
-         local_devices=True, options=("data_parallel",), sections=("layout",)),
+         local_devices=True, options=("data_parallel", "shard_optimizer"), sections=("layout",)),
 )}
 
 

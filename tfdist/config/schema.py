@@ -190,11 +190,12 @@ class StrategyConfig:
         device keeps 1/N of every variable of keep_whole_below elements or
         more, a layer's weights are all-gathered for its forward and backward
         passes, and the gradients reduce-scattered (stage 3: strategy.kind
-        mirrored, multi_worker_mirrored, horovod and pipeline, not with a
-        pipeline's tensor_parallel_size, in this version). 0 keeps a whole
-        copy on every device. For strategy.kind=mirrored,
-        multi_worker_mirrored, horovod, pipeline and tensor_parallel (over the
-        replicas of every process with data_parallel).
+        mirrored, multi_worker_mirrored, horovod, pipeline and layout, not
+        with a pipeline's tensor_parallel_size, in this version). Under a
+        layout, over the mesh's data axis: each device splits its own shard.
+        0 keeps a whole copy on every device. For strategy.kind=mirrored,
+        multi_worker_mirrored, horovod, pipeline, tensor_parallel and layout
+        (over the replicas of every process with data_parallel).
       keep_whole_below: with shard_optimizer 3, variables of fewer elements
         keep their weights whole on every device (their optimizer state is
         split as at stage 2): biases and norms cost little to keep and much to

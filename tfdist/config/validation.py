@@ -126,10 +126,10 @@ def _check_strategy(config: Config) -> None:
         if value != getattr(defaults, name) and not s.takes(name):
             raise ConfigError(f"strategy.{name}", f"only applies to {_taken_by(name)}{_ELSEWHERE.get(name, '')}; "
                               f"strategy.kind is {s.kind}.", getattr(value, "value", value))
-    if s.shard_optimizer == 3 and s.kind not in ("mirrored", "multi_worker_mirrored", "horovod", "pipeline"):
-        raise ConfigError("strategy.shard_optimizer", f"3 (the weights split) applies to strategy.kind mirrored, "
-                          f"multi_worker_mirrored, horovod and pipeline in this version; strategy.kind is {s.kind}.",
-                          s.shard_optimizer)
+    if s.shard_optimizer and s.kind == "pipeline" and s.tensor_parallel_size > 1:
+        raise ConfigError("strategy.shard_optimizer", "cannot split the optimizer of a pipeline whose stages are "
+                          f"split over strategy.tensor_parallel_size ({s.tensor_parallel_size}) devices in this "
+                          "version; use strategy.kind tensor_parallel or layout.", s.shard_optimizer)
     for name in ("keep_whole_below", "prefetch_weights"):
         value = getattr(s, name)
         if value != getattr(StrategyConfig(), name) and s.shard_optimizer != 3:
@@ -301,9 +301,9 @@ def check_tensor_parallel_devices(config: Config, devices: list[str]) -> None:
         if parse_device(device, f"placement.layers[{i}]") not in local:
             raise ConfigError(f"placement.layers[{i}]", f"must place on a device of the first group {first}.", device)
     placed = config.placement.layers or config.placement.balance_by_memory
-    if s.shard_optimizer and size > 1 and not placed:
-        raise ConfigError("strategy.shard_optimizer", f"cannot split the optimizer of a model split over groups of "
-                          f"{size} devices in this version; it splits a placed model's (placement.layers).",
+    if s.shard_optimizer == 3 and placed:
+        raise ConfigError("strategy.shard_optimizer", "3 (the weights split) does not apply to a placed model "
+                          "(placement) in this version; use 2, or split the model by strategy.tensor_parallel_size.",
                           s.shard_optimizer)
 
 

@@ -56,6 +56,14 @@ class MeshGroups:
         return cross_device_utils.CollectiveReplicaLauncher(
             keys.get_group_key(group), len(group), keys, device, collective_util.Options())
 
+    def row(self, r: int):
+        """The collective launcher of local replica r's row (None when the row is one device)."""
+        return self._rows[r]
+
+    def column(self, r: int):
+        """The collective launcher of local replica r's column (None when the column is one device)."""
+        return self._columns[r]
+
     def local_index(self) -> int:
         """The current replica's index among this process's (TensorFlow's counts every process's replicas)."""
         return replica_index() % len(self.devices)

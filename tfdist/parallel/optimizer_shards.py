@@ -303,12 +303,15 @@ class OptimizerShards:
         collectives, parts, copy = self.collectives, self.collectives.parts, self.copies[d]
         pieces = [piece for _, _, piece in triples]
         lengths = [piece.shape[0] for piece in pieces]
-        # A gradient that crossed processes may have lost its static shape: its variable's.
-        local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, g, d)), v.shape)
+        # A gradient that crossed processes may have lost its static shape: its variable's (over a mesh, the
+        # replica's own value's).
+        local_grads = [tf.ensure_shape(tf.convert_to_tensor(_local(distribution, g, d)), self._own_shape(v))
                        for g, v, _ in triples]
         if reduced:
             mine = [self._slice(g, rank, n) for g, n in zip(local_grads, lengths)]
         else:  # slice e of every gradient, e = 0..parts-1: replica e receives the sum of the e-th part
+            local_grads = [weight_shards.contribution(collectives, d, g, weight_shards.layout_axis(v))
+                           for g, (_, v, _) in zip(local_grads, triples)]
             packed = tf.concat([self._slice(g, e, n) for e in range(parts) for g, n in zip(local_grads, lengths)], 0)
             mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
         for (_, variable, piece), grad in zip(triples, mine):
@@ -360,7 +363,12 @@ class OptimizerShards:
         return [g / replicas if g is not None and not split[i] else g for i, g in enumerate(grads)]
 
     def _slice_length(self, variable) -> int:
-        return -(-math.prod(variable.shape) // self.collectives.parts)
+        return -(-math.prod(self._own_shape(variable)) // self.collectives.parts)
+
+    def _own_shape(self, variable) -> tf.TensorShape:
+        """A replica's own value's shape: over a mesh, a split variable's shard's."""
+        return weight_shards.own_shape(variable.shape, weight_shards.layout_axis(variable),
+                                       getattr(self.collectives, "model", 1))
 
     def _slice(self, tensor, d, length):
         """Slice d of `tensor` flattened, the last padded with zeros to `length`: only the slice is
@@ -371,8 +379,8 @@ class OptimizerShards:
     def report(self) -> dict:
         """How the slots are split: each device's slot bytes, and the unsplit optimizer's (each device's
         whole copy); at stage 3 the trainable weights' too."""
-        def nbytes(variable):
-            return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
+        def nbytes(variable):  # a replica's own
+            return math.prod(self._own_shape(variable)) * tf.as_dtype(variable.dtype).size
 
         report = {"stage": self.collectives.stage, "devices": self.collectives.parts,
                   "slot_bytes_per_device": [sum(nbytes(slot) for slot in copy.variables if len(slot.shape))
@@ -429,9 +437,11 @@ class WholeSlot(Trackable):
     def __init__(self, pieces, variable, collectives):
         self.pieces, self.collectives = pieces, collectives  # this process's pieces, one per device
         self.shape, self.dtype = tuple(variable.shape), pieces[0].dtype
+        self.split_axis = weight_shards.layout_axis(variable)  # a layout's split, over a mesh
 
     def read_value(self) -> tf.Tensor:
-        return weight_shards.joined([piece.value for piece in self.pieces], self.shape, self.collectives)
+        return weight_shards.joined([piece.value for piece in self.pieces], self.shape, self.collectives,
+                                    self.split_axis)
 
     def numpy(self):
         return self.read_value().numpy()
@@ -441,7 +451,7 @@ class WholeSlot(Trackable):
         if tuple(value.shape) != self.shape:
             raise ValueError(f"A slot of shape {self.shape} cannot take a value of shape {tuple(value.shape)}: "
                              "the saved optimizer was built for other variables.")
-        return tf.group(weight_shards.assign_slices(self.pieces, value, self.collectives))
+        return tf.group(weight_shards.assign_slices(self.pieces, value, self.collectives, self.split_axis))
 
     # How tf.train.Checkpoint saves and restores a trackable that is not a tf.Variable itself.
     def _serialize_to_tensors(self):

@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.parallel import weight_shards
+from tfdist.parallel import spmd, weight_shards
 
 __all__ = ["is_recomputed", "recompute", "recompute_again", "remat"]
 
@@ -149,6 +149,7 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
     split = weight_shards.split_weights_of(layer) if settings["in_order"] else []
     order, ahead = (_order() if settings["in_order"] else None), settings["ahead"]
     call_state = _compat.keras_call_state()  # the training flag and autocast dtype, for the second pass
+    block = spmd.block_state()  # and the layout's paired block the layer computes in (its shards kept)
 
     def call_on(tensors, slices):
         values = list(flat)
@@ -182,7 +183,7 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
             sources = [inputs[k] for k in differentiable] + pieces
             with tf.GradientTape() as tape:
                 tape.watch(sources + variables)
-                with keras.StatelessScope(state_mapping=before, initialize_variables=False), call_state():
+                with keras.StatelessScope(state_mapping=before, initialize_variables=False), call_state(), block():
                     again = call_on(inputs, pieces)
             grads = tape.gradient(tf.nest.flatten(again), sources + variables, output_gradients=list(upstream))
             by_tensor = dict(zip(differentiable, grads))

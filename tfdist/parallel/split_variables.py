@@ -93,12 +93,14 @@ def split(variable, axis: int, strategy: tf.distribute.Strategy, shards: int) ->
 
 
 def is_split(variable) -> bool:
-    return isinstance(getattr(variable, "value", None), SplitVariable)
+    """Whether a layout splits the Keras `variable` (held by a `SplitVariable`, or at ZeRO stage 3 by the
+    slices of one, `weight_shards.ShardedWeight`)."""
+    return split_axis(variable) is not None
 
 
 def split_axis(variable):
     """The axis a split variable is cut along, or None for a whole one."""
-    return variable.value.split_axis if is_split(variable) else None
+    return getattr(getattr(variable, "value", None), "split_axis", None)
 
 
 def shards(variable) -> list:

@@ -45,8 +45,8 @@ import tensorflow as tf
 
 from tfdist.contract import contract
 
-__all__ = ["SPLIT_LAYERS", "copy", "einsum_parts", "elementwise", "gather", "in_replica", "layer_equation", "reduce",
-           "scatter", "split_block_call", "split_call"]
+__all__ = ["SPLIT_LAYERS", "block_state", "copy", "einsum_parts", "elementwise", "gather", "in_replica",
+           "layer_equation", "reduce", "scatter", "split_block_call", "split_call"]
 
 
 class _Block(threading.local):
@@ -55,18 +55,32 @@ class _Block(threading.local):
 
     def __init__(self):
         self.made: Optional[dict] = None
+        self.divided: dict = {}  # (sublayer, attribute) -> its count while the block computes on its part
 
 
 _block = _Block()
 
 
 @contextlib.contextmanager
-def _paired_block():
-    outer, _block.made = _block.made, {}
+def _paired_block(divided: dict):
+    """Within: computing a paired block, its sublayers' `divided` attributes set to this replica's part."""
+    outer, counts = (_block.made, _block.divided), {key: getattr(*key) for key in divided}
+    _block.made, _block.divided = {}, divided
+    for (layer, name), count in divided.items():
+        setattr(layer, name, count)
     try:
         yield
     finally:
-        _block.made = outer
+        for (layer, name), count in counts.items():
+            setattr(layer, name, count)
+        _block.made, _block.divided = outer
+
+
+def block_state() -> Callable:
+    """A context manager factory that enters again the paired block this thread computes in now, if any: a
+    layer recomputed in the backward pass (`recompute`) runs outside its block, and must compute as inside."""
+    inside, divided = _block.made is not None, dict(_block.divided)
+    return (lambda: _paired_block(divided)) if inside else contextlib.nullcontext
 
 
 def _once_in_block(collective: Callable, x: tf.Tensor, *args) -> tf.Tensor:
@@ -315,14 +329,8 @@ def split_block_call(block: keras.layers.Layer, divided: Optional[dict] = None, 
     def call(*args, **kwargs):
         if not in_replica() or kwargs.get("return_attention_scores"):
             return own_call(*args, **kwargs)
-        counts = {(layer, name): getattr(layer, name) for layer, names in divided.items() for name in names}
-        with _paired_block():
-            for (layer, name), count in counts.items():
-                setattr(layer, name, count // model)
-            try:
-                return own_call(*args, **kwargs)
-            finally:
-                for (layer, name), count in counts.items():
-                    setattr(layer, name, count)
+        with _paired_block({(layer, name): getattr(layer, name) // model
+                            for layer, names in divided.items() for name in names}):
+            return own_call(*args, **kwargs)
 
     return call

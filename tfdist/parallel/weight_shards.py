@@ -32,6 +32,7 @@ are cheap to keep and costly to gather one by one.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Optional
 
@@ -41,8 +42,8 @@ from tfdist._compat.tf_distribute import distribute_lib, values
 
 from tfdist import _compat
 
-__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "gathered_once", "hold_in", "is_sharded", "joined",
-           "shard_weight", "split_weights_of"]
+__all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "contribution", "gathered_once", "hold_in",
+           "is_sharded", "joined", "layout_axis", "local_index", "own_shape", "shard_weight", "split_weights_of"]
 
 # DeepSpeed's default `stage3_param_persistence_threshold` (elements).
 KEEP_WHOLE_BELOW = 100_000
@@ -62,9 +63,13 @@ class ShardedWeight(values.MirroredVariable):
 
     gradient_reduced = True  # a replica's gradient of it is its slice's, summed over the replicas
 
-    def __init__(self, strategy, components, shape, collectives, gathers=True):
+    def __init__(self, strategy, components, shape, collectives, gathers=True, split_axis=None):
         super().__init__(strategy, components, aggregation=tf.VariableAggregation.NONE)
         self.whole_shape, self.collectives, self.gathers = tf.TensorShape(shape), collectives, gathers
+        # A variable a layout splits along `split_axis` over a mesh's model axis: each replica's own value, which
+        # its slices make, is its shard.
+        self.split_axis = split_axis
+        self.own_shape = own_shape(self.whole_shape, split_axis, getattr(collectives, "model", 1))
 
     # Where a read happens decides what it reads.
     def value(self):
@@ -87,7 +92,8 @@ class ShardedWeight(values.MirroredVariable):
         return np.asarray(self.numpy(), dtype=dtype)
 
     def _whole(self) -> tf.Tensor:
-        return joined([component.read_value() for component in self.values], self.whole_shape, self.collectives)
+        return joined([component.read_value() for component in self.values], self.whole_shape, self.collectives,
+                      self.split_axis)
 
     def _gathered(self) -> tf.Tensor:
         """This replica's read: gathered once in a layer's call (`gathered_once`), else at each read."""
@@ -109,15 +115,17 @@ class ShardedWeight(values.MirroredVariable):
         """The whole value from this replica's slice `local`: the slices all-gathered; the gradient,
         reduce-scattered into the slice's (weighted first by this replica's share of a short batch)."""
         collectives, d = self.collectives, self._local_index()
-        size, length = self.whole_shape.num_elements(), local.shape[0]
+        size, length = self.own_shape.num_elements(), local.shape[0]
 
         @tf.custom_gradient
         def gather(local):
-            whole = tf.reshape(collectives.all_gather(d, local)[:size], self.whole_shape)
+            whole = tf.reshape(collectives.all_gather(d, local)[:size], self.own_shape)
 
             def reduce_scatter(upstream, variables=None):
                 with tf.device(self.values[d].device):  # among the devices that hold the slices
-                    flat = tf.reshape(tf.convert_to_tensor(_compat.weighted_by_batch_share([upstream])[0]), [-1])
+                    upstream = contribution(collectives, d, _compat.weighted_by_batch_share([upstream])[0],
+                                            self.split_axis)
+                    flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
                     padded = tf.pad(flat, [[0, length * collectives.parts - size]])
                 mine = collectives.reduce_scatter(d, padded)
                 # Under a recomputing tape TensorFlow also counts the collectives' ordering tokens as variables.
@@ -128,7 +136,7 @@ class ShardedWeight(values.MirroredVariable):
             return gather(local)
 
     def _local_index(self) -> int:
-        return self.collectives.ranks.index(_compat.replica_index())
+        return local_index(self.collectives)
 
     def assign(self, value, use_locking=False, name=None, read_value=True):
         if _in_update():
@@ -138,7 +146,8 @@ class ShardedWeight(values.MirroredVariable):
         if _in_replica(self):
             raise ValueError(f"Variable {self.name!r} is split over the replicas (shard_optimizer 3): a replica "
                              "cannot assign its whole value. Assign it outside the step.")
-        assign_slices(self.values, tf.convert_to_tensor(value, self.dtype), self.collectives, use_locking=use_locking)
+        assign_slices(self.values, tf.convert_to_tensor(value, self.dtype), self.collectives, self.split_axis,
+                      use_locking=use_locking)
         return self._whole() if read_value else None
 
     def assign_add(self, delta, use_locking=False, name=None, read_value=True):
@@ -183,15 +192,44 @@ def shard_weight(variable, strategy, collectives, slices: list) -> None:
     """Makes the built Keras `variable` held as `slices` (this process's Keras variables, one per device
     of `collectives`, each as long as the whole's slice) filled with its value, in place."""
     with tf.init_scope():  # eager, also when called as a step is traced
-        assign_slices(slices, tf.convert_to_tensor(variable.numpy()), collectives)
+        assign_slices(slices, tf.convert_to_tensor(variable.numpy()), collectives, layout_axis(variable))
         hold_in(variable, strategy, collectives, slices)
 
 
 def hold_in(variable, strategy, collectives, slices: list, gathers=True) -> None:
     """Makes the Keras `variable` held by `slices` as they are (made again elsewhere, with their values);
     `gathers`: as `ShardedWeight`'s."""
-    _compat.replace_variable_value(
-        variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape, collectives, gathers))
+    _compat.replace_variable_value(variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape,
+                                                           collectives, gathers, layout_axis(variable)))
+
+
+def layout_axis(variable):
+    """The axis a layout splits `variable` along (a Keras or backend variable), or None."""
+    return getattr(_compat.backing_value(variable), "split_axis", None)
+
+
+def own_shape(shape, split_axis, model: int) -> tf.TensorShape:
+    """The shape of each replica's own value of a variable of `shape`: over a mesh's model axis of `model`
+    devices, its shard along `split_axis`; else the whole."""
+    shape = tf.TensorShape(shape)
+    if split_axis is None or model == 1:
+        return shape
+    dims = shape.as_list()
+    dims[split_axis] //= model
+    return tf.TensorShape(dims)
+
+
+def contribution(collectives, d, gradient, split_axis):
+    """What local replica d adds to its column's sum of a gradient: the gradient itself, or over a mesh what
+    the collectives say (`own_gradient`)."""
+    own = getattr(collectives, "own_gradient", None)
+    return gradient if own is None else own(d, gradient, split_axis)
+
+
+def local_index(collectives) -> int:
+    """The position, among `collectives.devices`, of the replica whose step is being traced."""
+    find = getattr(collectives, "local_index", None)
+    return find() if find is not None else collectives.ranks.index(_compat.replica_index())
 
 
 def is_sharded(variable) -> bool:
@@ -204,21 +242,28 @@ def split_weights_of(layer) -> list:
     return [_compat.backing_value(v) for v in _compat.own_trainable_variables(layer) if is_sharded(v)]
 
 
-def joined(values, shape, collectives) -> tf.Tensor:
+def joined(values, shape, collectives, split_axis=None) -> tf.Tensor:
     """The whole value of `shape` from this process's slices of it (`values`, one per device of `collectives`):
-    every process's slices gathered (a collective when there are several), the padding dropped."""
-    shape = tf.TensorShape(shape)
-    return tf.reshape(collectives.gather_pieces(list(values))[:shape.num_elements()], shape)
+    every process's slices gathered (a collective when there are several), the padding dropped. Over a mesh
+    (`collectives.model` devices a row) each column's slices make that column's own value: the shard of a
+    variable a layout splits along `split_axis`, joined along it; else the whole."""
+    shape, model = tf.TensorShape(shape), getattr(collectives, "model", 1)
+    if model == 1:
+        return tf.reshape(collectives.gather_pieces(list(values))[:shape.num_elements()], shape)
+    own = own_shape(shape, split_axis, model)
+    columns = [tf.reshape(column[:own.num_elements()], own) for column in collectives.gather_columns(list(values))]
+    return columns[0] if split_axis is None else tf.concat(columns, split_axis)
 
 
-def assign_slices(pieces, value: tf.Tensor, collectives, **assign_options) -> list:
-    """Cuts `value` flat, padded to a multiple of the slices, and assigns each of this process's `pieces`
-    (variables, one per device of `collectives`) the slice at its rank; returns the assignments."""
-    length = pieces[0].shape[0]
-    flat = tf.reshape(value, [-1])
-    flat = tf.pad(flat, [[0, length * collectives.parts - flat.shape[0]]])
-    return [piece.assign(flat[rank * length:(rank + 1) * length], **assign_options)
-            for rank, piece in zip(collectives.ranks, pieces)]
+def assign_slices(pieces, value: tf.Tensor, collectives, split_axis=None, **assign_options) -> list:
+    """Cuts each replica's own value of `value` (over a mesh, its shard along `split_axis`; else the whole)
+    flat, padded to a multiple of the slices, and assigns each of this process's `pieces` (variables, one
+    per device of `collectives`) the slice at its rank; returns the assignments."""
+    length, model = pieces[0].shape[0], getattr(collectives, "model", 1)
+    owns = tf.split(value, model, split_axis) if split_axis is not None and model > 1 else [value]
+    flats = [tf.pad(tf.reshape(own, [-1]), [[0, length * collectives.parts - math.prod(own.shape)]]) for own in owns]
+    return [piece.assign(flats[r % len(flats)][rank * length:(rank + 1) * length], **assign_options)
+            for r, (rank, piece) in enumerate(zip(collectives.ranks, pieces))]
 
 
 def _in_update() -> bool:

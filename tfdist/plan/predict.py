@@ -114,7 +114,9 @@ def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int, model_a
     if model_axis:
         dp = cluster.devices // model_axis
         fits = cluster.per_host % model_axis == 0 and global_batch % dp == 0
-        return [Layout(dp, tensor_parallel=model_axis, mesh=True)] if fits else []
+        zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+        return [Layout(dp, tensor_parallel=model_axis, mesh=True, zero=zero, remat=remat) for zero in zeros
+                for remat in (False, True)] if fits else []
     divisors = [k for k in range(1, cluster.per_host + 1) if cluster.per_host % k == 0]
     has_parallel_layers = any(layer.tensor_parallel for layer in model.layers)
     found = []
@@ -127,8 +129,9 @@ def layouts(model: ModelProfile, cluster: Cluster, *, global_batch: int, model_a
             dp = cluster.devices // (stages * tensor)
             if global_batch % dp:
                 continue
-            # ZeRO 3 splits the weights of a data-parallel job or pipeline (not yet a tensor group's).
-            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if tensor == 1 else (0, 1, 2)
+            # ZeRO splits the state (and weights) over the data-parallel replicas: of a pipeline, or of tensor-
+            # parallel groups, not yet of a pipeline whose stages are split.
+            zeros = (0,) if dp == 1 or stages > 1 and tensor > 1 else (0, 1, 2, 3)
             found += [Layout(dp, stages, tensor, zero, remat=remat) for zero in zeros for remat in (False, True)]
     if cluster.devices > 1 and global_batch % cluster.devices == 0:
         found.append(Layout(cluster.devices, parameter_server=True))

@@ -265,7 +265,9 @@ def _tensor_parallel(config: Config, gpus: int) -> TensorParallelStrategy:
                                       placement=placement_pairs(config),
                                       balance_by_memory=config.placement.balance_by_memory,
                                       data_parallel=_process_group(config),
-                                      shard_optimizer=config.strategy.shard_optimizer)
+                                      shard_optimizer=config.strategy.shard_optimizer,
+                                      keep_whole_below=config.strategy.keep_whole_below,
+                                      prefetch_weights=config.strategy.prefetch_weights)
 
 
 def _layout(config: Config, gpus: int) -> LayoutStrategy:
@@ -281,7 +283,10 @@ def _layout(config: Config, gpus: int) -> LayoutStrategy:
     layout, key = layout_of(config, devices)
     try:
         with _same_layout_in_every_process(config):
-            return LayoutStrategy(layout, devices, data_parallel=_process_group(config), config_key=key)
+            return LayoutStrategy(layout, devices, data_parallel=_process_group(config), config_key=key,
+                                  shard_optimizer=config.strategy.shard_optimizer,
+                                  keep_whole_below=config.strategy.keep_whole_below,
+                                  prefetch_weights=config.strategy.prefetch_weights)
     except LayoutError as error:
         raise ConfigError(key, str(error), settings.layout_map or "see above") from None
 

@@ -35,6 +35,7 @@ import tensorflow as tf
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.split_variables import is_split
+from tfdist.parallel.weight_shards import KEEP_WHOLE_BELOW
 from tfdist.strategies.data_parallel import MirroredStrategy
 from tfdist.strategies.devices import default_devices
 from tfdist.strategies.horovod import HorovodStrategy
@@ -57,6 +58,10 @@ class LayoutStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         processes; `local` or None: this process alone.
       config_key: the config key the layout came from (`layout.rules`): a layout that does not fit the
         model is then that key's ConfigError.
+      shard_optimizer: 1 splits the optimizer's state over the mesh's rows (the data axis, every process's):
+        each replica keeps the slots of its row's slice of its own shard of every variable (ZeRO stage 1), 2
+        also reduce-scatters the gradients, 3 splits the weights too (`MeshSlices`); 0 keeps them whole.
+      keep_whole_below, prefetch_weights: at stage 3, as for `MirroredStrategy`.
 
     Raises:
       LayoutError: other than one device per place of the mesh, or more devices than this process has.
@@ -66,14 +71,17 @@ class LayoutStrategy(SplitsByLayout, ReplicaGroupsStrategy):
     clips_after_all_reduce = False
 
     def __init__(self, layout, devices: Optional[Sequence[str]] = None, *, data_parallel=None,
-                 config_key: Optional[str] = None):
+                 config_key: Optional[str] = None, shard_optimizer: int = 0, keep_whole_below: int = KEEP_WHOLE_BELOW,
+                 prefetch_weights: bool = True):
         self.layout = layout if isinstance(layout, Layout) else Layout.from_keras(layout)
         size = self.layout.data * self.layout.model
         devices = list(devices or self.layout.devices or _first_devices(size))
         if len(devices) != size:
             mesh = f"{self.layout.data_axis!r}: {self.layout.data}, {self.layout.model_axis!r}: {self.layout.model}"
             raise LayoutError(f"The mesh ({mesh}) has {size} places, and {len(devices)} devices are given: {devices}.")
-        super().__init__([[device] for device in devices], processes=make_process_group(data_parallel))
+        super().__init__([[device] for device in devices], processes=make_process_group(data_parallel),
+                         shard_optimizer=shard_optimizer, keep_whole_below=keep_whole_below,
+                         prefetch_weights=prefetch_weights)
         self._start_splitting(self.layout, config_key)
         self._mesh_groups = MeshGroups(self, self.layout.model)
 

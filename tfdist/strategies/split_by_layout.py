@@ -40,7 +40,60 @@ from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import multi_step_function
 
-__all__ = ["SplitsByLayout"]
+__all__ = ["MeshSlices", "SplitsByLayout"]
+
+
+class MeshSlices:
+    """How the replicas of a data x model mesh share an optimizer state split over the data axis (ZeRO; at
+    stage 3 the weights too): the collectives `shard_optimizer_state` takes (see `DeviceCollectives`).
+
+    Each replica's own value of a variable (its shard, for one the layout splits; else the whole) is cut
+    into a slice per row of the mesh, every process's rows counted, and the replica at (row, m) holds its
+    row's slice. Slices are reduced and gathered within a column (the devices that hold the same shard),
+    then across the processes on that device. Before the reduction a replica's gradient of a split
+    variable counts once per device of its row (each computed on the row's examples, and Keras divided the
+    loss by every replica), and a whole variable's is summed over the row, as `reduce_gradients` does.
+    """
+
+    def __init__(self, strategy, stage: int):
+        self.strategy, self.stage, self.groups = strategy, stage, strategy.mesh_groups
+        self.model, self.processes = strategy.layout.model, strategy.processes
+        self.devices = tuple(strategy.extended.worker_devices)
+        self.rows = len(self.devices) // self.model  # this process's
+        processes, index = (self.processes.size, self.processes.index) if self.processes else (1, 0)
+        self.parts, self.multi_process = self.rows * processes, processes > 1
+        self.ranks = tuple(index * self.rows + r // self.model for r in range(len(self.devices)))
+
+    def local_index(self) -> int:
+        return self.groups.local_index()
+
+    def own_gradient(self, d, gradient, split_axis):
+        if split_axis is not None:
+            return gradient * self.model
+        row = self.groups.row(d)
+        return gradient if row is None else row.all_reduce(gradient)
+
+    def reduce_scatter(self, d, packed):
+        ours = packed if self.processes is None else self.processes.reduce_scatter(packed, self.devices[d],
+                                                                                   self.stage)
+        column = self.groups.column(d)
+        return ours if column is None else _compat.slice_of_sum(column, ours, d // self.model, self.stage)
+
+    def all_gather(self, d, piece):
+        column = self.groups.column(d)
+        if column is not None:
+            piece = _compat.all_gather(column, piece)
+        return piece if self.processes is None else self.processes.all_gather(piece, self.devices[d])
+
+    def gather_columns(self, pieces) -> list:
+        """Per column of the mesh, its replicas' pieces of every process in slice order (eagerly, on every
+        process at once when they are several: each column's own value of a saved variable)."""
+        columns = []
+        for m in range(self.model):
+            with tf.device(self.devices[m]):
+                ours = tf.concat([tf.convert_to_tensor(pieces[d * self.model + m]) for d in range(self.rows)], 0)
+            columns.append(ours if self.processes is None else self.processes.all_gather(ours, self.devices[m]))
+        return columns
 
 
 class SplitsByLayout:
@@ -89,6 +142,10 @@ class SplitsByLayout:
         return tf.data.Dataset.range(self.layout.data * model).map(row_share)
 
     # --- The contract ----------------------------------------------------------------------------
+    def slice_collectives(self):
+        """How the replicas share a split optimizer state: over a layout, within the mesh's columns."""
+        return super().slice_collectives() if self.layout is None else MeshSlices(self, self.shard_optimizer)
+
     def after_compile(self, model: keras.Model) -> None:
         if self.layout is None:
             return super().after_compile(model)
@@ -96,8 +153,12 @@ class SplitsByLayout:
         if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
             raise ValueError(f"{type(self).__name__}: clipnorm and global_clipnorm would clip a split variable's "
                              "shard by its own norm in this version; use clipvalue, or no clipping.")
+        if self.shard_optimizer == 3 and getattr(optimizer, "clipvalue", None):
+            raise ValueError(f"{type(self).__name__}: clipvalue would clip each replica's part of a gradient with "
+                             "the weights split (shard_optimizer 3) in this version; use stage 2, or no clipping.")
         if optimizer in self._split_optimizers:  # compiled again with the same optimizer
             return
+        super().after_compile(model)  # the optimizer's state split (`shard_optimizer`), before its build is wrapped
         build = optimizer.build
 
         def build_split(variables):  # the model is built by now

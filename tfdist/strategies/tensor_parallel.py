@@ -39,6 +39,7 @@ from tfdist.parallel.device_group import split_into_groups
 from tfdist.parallel.layout import Layout
 from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.placement import balance_by_memory, device_for_scope, place_computation, unknown_layers
+from tfdist.parallel.weight_shards import KEEP_WHOLE_BELOW
 from tfdist.strategies.devices import default_devices, split_cpu
 from tfdist.strategies.replica_groups import ReplicaGroupsStrategy, make_process_group
 from tfdist.strategies.split_by_layout import SplitsByLayout
@@ -63,15 +64,18 @@ class TensorParallelStrategy(SplitsByLayout, ReplicaGroupsStrategy):
       data_parallel: `local`, `multi_worker`, `horovod` or a strategy for
         them: train the groups of every process of a multi-process job data
         parallel (see `PipelineStrategy`).
-      shard_optimizer: with placement, 1 splits the optimizer's state over
-        the groups (ZeRO stage 1), each slice beside its variable, over the
-        groups of every process with `data_parallel`; 2 also reduce-scatters
-        the gradients (stage 2). Not with a split model, nor 3, in this version.
+      shard_optimizer: 1 splits the optimizer's state over the groups (ZeRO
+        stage 1), over the groups of every process with `data_parallel`: a
+        placed model's each slice beside its variable, a split model's each
+        device's own shard (the mesh's data axis); 2 also reduce-scatters the
+        gradients; 3 splits the weights too (not a placed model's in this
+        version).
+      keep_whole_below, prefetch_weights: at stage 3, as for `MirroredStrategy`.
 
     Raises:
       ValueError: a device that does not exist or is named twice, a group size
         that does not divide the device count, a placement device outside
-        the first group, or `shard_optimizer` with a split model.
+        the first group, or `shard_optimizer` 3 with a placed model.
     """
 
     def __init__(
@@ -83,6 +87,8 @@ class TensorParallelStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         balance_by_memory: bool = False,
         data_parallel: Union[str, tf.distribute.Strategy] = "local",
         shard_optimizer: int = 0,
+        keep_whole_below: int = KEEP_WHOLE_BELOW,
+        prefetch_weights: bool = True,
     ):
         if devices is None:
             split_cpu(group_size or 1)
@@ -95,14 +101,12 @@ class TensorParallelStrategy(SplitsByLayout, ReplicaGroupsStrategy):
             )
         self.groups = split_into_groups(devices, size)
         splits = size > 1 and not placement and not balance_by_memory
-        if splits and shard_optimizer:
-            raise ValueError("`shard_optimizer` cannot split the optimizer of a model split over groups of "
-                             f"{size} devices in this version; it splits a placed model's, or give group_size=1.")
-        if shard_optimizer == 3:  # a placed layer's gradient op would read a split weight whole
-            raise ValueError("`shard_optimizer` 3 (the weights split) does not apply to TensorParallelStrategy in "
-                             "this version; use 2, or a PipelineStrategy. Received: 3")
+        if shard_optimizer == 3 and not splits:  # a placed layer's gradient op would read a split weight whole
+            raise ValueError("`shard_optimizer` 3 (the weights split) does not apply to a placed model in this "
+                             "version; use 2, or split the model (no placement). Received: 3")
         replicas = [[device] for device in devices] if splits else [group.devices for group in self.groups]
-        super().__init__(replicas, processes=processes, shard_optimizer=shard_optimizer)
+        super().__init__(replicas, processes=processes, shard_optimizer=shard_optimizer,
+                         keep_whole_below=keep_whole_below, prefetch_weights=prefetch_weights)
         if splits:  # each group a row of the mesh, the groups its data axis
             self._start_splitting(Layout(model=size, data=len(self.groups), megatron=True),
                                   config_key="strategy.tensor_parallel_size")
