@@ -20,6 +20,11 @@ are made and freed is the layers' business (`recompute`): at stage 3 each
 layer that owns split weights gathers them for its forward pass in the layers'
 order and again for its backward pass, instead of keeping them in between.
 
+Over a data x model mesh (a layout, `MeshSlices`) the slices are of each
+replica's own value, its shard of a variable the layout splits: the replicas
+of a column (those holding the same shard) share them, and a read in a
+replica gathers the shard the layout computes with.
+
 Keras's gradient accumulator of a split weight (`gradient_accumulation_steps`)
 is split with it: a `ShardedWeight` that does not gather, each replica
 reading and adding to its own slice, and whole outside the step.
@@ -59,6 +64,8 @@ class ShardedWeight(values.MirroredVariable):
       collectives: how the replicas gather and reduce-scatter the slices (`DeviceCollectives` or Horovod's).
       gathers: False for state that is split as the weights are (a gradient accumulator): a replica reads and
         writes its own slice.
+      split_axis: over a data x model mesh, the axis a layout splits the variable along: a replica's own
+        value, which its column's slices make, is its shard (None: the whole).
     """
 
     gradient_reduced = True  # a replica's gradient of it is its slice's, summed over the replicas
