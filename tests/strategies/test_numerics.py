@@ -106,7 +106,7 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
 
 @pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas",
                                   "mirrored_shard_optimizer_1", "mirrored_4_replicas_shard_optimizer_2",
-                                  "mirrored_4_replicas_shard_optimizer_3", "pipeline_2_replicas_shard_optimizer_3"])
+                                  "pipeline_2_replicas_shard_optimizer_3"])
 def test_gradient_accumulation_matches_one_device(kind):
     """Keras accumulates gradients under a conditional whose branches enter the cross-replica context, which fails
     under every TensorFlow strategy at the first step (keras-team/keras#20582); tfdist's kinds accumulate as one
@@ -125,9 +125,8 @@ def test_gradient_accumulation_matches_one_device(kind):
         "mirrored_shard_optimizer_1": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=1),
         "mirrored_4_replicas_shard_optimizer_2": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)],
                                                                           shard_optimizer=2),
-        # The weights split too, and their accumulators with them (the kernels and the first bias).
-        "mirrored_4_replicas_shard_optimizer_3": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)],
-                                                                          shard_optimizer=3, keep_whole_below=16),
+        # The weights split too, and their accumulators with them (the kernels and the first bias); mirrored at
+        # stage 3 in test_optimizer_shards.
         "pipeline_2_replicas_shard_optimizer_3": lambda: PipelineStrategy(2, 2, devices=[f"/cpu:{i}" for i in range(4)],
                                                                           verbose=False, shard_optimizer=3,
                                                                           keep_whole_below=16),
