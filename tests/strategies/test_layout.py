@@ -119,28 +119,28 @@ def test_the_optimizer_state_and_weights_split_over_the_data_axis_train_as_unspl
     whole, _ = _trained(LayoutStrategy(megatron_layout_map(2, data=2)), optimizer)
     unsplit_slots = bytes_by_device([v for v in whole.optimizer.variables if len(v.shape)])
     unsplit_weights = bytes_by_device(whole.trainable_variables)
-    for stage in (3,):  # stage 3 splits the small variables' state as stage 2 does
-        strategy = LayoutStrategy(megatron_layout_map(2, data=2), shard_optimizer=stage, keep_whole_below=64)
-        split, _ = _trained(strategy, optimizer)
-        for a, b in zip(whole.get_weights(), split.get_weights()):
-            np.testing.assert_allclose(b, a, atol=1e-6, rtol=0, err_msg=f"stage {stage}")
-        shards = shards_of(split.optimizer)
-        slots = bytes_by_device([s for copy in shards.copies for s in copy.variables if len(s.shape)])
-        assert set(slots) == set(unsplit_slots) == {f"CPU:{i}" for i in range(4)}
-        for device, nbytes in slots.items():
-            assert nbytes <= 1.15 / 2 * unsplit_slots[device], (stage, device, slots, unsplit_slots)
-        if stage == 3:  # the split shards and the whole kernels of 64 elements and more: half on each device
-            assert [is_sharded(v) for v in split.trainable_variables] == [
-                int(np.prod(v.shape)) >= 64 for v in whole.trainable_variables]
-            # The layout's split stays (the attention's and the MLP's kernels and biases).
-            assert [is_split(v) for v in split.trainable_variables] == [is_split(v) for v in whole.trainable_variables]
-            assert sum(is_split(v) for v in split.trainable_variables) == 10
-            weights = bytes_by_device(split.trainable_variables)
-            for device, nbytes in weights.items():
-                assert nbytes <= 0.6 * unsplit_weights[device], (device, weights, unsplit_weights)
-            split.save(tmp_path / "stage3.keras")
-            loaded = keras.models.load_model(tmp_path / "stage3.keras")  # one device, whole
-            np.testing.assert_allclose(loaded.predict(X, verbose=0), whole.predict(X, verbose=0), atol=1e-5)
+    # Stage 3 splits the state of the variables it keeps whole (under 64 elements) as stage 2 does.
+    split, _ = _trained(LayoutStrategy(megatron_layout_map(2, data=2), shard_optimizer=3, keep_whole_below=64),
+                        optimizer)
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=0)
+    shards = shards_of(split.optimizer)
+    slots = bytes_by_device([s for copy in shards.copies for s in copy.variables if len(s.shape)])
+    assert set(slots) == set(unsplit_slots) == {f"CPU:{i}" for i in range(4)}
+    for device, nbytes in slots.items():
+        assert nbytes <= 1.15 / 2 * unsplit_slots[device], (device, slots, unsplit_slots)
+    # The kernels of 64 elements and more split: about half the weights on each device.
+    assert [is_sharded(v) for v in split.trainable_variables] == [
+        int(np.prod(v.shape)) >= 64 for v in whole.trainable_variables]
+    # The layout's split stays (the attention's and the MLP's kernels and biases).
+    assert [is_split(v) for v in split.trainable_variables] == [is_split(v) for v in whole.trainable_variables]
+    assert sum(is_split(v) for v in split.trainable_variables) == 10
+    weights = bytes_by_device(split.trainable_variables)
+    for device, nbytes in weights.items():
+        assert nbytes <= 0.6 * unsplit_weights[device], (device, weights, unsplit_weights)
+    split.save(tmp_path / "stage3.keras")
+    loaded = keras.models.load_model(tmp_path / "stage3.keras")  # one device, whole
+    np.testing.assert_allclose(loaded.predict(X, verbose=0), whole.predict(X, verbose=0), atol=1e-5)
     # Megatron's split found by TensorParallelStrategy over 2 groups of 2: the same mesh, split the same way.
     tensor_parallel, _ = _trained(TensorParallelStrategy([f"/cpu:{i}" for i in range(4)], group_size=2,
                                                          shard_optimizer=3, keep_whole_below=64), optimizer)
