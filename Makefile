@@ -47,6 +47,8 @@ demo: setup
 # `bazel test //...` runs the unit-test files of tests/BUILD; pytest runs the rest, so no test runs twice.
 BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
 
+# Every time limit of the suite is set for the slowest machine kind CI uses and scaled by this machine's slowness
+# against it, measured once here (tests/machine_speed.py) and inherited by pytest, Bazel's tests and their jobs.
 # Bazel's unit tests run beside pytest at the lowest CPU priority: they take the cycles pytest's
 # multi-process tests leave idle while their processes start and wait on each other, so they add
 # little to the wall time and nothing to pytest's timings. Starved that way a unit test can take
@@ -64,8 +66,11 @@ test: setup
 	$(MAKE) site
 	@rm -rf $(RESULTS) && mkdir -p $(RESULTS) && touch $(RESULTS)/pacct; \
 	accton $(abspath $(RESULTS))/pacct >/dev/null 2>&1 || true; \
+	export TFDIST_TEST_SLOWNESS=$$(python tests/machine_speed.py); \
+	echo "Time limits x$$TFDIST_TEST_SLOWNESS (this machine's slowness, tests/machine_speed.py)"; \
 	start=$$(date +%s); \
-	( nice -n 19 bazel --batch test --test_timeout=3600 --jobs=3 --local_test_jobs=3 //... > $(BAZEL_LOG) 2>&1; status=$$?; \
+	( nice -n 19 bazel --batch test --test_timeout=3600 --test_env=TFDIST_TEST_SLOWNESS --jobs=3 \
+	      --local_test_jobs=3 //... > $(BAZEL_LOG) 2>&1; status=$$?; \
 	  echo $$(( $$(date +%s) - start )) > $(RESULTS)/bazel_seconds; exit $$status ) & bazel_pid=$$!; \
 	trap 'kill $$bazel_pid 2>/dev/null; accton off >/dev/null 2>&1' INT TERM; \
 	export TFDIST_TEST_ZYGOTE_REFUSALS=$(abspath $(RESULTS))/zygote-refusals.jsonl; \

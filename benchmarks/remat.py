@@ -16,9 +16,10 @@ batch, as it is (`kept`) and with `tfdist.remat(model, "full")` (`remat`):
 Figures, per model: `kept_bytes` (the activation bytes a step's backward
 pass reads of its forward tensors, the planner's probe,
 `tfdist.plan.profile.kept_bytes`) and `kept_share` = remat / kept;
-`peak_bytes` (TensorFlow's CPU allocator, the peak of a few steps over what
-was in use before the model was built; it counts allocations of 256 KB and
-more) and `peak_share`; `time_ratio` = remat / kept step time (alternated
+`peak_bytes` (TensorFlow's CPU allocator, its BFC kind on every machine
+(`tfdist.bench.allocator`, named in the JSON's `memory_measured_by`): the peak of a few steps over what
+was in use before the model was built, every allocation rounded up to the
+allocator's bins) and `peak_share`; `time_ratio` = remat / kept step time (alternated
 rounds, medians); `max_abs_diff`, the weights after 10 steps from the same
 start, remat against kept (target 1e-6). The anchors: Chen et al. 2016 cut
 memory 7x for 30% more time, and a full recompute costs about one forward
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from tfdist.bench import allocator
 from tfdist.callbacks.throughput import fit_round
 from tfdist.timing import alternate, medians
 
@@ -48,6 +50,7 @@ TARGET_DIFF = 1e-6
 def measure(*, repeats: int = 5, steps_per_round: int = 3, scale: float = 1.0) -> dict[str, Any]:
     """Times and measures both variants of both models in this process (call before TensorFlow has started).
     `scale` < 1 shrinks the sequences (a test's run)."""
+    allocator.count_allocations()
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -93,12 +96,12 @@ def measure(*, repeats: int = 5, steps_per_round: int = 3, scale: float = 1.0) -
         batch = len(data[name][1])
         for variant in ("kept", "remat"):
             gc.collect()
-            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            before = allocator.current_bytes()
             model, chosen = build(name, variant)
             probe = kept_bytes(model, specs[name])
-            tf.config.experimental.reset_memory_stats("CPU:0")
+            allocator.reset_peak()
             model.fit(dataset, epochs=1, steps_per_epoch=STEPS_COMPARED, verbose=0)
-            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+            peak = allocator.peak_bytes() - before
             results[f"{name}_{variant}"] = {"kept_bytes": probe, "peak_bytes": peak, "recomputed_layers": chosen,
                                             "weights": model.get_weights()}
             rounds[f"{name}_{variant}"] = fit_round(model, dataset, batch=batch, steps=steps_per_round)
@@ -121,5 +124,6 @@ def measure(*, repeats: int = 5, steps_per_round: int = 3, scale: float = 1.0) -
         "variants": results,  # each one's weights compared above, and left out
         "speed": {"steps_per_round": steps_per_round, "repeats": repeats, "step_time_ms": step_ms, "samples": samples},
         "anchors": {"chen_2016_memory_cut": 7.0, "chen_2016_time_ratio": 1.3, "one_forward_pass_time_ratio": 1.33},
+        "memory_measured_by": allocator.describe(),
         "figures": figures,
     }

@@ -16,7 +16,8 @@ all-reduced, each device keeping its slice of the sum), `stage_2`
   the sum of what an all-to-all brought: the reduce-scatter's output).
   `slot_bytes_share_N` and `gradient_bytes_share_N` = the fullest device's
   bytes split / unsplit, per stage; the target is at most 1.15/N. At stage 3
-  also the weight bytes by device, and what TensorFlow's allocator measured:
+  also the weight bytes by device, and what TensorFlow's allocator measured (its BFC
+  kind on every machine, `tfdist.bench.allocator`, named in `memory_measured_by`):
   the peak of a few training steps over the memory in use before the model
   was built, per device (the devices share one process's allocator: divided
   by N). `state_bytes_per_device` counts weights, gradients and Adam's slots
@@ -46,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from tfdist import _compat
+from tfdist.bench import allocator
 from tfdist.callbacks.throughput import fit_round
 from tfdist.timing import alternate, medians
 
@@ -62,6 +64,7 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
             keep_whole_below: int = 10_000) -> dict[str, Any]:
     """Builds and times the four layouts in this process (call before TensorFlow has started).
     `keep_whole_below`: stage 3's threshold (the default splits the kernels, keeps the biases whole)."""
+    allocator.count_allocations()
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -99,11 +102,11 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
         """The model, and the peak bytes a few of its training steps took per device over what was in use
         before it was built (the devices share one allocator)."""
         gc.collect()
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        before = allocator.current_bytes()
         model = build(devices, stage)
-        tf.config.experimental.reset_memory_stats("CPU:0")
+        allocator.reset_peak()
         model.fit(dataset, epochs=1, steps_per_epoch=3, verbose=0)
-        return model, (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / devices
+        return model, (allocator.peak_bytes() - before) / devices
 
     memory, gradients, wire, peaks, weights = {}, {}, {}, {}, {}
     figures: dict[str, Any] = {}
@@ -157,6 +160,7 @@ def measure(*, repeats: int = 5, width: int = 1024, batch: int = 256, steps_per_
         "speed": {"devices": DEVICE_COUNTS[0], "global_batch_size": batch, "steps_per_round": steps_per_round,
                   "repeats": repeats, "step_time_ms": step_ms,
                   "samples_per_sec": {k: 1000 * batch / v for k, v in step_ms.items()}, "samples": samples},
+        "memory_measured_by": allocator.describe(),
         "figures": figures,
     }
 

@@ -15,11 +15,35 @@ os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
 # A process that crashes (a segfault in a native library) prints every thread's Python stack,
 # so the test's output says where.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# TensorFlow's CPU kernels without oneDNN (Eigen's), in every process of the suite, whatever the CPU: TensorFlow
+# turns oneDNN on by itself only on CPUs with AVX-512 or AMX, and the kernels round differently, so the suite
+# asserts what holds on every machine kind CI uses (an AVX2 CPU runs these anyway). `TF_ENABLE_ONEDNN_OPTS=1
+# make test` runs it with oneDNN; the tests that measure with oneDNN's allocator set it for their processes.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 LOGICAL_CPUS = 4
 # The scripts tests run as processes, importable by name (a test may share their code).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios"))
 import zygote  # noqa: E402,F401  (names the test zygote's socket in the environment every process inherits)
+from machine_speed import slowness  # noqa: E402
+
+
+def pytest_configure(config):
+    """Measures the machine's slowness once, before pytest-xdist starts its workers (they inherit it)."""
+    del config
+    slowness()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's time limit, its `timeout` mark's or the configured default, is set for the slowest
+    machine kind CI uses: scaled here by this machine's slowness against it (`helpers.patient`)."""
+    from helpers import patient
+
+    default = float(config.getini("timeout"))
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = (marker.args[0] if marker.args else marker.kwargs["timeout"]) if marker else default
+        item.add_marker(pytest.mark.timeout(patient(seconds)), append=False)
 
 
 def pytest_runtest_setup(item):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from machine_speed import slowness
 import zygote
 from tfdist.cluster.loopback import free_loopback_ports as free_ports  # noqa: F401
 from tfdist.launch.process_tree import descendants
@@ -62,7 +63,7 @@ def horovodrun(command, np=2, timeout=240, env=None, controller="--gloo"):
     test zygote where it can be."""
     return zygote.run(
         [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", controller, *command],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True, text=True, timeout=patient(timeout), cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
 
@@ -87,11 +88,12 @@ def tfdist_command(*args):
 
 
 def patient(seconds):
-    """A subprocess's timeout: `seconds`, or under Bazel its test's own timeout if longer. `make test`
+    """A time limit of the suite: `seconds` on the slowest machine kind CI uses, scaled by this machine's
+    slowness against it (`machine_speed`), or under Bazel its test's own timeout if longer. `make test`
     runs Bazel beside pytest at the lowest CPU priority, where a process can take ten times its own
     time (in CI the activation scenario, 28 s alone, passed 300 s), and Bazel's --test_timeout ends
     a test that hangs."""
-    return max(seconds, int(os.environ.get("TEST_TIMEOUT", "0")))
+    return max(int(seconds * slowness()), int(os.environ.get("TEST_TIMEOUT", "0")))
 
 
 def run_tfdist(*args, timeout=120, env=None):
@@ -139,7 +141,7 @@ def launch_output(proc, timeout=240):
     else:
         out = proc.stdout.read()
     err = proc.stderr.read()
-    proc.wait(timeout=timeout)
+    proc.wait(timeout=patient(timeout))
     return out, err
 
 
@@ -181,7 +183,7 @@ def measure_in_fresh_process(module, kwargs, timeout=600):
     fix its thread pools first), forked from the test zygote. `kwargs` is Python source, e.g. "dict(repeats=1)"."""
     script = f"import json; from {module} import measure; print(json.dumps(measure(**{kwargs})))"
     proc = zygote.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=patient(timeout), cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert proc.returncode == 0, why_it_failed(proc.stderr)

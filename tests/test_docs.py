@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, doc_blocks, doc_pages, why_it_failed
+from helpers import HOROVODRUN, ROOT, doc_blocks, doc_pages, patient, why_it_failed
 import zygote
 
 README_LAYERS = (
@@ -66,7 +66,7 @@ def _run(block: str, tmp_path, env=None) -> subprocess.CompletedProcess:
         command = [HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "1", "--network-interface", "lo",
                    "--host-discovery-script", str(discover), *command]
     return zygote.run(
-        command, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        command, capture_output=True, text=True, timeout=patient(400), cwd=tmp_path,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
 

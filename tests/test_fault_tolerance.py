@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, task_pid, tfdist_command, why_it_failed
+from helpers import ROOT, patient, task_pid, tfdist_command, why_it_failed
 import zygote
 from tfdist.callbacks import EXIT_PREEMPTED
 from tfdist.checkpoint_store import CheckpointStore
@@ -36,6 +36,7 @@ def _digest(metrics):
 
 
 def _wait_for_checkpoint_after(store, step, process, timeout=120):
+    timeout = patient(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         steps = store.steps()
@@ -54,7 +55,7 @@ uninterrupted_once = pytest.mark.xdist_group("uninterrupted_job")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
     process = _start(tmp / "ckpt", tmp / "metrics.json", "checkpoint.every_steps=1")
-    _, err = process.communicate(timeout=300)
+    _, err = process.communicate(timeout=patient(300))
     assert process.returncode == 0, err[-3000:]
     return _digest(tmp / "metrics.json")[0]
 
@@ -73,14 +74,14 @@ def test_twenty_sigkills_at_random_moments_lose_nothing(tmp_path, uninterrupted)
         assert min(s for s in steps if s > newest) == newest + 1, "the restart did not resume from the newest checkpoint"
         time.sleep(rng.uniform(0, 0.3))  # saves every step: many kills land during one
         zygote.send_signal(process, signal.SIGKILL)  # the training process itself, forked or not
-        process.wait(timeout=30)
+        process.wait(timeout=patient(30))
         kills += 1
         during_save += any(name.startswith(".tmp-") for name in os.listdir(store.directory))
         newest = store.steps()[0]
         files = os.listdir(store.path(newest))
         assert "meta.json" in files and "state.index" in files, files  # complete, or not there at all
     process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=1", log=log)
-    assert process.wait(timeout=300) == 0
+    assert process.wait(timeout=patient(300)) == 0
     log.close()
     digest, resumed_from = _digest(tmp_path / "metrics.json")
     assert resumed_from == newest and digest == uninterrupted
@@ -97,7 +98,7 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
     _wait_for_checkpoint_after(store, 0, process)  # step 20: training is under way
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
-    _, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=patient(60))
     assert process.returncode == EXIT_PREEMPTED and time.monotonic() - sent < 20
     stopped_at = store.steps()[0]
     assert stopped_at > 20
@@ -105,7 +106,7 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
         f"tfdist: preempted (SIGTERM): saved the checkpoint of step {stopped_at} in {store.directory}; "
         f"exiting {EXIT_PREEMPTED} so that the job is run again, and it resumes there")
     process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=20")
-    _, err = process.communicate(timeout=300)
+    _, err = process.communicate(timeout=patient(300))
     assert process.returncode == 0, err[-3000:]
     assert _digest(tmp_path / "metrics.json") == (uninterrupted, stopped_at)
 
@@ -120,7 +121,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_resumes_exactly(tmp
     try:
         store = CheckpointStore(str(disk))
         process = _start(disk, tmp_path / "metrics.json", "checkpoint.every_steps=20", "checkpoint.keep=1")
-        _, err = process.communicate(timeout=300)
+        _, err = process.communicate(timeout=patient(300))
         saved = store.steps()
         assert process.returncode == 1 and saved, err[-3000:]
         last = err.strip().splitlines()[-1]
@@ -130,7 +131,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_resumes_exactly(tmp
         assert not [name for name in os.listdir(disk) if name.startswith(".tmp-")]  # the failed save freed its room
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         process = _start(disk, tmp_path / "metrics.json", "checkpoint.every_steps=20", "checkpoint.keep=1")
-        _, err = process.communicate(timeout=300)
+        _, err = process.communicate(timeout=patient(300))
         assert process.returncode == 0, err[-3000:]
         assert _digest(tmp_path / "metrics.json") == (uninterrupted, saved[0])
     finally:
@@ -154,7 +155,7 @@ def _launch(directory, metrics, *flags, tmpdir=None):
 def test_a_two_process_job_killed_then_preempted_restarts_and_ends_as_if_uninterrupted(
         tmp_path, flags, variable, value, task):
     whole = _launch(tmp_path / "whole", tmp_path / "whole.json", *flags)
-    _, err = whole.communicate(timeout=300)
+    _, err = whole.communicate(timeout=patient(300))
     assert whole.returncode == 0, err[-3000:]
     store = CheckpointStore(str(tmp_path / "job"))
     # One restart allowed: the preemption after the kill must not use one up.
@@ -169,7 +170,7 @@ def test_a_two_process_job_killed_then_preempted_restarts_and_ends_as_if_uninter
         _wait_for_checkpoint_after(store, killed_after + 5, job)
         # SIGTERM to one process only, as a scheduler draining one node: both save at one step and exit 75.
         os.kill(task_pid(str(tmp_path / "job.json"), variable, value), signal.SIGTERM)
-        _, err = job.communicate(timeout=300)
+        _, err = job.communicate(timeout=patient(300))
     finally:
         job.kill()
     assert job.returncode == 0, err[-3000:]
@@ -193,7 +194,7 @@ def test_a_parameter_server_job_resumes_from_its_checkpoint(tmp_path):
           "--metrics_out", str(tmp_path / "metrics.json")]
     for epochs, resumed in ((1, 0), (3, 10)):
         proc = zygote.run(tfdist_command(*ps, "--set", f"train.epochs={epochs}"), cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+                          text=True, timeout=patient(300), env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
         assert proc.returncode == 0, why_it_failed(proc.stderr)
         result = json.loads((tmp_path / "metrics.json").read_text())
         assert result["resumed_from_step"] == resumed
@@ -205,11 +206,11 @@ def test_rerunning_a_finished_job_says_so_and_keeps_its_results(tmp_path):
     metrics = tmp_path / "metrics.json"
     args = ["train", "--set", "train.epochs=1", "--set", "train.steps_per_epoch=5", "--set", "train.verbose=0",
             "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--metrics_out", str(metrics)]
-    first = zygote.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    first = zygote.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=patient(240))
     assert first.returncode == 0, why_it_failed(first.stderr)
     finished = metrics.read_text()
     assert json.loads(finished)["final"]["loss"] > 0
-    again = zygote.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    again = zygote.run(tfdist_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=patient(240))
     assert again.returncode == 0, why_it_failed(again.stderr)
     assert "tfdist: nothing to train: the checkpoint in " in again.stdout and "is of step 5" in again.stdout
     assert metrics.read_text() == finished  # not rewritten with an empty `final` and 0 samples/sec

@@ -12,7 +12,7 @@ from tfdist.layers import ShardedEmbedding
 def test_pixel_tokens_encode_position_and_intensity_level():
     images = np.array([[[0.0, 1.0], [0.5, 2.0]]], dtype="float32")[..., None]  # 2x2, one clipped
     tokens = keras.ops.convert_to_numpy(models.PixelTokens(levels=9)(images))
-    np.testing.assert_array_equal(tokens, [[0 * 9 + 0, 1 * 9 + 8, 2 * 9 + 4, 3 * 9 + 8]])
+    np.testing.assert_array_equal(tokens, [[0 * 9 + 0, 1 * 9 + 8, 2 * 9 + 4, 3 * 9 + 8]])  # exact: integers
 
 
 @pytest.mark.parametrize("name", ["digits_cnn", "mlp", "pixel_embedding"])

@@ -2,6 +2,8 @@
 
 import pytest
 
+from helpers import patient
+
 from tfdist.timing import alternate, medians
 
 
@@ -62,6 +64,6 @@ def test_on_core_runs_its_command_pinned_to_that_core():
     from tfdist.bench.jobs import on_core
 
     done = subprocess.run([*on_core(0), sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=patient(60))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[0]"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, train_with_metrics, why_it_failed
+from helpers import ROOT, patient, train_with_metrics, why_it_failed
 import zygote
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_example_script_reads_the_same_config(config, expected):
     proc = zygote.run(
         [sys.executable, "examples/train_digits.py", "--config", config,
          "--set", "train.epochs=2", "--set", "train.verbose=0"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=patient(300), cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert proc.returncode == 0, why_it_failed(proc.stderr)
@@ -63,7 +63,7 @@ def test_example_script_reads_the_same_config(config, expected):
 def test_example_script_bad_config_is_a_usage_error():
     proc = zygote.run(
         [sys.executable, "examples/train_digits.py", "--set", "train.epochs=-1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True, text=True, timeout=patient(120), cwd=ROOT,
     )
     assert proc.returncode == 1
     assert "`train.epochs` must be >= 1. Received: -1." in proc.stderr

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import throughput_probe
-from helpers import ROOT, free_ports, horovodrun, why_it_failed
+from helpers import ROOT, free_ports, horovodrun, patient, why_it_failed
 import zygote
 
 PROBE = throughput_probe.__file__
@@ -46,7 +46,7 @@ def _probe_processes(tmp_path, commands, timeout=240):
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}) for c in commands]
     try:
         for proc in procs:
-            _, err = proc.communicate(timeout=timeout)
+            _, err = proc.communicate(timeout=patient(timeout))
             assert proc.returncode == 0, err[-3000:]
     finally:
         for proc in procs:

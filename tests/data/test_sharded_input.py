@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from helpers import ROOT, tfdist_command, why_it_failed
+from helpers import ROOT, patient, tfdist_command, why_it_failed
 import zygote
 from sample_files import FEATURES, digits, write_image_folder, write_tfrecords
 
@@ -16,7 +16,7 @@ def _launch(tmp_path, *flags):
     metrics = tmp_path / "metrics.json"
     command = tfdist_command("launch", *flags, "--metrics_out", str(metrics), "--set", "train.verbose=0",
                              "--set", "train.epochs=8")
-    proc = zygote.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+    proc = zygote.run(command, cwd=ROOT, capture_output=True, text=True, timeout=patient(240),
                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     return proc, json.loads(metrics.read_text())

@@ -146,6 +146,7 @@ def test_a_saved_model_is_compiled_again_from_the_config_in_its_precision(tmp_pa
     saved.save(path)
     job = training.prepare(_config(f"model.name=file:{path}", "precision.policy=mixed_bfloat16"))
     assert [layer.dtype_policy.name for layer in job.model.layers] == ["mixed_bfloat16", "mixed_bfloat16", "float32"]
+    # exact: loading copies the saved bytes (a float32 kernel stays float32 under mixed_bfloat16)
     np.testing.assert_array_equal(job.model.layers[1].kernel.numpy(), saved.layers[1].kernel.numpy())
     assert isinstance(job.model.optimizer, keras.optimizers.Adam)  # the config's, not the saved SGD
     result = _trained(_config(f"model.name=file:{path}"))

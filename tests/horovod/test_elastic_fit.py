@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, horovod_rank_pid, run_tfdist, tfdist_command
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, horovod_rank_pid, patient, run_tfdist, tfdist_command
 import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
@@ -51,7 +51,7 @@ def test_a_rank_killed_mid_epoch_loses_no_committed_step(tmp_path):
     try:
         # Kill rank 1 a few batches into epoch 3: rank 0 has committed a step in it.
         kill_after = 2 * STEPS + random.Random(20).randint(2, 8)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + patient(240)
         while not any(e["event"] == "commit" and e["rank"] == 0 and e["step"] >= kill_after
                       for e in _events(tmp_path)):
             assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()[-4000:]
@@ -59,7 +59,7 @@ def test_a_rank_killed_mid_epoch_loses_no_committed_step(tmp_path):
         victim = next(e for e in _events(tmp_path) if e["event"] == "start" and e["rank"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
         killed = time.time()
-        output, _ = job.communicate(timeout=240)
+        output, _ = job.communicate(timeout=patient(240))
     finally:
         job.kill()
     assert job.returncode == 0, output[-4000:]
@@ -101,7 +101,7 @@ def test_tfdist_train_with_horovod_elastic_goes_on_without_a_lost_rank(tmp_path)
                 break
         else:
             pytest.fail("".join(lines)[-4000:])
-        output = "".join(lines) + job.communicate(timeout=240)[0]
+        output = "".join(lines) + job.communicate(timeout=patient(240))[0]
     finally:
         job.kill()
     assert job.returncode == 0, output[-4000:]

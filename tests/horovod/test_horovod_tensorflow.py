@@ -53,10 +53,10 @@ def test_a_custom_loop_matches_one_process_on_the_whole_batches(loops):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     # Horovod's own tensor functions, on each rank:
     for result in ranks:
-        np.testing.assert_array_equal(result["allgather"], [0, 1])
-        np.testing.assert_array_equal(result["broadcast"], [0, 0])
-        np.testing.assert_array_equal(result["alltoall"], [0, 1])  # element r of every rank goes to rank r
-        np.testing.assert_array_equal(result["allreduce"], [1, 1])
+        np.testing.assert_array_equal(result["allgather"], [0, 1])  # exact: integers, as below
+        np.testing.assert_array_equal(result["broadcast"], [0, 0])  # exact: integers
+        np.testing.assert_array_equal(result["alltoall"], [0, 1])  # exact: element r of every rank goes to rank r
+        np.testing.assert_array_equal(result["allreduce"], [1, 1])  # exact: integers
         assert int(result["join"]) in (0, 1)  # the last rank to join
 
 
@@ -83,8 +83,9 @@ def test_a_partial_tape_keeps_the_local_layers_gradients_on_their_rank(loops):
     ranks = loops["partial"]
     first, second = _weights(ranks[0]), _weights(ranks[1])
     # The hidden layer's gradients are all-reduced: equal on both ranks; the head's are each rank's own.
+    # exact: both ranks apply the same all-reduced gradients to the same weights with the same kernels
     np.testing.assert_array_equal(first[0], second[0])
-    np.testing.assert_array_equal(first[1], second[1])
+    np.testing.assert_array_equal(first[1], second[1])  # exact: as above
     assert np.abs(first[2] - second[2]).max() > 1e-4
 
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from helpers import (ROOT, launch_job, launch_output, launch_output_after, processes_with, run_tfdist, task_pid,
-                     tcp_bytes)
+from helpers import (ROOT, launch_job, launch_output, launch_output_after, patient, processes_with, run_tfdist,
+                     task_pid, tcp_bytes)
 import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.xdist_group("namespace_hosts"),
@@ -120,7 +120,7 @@ def test_a_python_process_on_a_host_is_forked_from_the_test_zygote_into_the_host
              "socket.gethostbyname(socket.gethostname()))")
     with NamespaceHosts(1) as hosts:
         done = zygote.run(hosts.command(0, [sys.executable, "-c", probe]), capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+                          timeout=patient(60), cwd=ROOT)
         assert done.returncode == 0, done.stderr[-2000:]
         imported, network, address = done.stdout.split()
         assert imported == "True"  # forked: TensorFlow was imported before it started
@@ -147,8 +147,8 @@ def _between_two_hosts(link: str, script: str) -> tuple[str, str, int]:
                                   stdout=subprocess.PIPE, text=True)
         assert server.stdout.readline().strip() == "ready"
         sender = subprocess.run(hosts.command(0, [sys.executable, "-c", script, "send", hosts.addresses[1]]),
-                                capture_output=True, text=True, timeout=30, check=True)
-        served = server.communicate(timeout=30)[0]
+                                capture_output=True, text=True, timeout=patient(30), check=True)
+        served = server.communicate(timeout=patient(30))[0]
         sent, _ = hosts.link_bytes(0)
     return sender.stdout, served, sent
 

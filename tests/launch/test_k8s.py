@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, doc_blocks, free_port_block, run_tfdist, why_it_failed
+from helpers import ROOT, doc_blocks, free_port_block, patient, run_tfdist, why_it_failed
 import zygote
 
 from tfdist.cluster import kubernetes
@@ -255,7 +255,7 @@ def _run_pods(tmp_path, objects):
             processes.append((f"{job_name}-{index}", zygote.Popen(
                 command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
         for name, process in processes:
-            code = process.wait(timeout=400)
+            code = process.wait(timeout=patient(400))
             assert code == 0, f"pod {name} exited {code}: {(tmp_path / f'{name}.log').read_text()[-3000:]}"
     finally:
         for _, process in processes:
@@ -341,7 +341,7 @@ def test_the_mpi_launchers_horovodrun_command_trains_over_an_operator_style_host
                "/etc/mpi/hostfile": str(hostfile)}
     command = [replace.get(part, part.replace(k8s.CONFIG_DIR, str(config_dir)))
                for part in _containers(mpi_job)["launcher"]["command"]]
-    proc = zygote.run(command, cwd=ROOT, capture_output=True, text=True, timeout=360,
+    proc = zygote.run(command, cwd=ROOT, capture_output=True, text=True, timeout=patient(360),
                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-2000:] + why_it_failed(proc.stderr)
     result = json.loads(metrics.read_text())

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, free_port_block, free_ports, run_tfdist
+from helpers import ROOT, free_port_block, free_ports, patient, run_tfdist
 from local_slurm import LocalSlurm
 
 from tfdist.config import load_config
@@ -107,7 +107,7 @@ def test_a_job_trains_digits_through_sbatch(slurm, tmp_path, tasks, flags):
     port_base = free_port_block(int(tasks))
     script = run_tfdist("slurm", "--tasks", tasks, *flags, "--set", f"cluster.port_base={port_base}",
                         "--metrics_out", str(metrics)).stdout
-    code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=540)
+    code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=patient(540))
     assert code == 0, output[-4000:] + slurm.log()
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
@@ -129,12 +129,13 @@ def test_a_users_own_script_runs_through_sbatch_on_the_chief_and_tfdist_serves_i
                         "--epochs", "1", "--steps_per_epoch", "3", "--model_path", str(model),
                         "--backup_dir", str(tmp_path / "backup")).stdout
     assert 'if [ $SLURM_PROCID -eq 1 ]; then exec' in script and "-m tfdist.cli serve" in script
-    code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=540)
+    code, output = slurm.sbatch_wait(script, cwd=tmp_path, timeout=patient(540))
     assert code == 0, output[-4000:] + slurm.log()
     assert model.exists() and "3/3 - " in output  # the chief's three steps
 
 
 def _wait_until(condition, what, timeout):
+    timeout = patient(timeout)
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
@@ -159,7 +160,7 @@ def test_a_preempted_job_is_requeued_and_resumes_where_it_stopped(slurm, tmp_pat
     subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env, check=True)
     _wait_until(lambda: slurm.state(job) == "PENDING BeginTime", "requeue", 120)
     slurm.start_now(job)
-    code = slurm.wait(job, timeout=300)
+    code = slurm.wait(job, timeout=patient(300))
     text = open(output).read()
     assert code == 0, text[-4000:] + slurm.log()
     assert f"tfdist: preempted; requeueing job {job}" in text

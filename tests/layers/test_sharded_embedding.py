@@ -52,7 +52,7 @@ def test_lookups_and_gradients_equal_a_whole_embedding(num_shards):
 
 
 def test_initial_values_do_not_depend_on_the_shard_count():
-    tables = [_pair(n)[0].embeddings.numpy() for n in (1, 2, 5)]
+    tables = [_pair(n)[0].embeddings.numpy() for n in (1, 2, 5)]  # exact: the same draws, only placed apart
     np.testing.assert_array_equal(tables[0], tables[1])
     np.testing.assert_array_equal(tables[0], tables[2])
 
@@ -73,12 +73,13 @@ def test_fit_trains_and_weights_move_between_shard_counts(tmp_path):
     before = model.layers[0].embeddings.numpy()
     model.fit(IDS, np.ones((2, 2)), epochs=3, verbose=0)
     assert not np.allclose(before, model.layers[0].embeddings.numpy())
-    untouched = [1, 2, 5, 6, 7]  # never looked up: no gradient, so they keep their initial values
+    untouched = [1, 2, 5, 6, 7]  # never looked up: no gradient, so they keep their initial values (exact)
     np.testing.assert_array_equal(before[untouched], model.layers[0].embeddings.numpy()[untouched])
 
     model.save_weights(tmp_path / "w.weights.h5")
     other = _model(2)
     other.load_weights(tmp_path / "w.weights.h5")
+    # exact: loading copies the saved bytes
     np.testing.assert_array_equal(other.layers[0].embeddings.numpy(), model.layers[0].embeddings.numpy())
 
     model.save(tmp_path / "m.keras")
@@ -98,7 +99,7 @@ def test_a_table_of_another_shape_is_refused_on_load(tmp_path):
 
 def test_mask_zero_masks_id_zero():
     layer = ShardedEmbedding(10, 4, mask_zero=True, num_shards=2)
-    np.testing.assert_array_equal(layer.compute_mask(tf.constant(IDS)), IDS != 0)
+    np.testing.assert_array_equal(layer.compute_mask(tf.constant(IDS)), IDS != 0)  # exact: booleans
 
 
 def test_one_shard_without_a_partitioning_strategy():

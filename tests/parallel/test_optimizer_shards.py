@@ -218,8 +218,9 @@ class _KillAt(keras.callbacks.Callback):
 
 
 def _assert_same_weights(a, b, exact=False):
+    """`exact`: the same steps from the same bytes, with the same kernels on the same shapes, in the same order."""
     for x, y in zip(a.get_weights(), b.get_weights()):
-        np.testing.assert_allclose(x, y, atol=0 if exact else 1e-6, rtol=0)
+        np.testing.assert_allclose(x, y, atol=0 if exact else 1e-6, rtol=0)  # exact: see the docstring
 
 
 def test_gradient_accumulation_at_stage_3_splits_the_accumulators_and_trains_as_one_device(cpus, tmp_path):
@@ -348,9 +349,9 @@ def test_a_keras_file_holds_the_unsplit_state_and_loads_both_ways(cpus, tmp_path
     into.load_weights(tmp_path / "unsplit.weights.h5")
     assert int(optimizer.iterations.numpy()) == STEPS
     for whole, slot in zip(unsplit_optimizer.variables[2:], shards.whole_slots):
-        np.testing.assert_array_equal(slot.numpy(), whole.numpy())
+        np.testing.assert_array_equal(slot.numpy(), whole.numpy())  # exact: loading copies the saved bytes
     for whole, weight in zip(unsplit.get_weights(), into.get_weights()):
-        np.testing.assert_array_equal(weight, whole)
+        np.testing.assert_array_equal(weight, whole)  # exact: loading copies the saved bytes
 
 
 FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from any_size_job import dense, load, run, tensor_parallel
-from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, patient
 import zygote
 from tfdist import MirroredStrategy
 from tfdist.strategies import PipelineStrategy, TensorParallelStrategy
@@ -63,7 +63,7 @@ def test_multi_worker_matches_one_device(tmp_path):
         {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}), str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for task in tasks:
-        _, err = task.communicate(timeout=240)
+        _, err = task.communicate(timeout=patient(240))
         assert task.returncode == 0, err[-3000:]
     _assert_as_on_one_device(load(out), run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense))
 
@@ -74,6 +74,6 @@ def test_multi_worker_matches_one_device(tmp_path):
 def test_horovod_matches_one_device(tmp_path):
     out = tmp_path / "results.npz"
     proc = zygote.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, JOB, "horovod",
-                       str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                       str(out)], cwd=ROOT, capture_output=True, text=True, timeout=patient(240))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     _assert_as_on_one_device(load(out), run(tf.distribute.OneDeviceStrategy("/cpu:0"), dense))

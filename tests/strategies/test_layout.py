@@ -51,6 +51,7 @@ def test_a_layout_map_splits_an_unchanged_model_which_trains_as_on_one_device(da
             range(devices * data))
         for row in range(1, data):
             for m in range(devices):
+                # exact: each row applies the same reduced gradient to the same shard with the same kernels
                 np.testing.assert_array_equal(shards(variable)[row * devices + m], shards(variable)[m])
     momentums = [v for v in split.optimizer.variables if is_split(v)]
     assert len(momentums) == len(matched)  # each split variable's momentum is split beside it
@@ -193,14 +194,14 @@ def test_a_split_model_saves_whole_and_loads_on_one_device_and_back(tmp_path):
     split.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")  # one device, the unchanged model's layout
     for saved, got in zip(split.get_weights(), loaded.get_weights()):
-        np.testing.assert_array_equal(got, saved)
+        np.testing.assert_array_equal(got, saved)  # exact: saving and loading copy the bytes
     strategy = LayoutStrategy(megatron_layout_map(2))
     with strategy.scope():
         again = _model(keras.optimizers.SGD(0.05))
     again.load_weights(tmp_path / "model.keras")
     strategy.split(again)  # as the optimizer's build would
     for saved, got in zip(split.get_weights(), again.get_weights()):
-        np.testing.assert_array_equal(got, saved)
+        np.testing.assert_array_equal(got, saved)  # exact: loading and splitting copy the bytes
     np.testing.assert_allclose(again.predict(X[:4], verbose=0), loaded.predict(X[:4], verbose=0), atol=1e-5)
 
 
@@ -213,7 +214,7 @@ def test_a_checkpoint_holds_the_whole_variables_and_restores_them_exactly(tmp_pa
     split.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     tf.train.Checkpoint(model=split, optimizer=split.optimizer).read(path).assert_consumed()
     for before, after in zip(saved, split.get_weights()):
-        np.testing.assert_array_equal(after, before)
+        np.testing.assert_array_equal(after, before)  # exact: a restore copies the saved bytes
 
 
 @pytest.mark.parametrize("rule, axes, message", [

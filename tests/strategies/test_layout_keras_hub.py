@@ -120,7 +120,7 @@ def test_a_split_keras_hub_model_saves_as_keras_hubs_own_and_resumes_bit_exact(t
     plain.load_weights(tmp_path / "gemma.weights.h5")
     for saved, *got in zip(split.get_weights(), loaded.get_weights(), plain.get_weights()):
         for weights in got:
-            np.testing.assert_array_equal(weights, saved)
+            np.testing.assert_array_equal(weights, saved)  # exact: saving and loading copy the bytes
     tokens = {key: value[:4] for key, value in FEATURES.items()}
     np.testing.assert_allclose(split.predict(tokens, verbose=0), plain.predict(tokens, verbose=0), atol=1e-5)
 
@@ -130,7 +130,7 @@ def test_a_split_keras_hub_model_saves_as_keras_hubs_own_and_resumes_bit_exact(t
     again.load_weights(tmp_path / "plain.weights.h5")
     strategy.split(again)
     for saved, got in zip(plain.get_weights(), again.get_weights()):
-        np.testing.assert_array_equal(got, saved)
+        np.testing.assert_array_equal(got, saved)  # exact: loading and splitting copy the bytes
 
     checkpoint = tf.train.Checkpoint(model=split, optimizer=split.optimizer)
     path = checkpoint.write(str(tmp_path / "ckpt"))
@@ -141,4 +141,5 @@ def test_a_split_keras_hub_model_saves_as_keras_hubs_own_and_resumes_bit_exact(t
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).read(path).assert_consumed()
     _fit(resumed, 2)
     for want, got in zip(continued, resumed.get_weights()):
+        # exact: the same steps from the same restored bytes, with the same kernels on the same shapes, in order
         np.testing.assert_array_equal(got, want)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, free_ports
+from helpers import ROOT, free_ports, patient
 from tfdist.memory_limit import cgroup_memory, training_state_bytes
 
 GIB = 2 ** 30
@@ -130,7 +130,7 @@ def _train_capped(out_dir, stage):
             joined = f"echo $$ > {shlex.quote(os.path.join(group, 'cgroup.procs'))} && exec {shlex.join(train)}"
             procs.append(subprocess.Popen(["sh", "-c", joined], cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
-        outputs = [proc.communicate(timeout=240) for proc in procs]
+        outputs = [proc.communicate(timeout=patient(240)) for proc in procs]
         return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)], [_peak(p) for p in groups]
     finally:
         for proc in procs:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, SCENARIO_DIR, free_ports, tfdist_command
+from helpers import ROOT, SCENARIO_DIR, free_ports, patient, tfdist_command
 import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -47,7 +47,7 @@ def _wait(procs, timeout):
     results = []
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=patient(timeout))
             results.append((proc.returncode, out, err))
     finally:
         for proc in procs:
@@ -85,7 +85,7 @@ def test_a_process_joins_its_cluster_once_and_make_strategy_returns_that_strateg
     """Keras's guide makes its strategy in each function; TensorFlow cannot join a process to its cluster twice
     (the second strategy's first broadcast failed: "Delete called on non-empty BufRendezvous")."""
     done = zygote.run([sys.executable, "-c", _MADE_TWICE, f"127.0.0.1:{free_ports(1)[0]}"], capture_output=True,
-                      text=True, timeout=120, cwd=ROOT)
+                      text=True, timeout=patient(120), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     same, message = done.stdout.strip().splitlines()[-1].split(" ", 1)
     assert same == "True" and message.startswith("`strategy` cannot change in a process that has joined its cluster")
@@ -119,7 +119,7 @@ def test_a_port_held_by_another_process_is_one_line_naming_it(tmp_path, kind):
             cluster += [f"cluster.ps=[{ps}]", f"cluster.chief={chief}"]
         proc = zygote.run(
             tfdist_command("train", "--set", f"strategy.kind={kind}", *[f"--set={c}" for c in cluster]),
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            cwd=ROOT, capture_output=True, text=True, timeout=patient(120),
         )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -144,7 +144,7 @@ def test_a_peer_killed_mid_training_is_an_error_not_a_hang(tmp_path):
             pytest.fail(f"the chief stopped before training: {chief.stderr.read()[-3000:]}")
         zygote.send_signal(worker, signal.SIGKILL)  # the worker itself, forked or not
         killed = time.monotonic()
-        _, err = chief.communicate(timeout=120)
+        _, err = chief.communicate(timeout=patient(120))
         assert chief.returncode == 1
         # One line: not after 6 lines of gRPC errors, nor TensorFlow's start-up banner.
         assert err.startswith("tfdist: error: lost contact with /job:worker/replica:0/task:1 during training"), err

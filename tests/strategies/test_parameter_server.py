@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from helpers import ROOT, SCENARIO_DIR, free_ports, run_tfdist, tfdist_command, why_it_failed
+from helpers import ROOT, SCENARIO_DIR, free_ports, patient, run_tfdist, tfdist_command, why_it_failed
 import zygote
 from tfdist.cluster.loopback import LOWEST_PORT, port_is_free
 from tfdist.launch.process_tree import descendants
@@ -24,7 +24,7 @@ SCENARIOS = os.path.join(SCENARIO_DIR, "ps_scenarios.py")
 def _scenario(name, timeout=240, stderr=False):
     """The scenario's JSON result (and its stderr, if asked)."""
     proc = zygote.run(
-        [sys.executable, SCENARIOS, name], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, SCENARIOS, name], capture_output=True, text=True, timeout=patient(timeout), cwd=ROOT
     )
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,7 +165,7 @@ def test_a_dead_worker_whose_port_another_process_took_is_given_up_once_not_rest
     monkeypatch.setattr(cluster, "_spawn", lambda job, index: spawned.append((job, index)))
     for index in (0, 1):
         dead = zygote.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
-        dead.wait(timeout=60)
+        dead.wait(timeout=patient(60))
         cluster.processes["worker", index] = dead
     port = int(cluster.cluster_spec["worker"][1].rsplit(":", 1)[1])
     with socket.create_server(("0.0.0.0", port)):
@@ -183,7 +183,7 @@ def test_jobs_choosing_ports_at_once_never_get_the_same_one():
     script = "from tfdist.cluster.loopback import free_loopback_ports as f; print(*f(20), *f(20))"
     processes = [zygote.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
                  for _ in range(20)]
-    ports = [int(port) for process in processes for port in process.communicate(timeout=120)[0].split()]
+    ports = [int(port) for process in processes for port in process.communicate(timeout=patient(120))[0].split()]
     assert all(process.returncode == 0 for process in processes)
     assert len(ports) == 800 and len(set(ports)) == 800
 
@@ -279,7 +279,7 @@ def test_a_restarted_worker_is_one_line_on_the_users_screen(tmp_path):
             if line.startswith("Epoch 2/4"):
                 os.kill(_local_tasks(proc.pid, "worker")[0], signal.SIGKILL)
                 break
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=patient(240))
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
@@ -303,7 +303,7 @@ def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_checkpoint(tmp_p
                 for pid in _local_tasks(first.pid, "ps"):
                     os.kill(pid, 9)
                 break
-        out, err = first.communicate(timeout=120)
+        out, err = first.communicate(timeout=patient(120))
     finally:
         first.kill()
     assert first.returncode == 1, err[-3000:]
@@ -312,7 +312,7 @@ def test_after_a_lost_parameter_server_a_rerun_resumes_from_the_checkpoint(tmp_p
     assert len(lines) == 1 and lines[0].startswith("tfdist: error: lost a parameter server"), err[-3000:]
     assert "checkpoint.dir" in lines[0], err[-3000:]
 
-    second = zygote.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    second = zygote.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=patient(300))
     assert second.returncode == 0, why_it_failed(second.stderr)
     epochs = [line.split()[1] for line in second.stdout.splitlines() if line.startswith("Epoch ")]
     assert epochs[0] == "3/6" and epochs[-1] == "6/6"  # resumed at the last saved epoch end

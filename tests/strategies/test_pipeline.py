@@ -252,7 +252,7 @@ def test_a_custom_train_step_is_refused_before_training():
     with pytest.raises(ValueError, match="overrides `train_step`"):
         model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
     for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, b)  # exact: refused before the first step, nothing computed
 
 
 def test_a_batch_that_does_not_split_into_micro_batches():

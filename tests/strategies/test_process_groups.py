@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import (HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, horovod_rank_pid, tfdist_command,
-                     why_it_failed)
+from helpers import HOROVODRUN, ROOT, SCENARIO_DIR, free_ports, horovod_rank_pid, patient, tfdist_command, why_it_failed
 import zygote
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
@@ -29,7 +28,7 @@ def _tf_config(ports, index):
 
 def _wait_all(procs, timeout):
     try:
-        return [(proc.wait(timeout=timeout), proc) for proc in procs]
+        return [(proc.wait(timeout=patient(timeout)), proc) for proc in procs]
     finally:
         for proc in procs:
             proc.kill()
@@ -169,7 +168,7 @@ def test_a_killed_process_ends_the_job_with_one_line(tmp_path):
             pytest.fail(f"the chief stopped before training: {chief.stderr.read()[-3000:]}")
         zygote.send_signal(worker, signal.SIGKILL)  # the worker itself, forked or not
         killed = time.monotonic()
-        _, err = chief.communicate(timeout=120)
+        _, err = chief.communicate(timeout=patient(120))
         assert chief.returncode == 1, err[-3000:]
         assert err.strip().splitlines()[-1].startswith(
             "tfdist: error: lost contact with /job:worker/replica:0/task:1 during training"), err[-3000:]
@@ -198,7 +197,7 @@ def test_a_killed_or_stopped_horovod_rank_ends_the_job(fault):
         else:
             pytest.fail("".join(lines)[-3000:])
         lines += job.stdout.readlines()
-        job.wait(timeout=120)
+        job.wait(timeout=patient(120))
     finally:
         job.kill()
     output = "".join(lines)[-4000:]
@@ -224,7 +223,7 @@ def test_digits_train_to_095_under_horovodrun(tmp_path):
     command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(
         "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
         "--set", "strategy.logical_devices=2", "--metrics_out", str(metrics))]
-    done = zygote.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    done = zygote.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=patient(600))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
@@ -243,10 +242,11 @@ def test_digits_train_to_095_under_the_launcher_and_resume_from_the_chiefs_check
               "strategy.data_parallel=multi_worker", "--set", "strategy.logical_devices=2",
               "--set", f"checkpoint.dir={ckpt}", "--metrics_out", str(metrics)]
     first = zygote.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=400)
+                       capture_output=True, text=True, timeout=patient(400))
     assert first.returncode == 0, why_it_failed(first.stderr)
     saved = sorted(os.listdir(ckpt))
-    second = zygote.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    second = zygote.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                        timeout=patient(600))
     assert second.returncode == 0, why_it_failed(second.stderr)
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
