@@ -57,7 +57,7 @@ def model(layout):
     if layout == "layout_gemma":
         import keras_hub
 
-        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=4,
                                                   num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
                                                   head_dim=8, dropout=0.0)
         return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
