@@ -39,11 +39,12 @@ def pytest_collection_modifyitems(config, items):
     machine kind CI uses: scaled here by this machine's slowness against it (`helpers.patient`)."""
     from helpers import patient
 
-    default = float(config.getini("timeout"))
+    configured = config.getini("timeout")  # none under Bazel, whose runs read no pyproject.toml
     for item in items:
         marker = item.get_closest_marker("timeout")
-        seconds = (marker.args[0] if marker.args else marker.kwargs["timeout"]) if marker else default
-        item.add_marker(pytest.mark.timeout(patient(seconds)), append=False)
+        seconds = (marker.args[0] if marker.args else marker.kwargs["timeout"]) if marker else configured
+        if seconds:
+            item.add_marker(pytest.mark.timeout(patient(float(seconds))), append=False)
 
 
 def pytest_runtest_setup(item):

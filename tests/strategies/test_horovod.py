@@ -68,16 +68,23 @@ JOB_OF = {case: job for job, job_cases in JOBS.items() for case in job_cases}
 
 
 class _Jobs:
-    """{case: {rank: result}}: a case's job runs the first time one of its cases is asked for."""
+    """{case: {rank: result}}: a case's job runs the first time one of its cases is asked for; a job that failed
+    fails its other cases' tests at once, without running again."""
 
     def __init__(self, tmp_path_factory):
-        self._tmp_path_factory, self._results = tmp_path_factory, {}
+        self._tmp_path_factory, self._results, self._failed = tmp_path_factory, {}, {}
 
     def __getitem__(self, case):
         job = JOB_OF[case]
+        if job in self._failed:
+            pytest.fail(f"the {job} job of these cases failed in an earlier test: {self._failed[job]}")
         if job not in self._results:
-            _, results = _scenario(self._tmp_path_factory.mktemp(f"horovod_{job}"), "cases", *JOBS[job])
-            assert sorted(results) == [0, 1]
+            try:
+                _, results = _scenario(self._tmp_path_factory.mktemp(f"horovod_{job}"), "cases", *JOBS[job])
+                assert sorted(results) == [0, 1]
+            except (Exception, pytest.fail.Exception) as error:  # pytest-timeout's failure too
+                self._failed[job] = str(error)[:2000]
+                raise
             self._results[job] = results
         return {rank: result[case] for rank, result in self._results[job].items()}
 

@@ -18,7 +18,9 @@ import zygote
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 SCENARIOS = os.path.join(SCENARIO_DIR, "process_group_scenarios.py")
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+def _env():
+    """The test's environment now (it names the running test, so the CPU of the jobs it starts counts for it)."""
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 
 
 def _tf_config(ports, index):
@@ -38,14 +40,14 @@ def _run(backend, layout, out, *shard):
     """The scenario on 2 processes of `backend`, or on one device; returns the chief's saved arrays."""
     arguments = [SCENARIOS, backend, layout, out, *shard]
     if backend == "one_device":
-        procs = [zygote.Popen([sys.executable, *arguments], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
+        procs = [zygote.Popen([sys.executable, *arguments], cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)]
     elif backend == "horovod":
         procs = [zygote.Popen([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *arguments],
-                                  cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)]
+                                  cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)]
     else:
         ports = free_ports(2)
         procs = [zygote.Popen([sys.executable, *arguments], cwd=ROOT,
-                              env={**ENV, "TF_CONFIG": _tf_config(ports, i)}, stderr=subprocess.PIPE, text=True)
+                              env={**_env(), "TF_CONFIG": _tf_config(ports, i)}, stderr=subprocess.PIPE, text=True)
                  for i in range(2)]
     for code, proc in _wait_all(procs, timeout=300):
         assert code == 0, why_it_failed(proc.stderr.read())
@@ -141,7 +143,7 @@ def _workers(tmp_path, overrides_per_task, *common):
             "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=multi_worker",
             "--set", f"cluster.workers=[{workers}]", "--set", f"cluster.task_index={index}",
             "--metrics_out", str(tmp_path / f"metrics{index}.json"), *common, *own)
-        procs.append(zygote.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(zygote.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True))
     return procs
 
@@ -185,7 +187,7 @@ def test_a_killed_or_stopped_horovod_rank_ends_the_job(fault):
         "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
         "--set", "strategy.logical_devices=2", "--set", "train.epochs=1000", "--set", "train.verbose=2",
         "--set", "horovod.stall_shutdown_seconds=10")]
-    job = zygote.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = zygote.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
         for line in job.stdout:
@@ -223,7 +225,7 @@ def test_digits_train_to_095_under_horovodrun(tmp_path):
     command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", *tfdist_command(
         "train", "--config", "configs/pipeline.yaml", "--set", "strategy.data_parallel=horovod",
         "--set", "strategy.logical_devices=2", "--metrics_out", str(metrics))]
-    done = zygote.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=patient(600))
+    done = zygote.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=patient(600))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     result = json.loads(metrics.read_text())
     assert result["final"]["val_accuracy"] >= 0.95
@@ -241,11 +243,11 @@ def test_digits_train_to_095_under_the_launcher_and_resume_from_the_chiefs_check
     launch = ["launch", "--workers", "2", "--config", "configs/pipeline.yaml", "--set",
               "strategy.data_parallel=multi_worker", "--set", "strategy.logical_devices=2",
               "--set", f"checkpoint.dir={ckpt}", "--metrics_out", str(metrics)]
-    first = zygote.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=ENV,
+    first = zygote.run(tfdist_command(*launch, "--set", "train.epochs=2"), cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=patient(400))
     assert first.returncode == 0, why_it_failed(first.stderr)
     saved = sorted(os.listdir(ckpt))
-    second = zygote.run(tfdist_command(*launch), cwd=ROOT, env=ENV, capture_output=True, text=True,
+    second = zygote.run(tfdist_command(*launch), cwd=ROOT, env=_env(), capture_output=True, text=True,
                         timeout=patient(600))
     assert second.returncode == 0, why_it_failed(second.stderr)
     result = json.loads(metrics.read_text())
