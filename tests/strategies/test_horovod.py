@@ -99,14 +99,14 @@ def _on_its_jobs_worker(case):
     return pytest.mark.xdist_group(f"horovod_{JOB_OF[case]}")
 
 
-def _on_one_worker(*job_cases):
+def _each_on_its_jobs_worker(*job_cases):
     """The cases as parameters, each on its job's worker."""
     return [pytest.param(case, marks=_on_its_jobs_worker(case)) for case in job_cases]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", _on_one_worker(*MATCH_CASES))
+@pytest.mark.parametrize("case", _each_on_its_jobs_worker(*MATCH_CASES))
 def test_two_ranks_match_one_process_with_the_global_batch(cases, case):
     results, tolerance = cases[case], MATCH_CASES[case]
     for result in results.values():
@@ -125,7 +125,7 @@ def test_two_ranks_match_one_process_with_the_global_batch(cases, case):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", _on_one_worker(*KERAS_API))
+@pytest.mark.parametrize("case", _each_on_its_jobs_worker(*KERAS_API))
 def test_horovod_keras_api_matches_one_process(cases, case):
     accumulation = int(case.rsplit("=", 1)[1])
     for result in cases[case].values():
@@ -136,7 +136,7 @@ def test_horovod_keras_api_matches_one_process(cases, case):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", _on_one_worker(*LOSS_SCALING))
+@pytest.mark.parametrize("case", _each_on_its_jobs_worker(*LOSS_SCALING))
 def test_loss_scaling_on_two_ranks_steps_and_skips_as_one_process(cases, case):
     """Keras's LossScaleOptimizer applies its update in a tf.cond, and decides from each rank's own
     gradients; both ranks must take one process's decision (an overflow anywhere skips the step)."""
@@ -149,7 +149,7 @@ def test_loss_scaling_on_two_ranks_steps_and_skips_as_one_process(cases, case):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", _on_one_worker(*SPLIT_CASES))
+@pytest.mark.parametrize("case", _each_on_its_jobs_worker(*SPLIT_CASES))
 def test_an_optimizer_split_over_the_ranks_trains_the_unsplit_jobs_weights(cases, case):
     for rank, result in cases[case].items():
         updates = 20 // 4 if "accumulating_4" in case else 20  # Keras counts the updates, not the batches
