@@ -181,7 +181,8 @@ def install_patches() -> None:
                      is_chief=lambda strategy: contract(strategy).is_chief,
                      multi_process=lambda strategy: contract(strategy).multi_process,
                      any_process=lambda strategy, flag: contract(strategy).any_process(flag),
-                     splits_optimizers=lambda strategy: bool(getattr(contract(strategy), "shard_optimizer", 0)))
+                     splits_optimizers=lambda strategy: bool(getattr(contract(strategy), "shard_optimizer", 0)),
+                     is_tfdists=lambda strategy: isinstance(strategy, StrategyContract))
 
 
 def _after_compile(strategy, model) -> None:

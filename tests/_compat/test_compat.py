@@ -117,3 +117,34 @@ def test_autograph_converts_a_custom_loops_step_and_leaves_tfdist_as_it_is(cpus,
 
     results = strategy.experimental_local_results(run(tf.constant([1.0, 2.0])))
     assert [r.numpy().tolist() for r in results] == [[2.0, 4.0]] * len(results)
+
+
+@pytest.mark.parametrize("kind", ["tfdist", "tensorflow"])
+def test_each_epoch_starts_one_iterator_over_the_devices(monkeypatch, cpus, kind):
+    """Keras starts an iterator for the next epoch at each epoch's end and another at its start, dropping the
+    first unread: under tfdist's strategies an iterator starts when a step reads it, so an epoch of `fit` or
+    `evaluate` costs one MultiDeviceIterator. TensorFlow's own strategy keeps Keras's behaviour."""
+    import numpy as np
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    import tfdist
+
+    started = []
+    init = multi_device_iterator_ops.OwnedMultiDeviceIterator.__init__
+
+    def counted(self, *args, **kwargs):
+        if kwargs.get("components") is None:  # not one a traced step rebuilds from its tensors
+            started.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", counted)
+    strategy = {"tfdist": tfdist.MirroredStrategy, "tensorflow": tf.distribute.MirroredStrategy}[kind]
+    with strategy(["/cpu:0", "/cpu:1"]).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = np.ones((24, 4), "float32"), np.arange(24) % 3
+    history = model.fit(x, y, batch_size=8, epochs=3, validation_data=(x[:8], y[:8]), verbose=0)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    assert len(history.history["val_accuracy"]) == 3
+    # Epochs of fit, of its validation and of evaluate: 3 + 3 + 1; Keras's own: two for each.
+    assert len(started) == {"tfdist": 7, "tensorflow": 14}[kind]
