@@ -104,6 +104,23 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
     np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
 
 
+def _accumulated(strategy, optimizer):
+    """The seeded model trained 2 epochs of 8 steps with `optimizer()`, under `strategy` or, with None, Keras's own
+    code (no strategy: tfdist's replacement of Keras's accumulation steps aside)."""
+    import contextlib
+
+    import keras
+
+    x, y = _regression_data()
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs)))
+        model.compile(loss="mse", optimizer=optimizer())
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    return model, history
+
+
 @pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas",
                                   "mirrored_shard_optimizer_1", "mirrored_4_replicas_shard_optimizer_2",
                                   "pipeline_2_replicas_shard_optimizer_3"])
@@ -114,11 +131,9 @@ def test_gradient_accumulation_matches_one_device(kind):
     the tensor-parallel model split by Megatron's split found in it (its Dense pair, whose accumulators are split
     beside the kernels)."""
     import keras
-    import tensorflow as tf
 
     from tfdist import MirroredStrategy, PipelineStrategy, TensorParallelStrategy
 
-    x, y = _regression_data()
     strategies = {
         "mirrored": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"]),
         "mirrored_4_replicas": lambda: MirroredStrategy([f"/cpu:{i}" for i in range(4)]),
@@ -134,18 +149,37 @@ def test_gradient_accumulation_matches_one_device(kind):
         "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
     }
 
-    def train(strategy):
-        with strategy.scope():
-            keras.utils.set_random_seed(0)
-            inputs = keras.Input((8,))
-            model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs)))
-            model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.05, gradient_accumulation_steps=4))
-        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-        return model, history
+    def optimizer():
+        return keras.optimizers.Adam(0.05, gradient_accumulation_steps=4)
 
-    reference, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
-    model, history = train(strategies[kind]())
+    reference, expected = _accumulated(None, optimizer)
+    model, history = _accumulated(strategies[kind](), optimizer)
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 2 * 8 // 4
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
+
+
+@pytest.mark.parametrize("overwrite_frequency", [None, 3])
+@pytest.mark.parametrize("kind", ["mirrored", "pipeline"])
+def test_a_moving_average_of_accumulated_updates_ends_at_keras_own_weights(kind, overwrite_frequency):
+    """`use_ema` with `gradient_accumulation_steps`: the moving average moves every step and Keras copies it into
+    the weights at the end of `fit` (and every `ema_overwrite_frequency` steps); tfdist's accumulation under a
+    strategy left it at zero, so every weight ended at 0.0."""
+    import keras
+
+    from tfdist import MirroredStrategy, PipelineStrategy
+
+    strategy = {"mirrored": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"]),
+                "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False)}[kind]()
+
+    def optimizer():
+        return keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, use_ema=True, ema_momentum=0.5,
+                                     ema_overwrite_frequency=overwrite_frequency)
+
+    reference, expected = _accumulated(None, optimizer)
+    model, history = _accumulated(strategy, optimizer)
+    assert max(float(np.abs(w).max()) for w in reference.get_weights()) > 0.5
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)  # as the accumulation test: 2 replicas' sums, 8 steps
     np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)

@@ -638,9 +638,33 @@ def _install_gradient_accumulation_under_strategies() -> None:
 
         tf.__internal__.distribute.interim.maybe_merge_call(in_cross_replica_context, self._distribution_strategy,
                                                             grads, averages)
+        if self.use_ema:  # every step, updated or not, as Keras's own accumulation does
+            _moving_average_as_keras_does(self)
 
     TFOptimizer._backend_apply_gradients = _backend_apply_gradients
     TFOptimizer._tfdist_accumulates_under_strategies = True
+
+
+def _moving_average_as_keras_does(optimizer) -> None:
+    """The end of Keras's `_backend_apply_gradients`: the weights' moving average (`use_ema`) moves, and every
+    `ema_overwrite_frequency` steps the weights take its value. Keras's overwrite enters the cross-replica context
+    inside a conditional, which fails under a strategy; here the condition runs per device, inside it."""
+    import tensorflow as tf
+
+    variables = optimizer._trainable_variables
+    optimizer._update_model_variables_moving_average(variables)
+    if not optimizer.ema_overwrite_frequency:
+        return
+    overwrite_now = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
+
+    def overwrite(variable, average):
+        return tf.cond(overwrite_now, lambda: variable.assign(average).read_value(), variable.read_value)
+
+    def in_cross_replica_context(distribution):
+        for variable, average in zip(variables, optimizer._model_variables_moving_average):
+            distribution.extended.update(backing_value(variable), overwrite, args=(average,), group=False)
+
+    tf.__internal__.distribute.interim.maybe_merge_call(in_cross_replica_context, optimizer._distribution_strategy)
 
 
 def _install_save_check() -> None:
