@@ -1,6 +1,7 @@
 """TensorParallelStrategy: Megatron's split of each group (tfdist.layers, attention heads, Dense pairs), placement,
 optimizer state, numerics and the config path."""
 
+import re
 
 import keras
 import numpy as np
@@ -287,3 +288,17 @@ def test_config_trains_mirrored_tensor_parallel_groups(tmp_path):
     assert result["layout"]["model_copies"] == 2
     assert result["final"]["val_accuracy"] >= 0.9
     assert "tensor groups   2 of 2 devices: [/cpu:0, /cpu:1], [/cpu:2, /cpu:3]" in proc.stdout
+
+
+@pytest.mark.parametrize("option, refusal", [
+    ({"use_ema": True}, "use_ema would keep each weight's moving average whole"),
+    ({"clipnorm": 1.0}, "clipnorm and global_clipnorm would clip a split variable's shard by its own norm"),
+])
+def test_an_optimizer_option_a_split_model_cannot_honour_is_refused_at_compile(option, refusal):
+    """Refused in one line when the model is compiled, before any step (use_ema failed in Keras's first
+    moving-average update: a whole average assigned a kernel's shard)."""
+    with TensorParallelStrategy(["/cpu:0", "/cpu:1"]).scope():
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs)))
+        with pytest.raises(ValueError, match=re.escape(f"TensorParallelStrategy: {refusal}")):
+            model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.01, **option))

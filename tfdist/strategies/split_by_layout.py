@@ -153,6 +153,9 @@ class SplitsByLayout:
         if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
             raise ValueError(f"{type(self).__name__}: clipnorm and global_clipnorm would clip a split variable's "
                              "shard by its own norm in this version; use clipvalue, or no clipping.")
+        if getattr(getattr(optimizer, "inner_optimizer", optimizer), "use_ema", False):
+            raise ValueError(f"{type(self).__name__}: use_ema would keep each weight's moving average whole where "
+                             "the layout splits the weight, in this version; train without use_ema.")
         if self.shard_optimizer == 3 and getattr(optimizer, "clipvalue", None):
             raise ValueError(f"{type(self).__name__}: clipvalue would clip each replica's part of a gradient with "
                              "the weights split (shard_optimizer 3) in this version; use stage 2, or no clipping.")
