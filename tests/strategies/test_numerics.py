@@ -160,12 +160,13 @@ def test_gradient_accumulation_matches_one_device(kind):
     np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
 
 
-@pytest.mark.parametrize("overwrite_frequency", [None, 3])
+@pytest.mark.parametrize("accumulation, overwrite_frequency", [(2, None), (2, 3), (None, 3)])
 @pytest.mark.parametrize("kind", ["mirrored", "pipeline"])
-def test_a_moving_average_of_accumulated_updates_ends_at_keras_own_weights(kind, overwrite_frequency):
-    """`use_ema` with `gradient_accumulation_steps`: the moving average moves every step and Keras copies it into
-    the weights at the end of `fit` (and every `ema_overwrite_frequency` steps); tfdist's accumulation under a
-    strategy left it at zero, so every weight ended at 0.0."""
+def test_a_moving_average_of_the_weights_ends_at_keras_own_weights(kind, accumulation, overwrite_frequency):
+    """`use_ema`: the moving average moves every step and Keras copies it into the weights at the end of `fit`
+    (and every `ema_overwrite_frequency` steps). With `gradient_accumulation_steps`, tfdist's accumulation under a
+    strategy left it at zero, so every weight ended at 0.0; without, Keras's overwrite failed under a strategy
+    (it enters the cross-replica context inside a conditional)."""
     import keras
 
     from tfdist import MirroredStrategy, PipelineStrategy
@@ -174,7 +175,7 @@ def test_a_moving_average_of_accumulated_updates_ends_at_keras_own_weights(kind,
                 "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False)}[kind]()
 
     def optimizer():
-        return keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, use_ema=True, ema_momentum=0.5,
+        return keras.optimizers.Adam(0.05, gradient_accumulation_steps=accumulation, use_ema=True, ema_momentum=0.5,
                                      ema_overwrite_frequency=overwrite_frequency)
 
     reference, expected = _accumulated(None, optimizer)

@@ -582,7 +582,9 @@ def _install_gradient_accumulation_under_strategies() -> None:
     the average, and the accumulator zeroed; on the others the gradient added to the accumulator. The
     same steps as one device's, on the same global gradients. An optimizer whose state a strategy
     splits (`shard_optimizer`) updates its slices of the averages, on update steps only
-    (`keras_internals.replace_accumulated_update`). Idempotent.
+    (`keras_internals.replace_accumulated_update`). The weights' moving average (`use_ema`) moves every step, and
+    its overwrite of the weights (`ema_overwrite_frequency`, which Keras also puts in a conditional that enters the
+    cross-replica context: with or without accumulation) runs as `_moving_average_as_keras_does` says. Idempotent.
     """
     import tensorflow as tf
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -595,8 +597,17 @@ def _install_gradient_accumulation_under_strategies() -> None:
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         context = tf.distribute.get_replica_context()
-        if not self.gradient_accumulation_steps or context is None or not tf.distribute.has_strategy():
+        if context is None or not tf.distribute.has_strategy():
             return keras_apply(self, grads, trainable_variables)
+        if not self.gradient_accumulation_steps:
+            if not (self.use_ema and self.ema_overwrite_frequency):
+                return keras_apply(self, grads, trainable_variables)
+            # Keras's own steps, but its overwrite with the moving average, which fails under a strategy.
+            grads = self._clip_gradients(grads)
+            self._apply_weight_decay(trainable_variables)
+            self._backend_update_step(grads, trainable_variables, self.learning_rate)
+            _moving_average_as_keras_does(self)
+            return
         split_update = accumulated_update(self)
         steps = self.gradient_accumulation_steps
         # A weight split over the replicas (ZeRO 3) has its slice's gradient summed in the backward pass already.
