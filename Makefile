@@ -98,11 +98,12 @@ pytest:
 bazel-test:
 	bazel test --test_output=errors //...
 
-# `make docs` rewrites the config reference from the schema's docstrings (a test fails when the
-# committed one is stale), then builds the site; `make site` only builds it. The build is strict:
-# a broken link, or a page missing from mkdocs.yml, fails it.
+# `make docs` rewrites the config reference from the schema's docstrings and the table of patches to Keras
+# from their registry (a test fails when either committed one is stale), then builds the site; `make site`
+# only builds it. The build is strict: a broken link, or a page missing from mkdocs.yml, fails it.
 docs: $(STAMPS)/tfdist
 	python tools/config_reference.py
+	python tools/patches_table.py
 	$(MAKE) site
 
 site: $(STAMPS)/tfdist

@@ -87,6 +87,21 @@ def tfdist_command(*args):
     return [sys.executable, "-m", "tfdist.cli", *args]
 
 
+_TENSORFLOW_KEY_BASES = iter(range(100_000, 1_000_000, 1_000))  # below tfdist's own (1,000,000 per instance)
+
+
+def tensorflow_mirrored(devices=("/cpu:0", "/cpu:1")):
+    """TensorFlow's own MirroredStrategy, numbering its collectives apart from every other instance in the process.
+    TensorFlow numbers every instance's from one start, so a second instance reuses the first's instance keys with
+    other shapes and fails ("Shape mismatch in the collective instance 100"), with or without tfdist: in one test
+    process, instances of many tests meet."""
+    import tensorflow as tf
+
+    apart = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
+                 {"_collective_key_base": next(_TENSORFLOW_KEY_BASES)})
+    return apart(list(devices))
+
+
 def patient(seconds):
     """A time limit of the suite: `seconds` on the slowest machine kind CI uses, scaled by this machine's
     slowness against it (`machine_speed`), or under Bazel its test's own timeout if longer. `make test`

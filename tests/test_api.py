@@ -17,8 +17,8 @@ from helpers import ROOT, patient
 PUBLIC = {
     "tfdist": ["Checkpoint", "ClusterError", "Config", "ConfigError", "HorovodStrategy", "LayoutStrategy",
                "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PipelineStrategy",
-               "TensorParallelStrategy", "Throughput", "__version__", "is_chief", "load_config", "make_strategy",
-               "prepare", "remat", "run", "set_distribution", "strategy_from"],
+               "TensorParallelStrategy", "Throughput", "__version__", "fix_tensorflow_strategies", "is_chief",
+               "load_config", "make_strategy", "prepare", "remat", "run", "set_distribution", "strategy_from"],
     "tfdist.layers": ["ColumnParallelDense", "ParallelMLP", "ParallelMultiHeadAttention", "RowParallelDense",
                       "ShardedEmbedding", "shard_placement"],
     "tfdist.callbacks": ["Checkpoint", "DeviceMetrics", "EXIT_PREEMPTED", "EXIT_TERMINATED", "InputStalls",

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from tfdist._compat.patches import fix_tensorflow_strategies as _fix_tensorflow_strategies
 from tfdist._compat.patches import install_patches as _install_patches
 from tfdist.errors import ClusterError
 from tfdist.memory_limit import guard_optimizer_build
 
-__all__ = ["StrategyContract", "contract", "install_patches"]
+__all__ = ["StrategyContract", "contract", "fix_tensorflow_strategies", "install_patches"]
 
 
 class StrategyContract:
@@ -183,6 +184,16 @@ def install_patches() -> None:
                      any_process=lambda strategy, flag: contract(strategy).any_process(flag),
                      splits_optimizers=lambda strategy: bool(getattr(contract(strategy), "shard_optimizer", 0)),
                      is_tfdists=lambda strategy: isinstance(strategy, StrategyContract))
+
+
+def fix_tensorflow_strategies() -> None:
+    """Has tfdist's fixes of Keras bugs serve TensorFlow's own strategies too (`tf.distribute.MirroredStrategy`,
+    `MultiWorkerMirroredStrategy`, ...), for the rest of the process: a custom loop's first step
+    (keras-team/keras#19246), gradient accumulation and `use_ema`'s overwrite (keras-team/keras#20582), loss
+    scaling's skip decision agreed over the replicas, checkpoint callbacks that write from the chief alone.
+    Without this call, making a tfdist strategy changes nothing for code under TensorFlow's own strategies."""
+    install_patches()
+    _fix_tensorflow_strategies()
 
 
 def _after_compile(strategy, model) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import tensorflow_mirrored
 from tfdist.callbacks import EXIT_PREEMPTED, Checkpoint, weights_digest
 from tfdist.checkpoint_store import CheckpointMismatch, CheckpointStore
 from tfdist.layers import ColumnParallelDense, RowParallelDense
@@ -68,7 +69,7 @@ def _fit(strategy, directory, epochs=3, extra=()):
 
 STRATEGIES = {
     "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
-    "mirrored": lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+    "mirrored": tensorflow_mirrored,
     "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False),
     "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
 }

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import tensorflow_mirrored
 from tfdist.config.schema import DataConfig
 from tfdist.data import dataset_fn, input_pipeline, training_dataset, validation_dataset
 
@@ -85,7 +86,7 @@ def test_an_input_context_shards_per_worker_and_batches_per_replica():
 
 
 def test_distribute_datasets_from_function_feeds_fit():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = tensorflow_mirrored()
     fn = dataset_fn(_examples, DataConfig(), batch_size=8, training=True, seed=0)
     data = strategy.distribute_datasets_from_function(fn)
     first = next(iter(data))

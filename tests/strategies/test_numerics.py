@@ -96,7 +96,7 @@ def test_steps_per_execution_over_several_replicas_matches_one_device():
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
         return model, history
 
-    reference, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    reference, expected = train(tf.distribute.get_strategy())  # Keras without a strategy
     model, history = train(MirroredStrategy(["/cpu:0", "/cpu:1"]))
     assert int(model.optimizer.iterations.numpy()) == 2 * 8  # 3 + 3 + 2 steps an epoch
     for a, b in zip(reference.get_weights(), model.get_weights()):

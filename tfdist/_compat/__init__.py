@@ -4,7 +4,9 @@ By concern:
 - `versions`: the versions every function here was checked against
   (TensorFlow 2.21, Keras 3.15); importing this package warns once outside them;
 - `patches`: what tfdist changes in Keras, installed together and once
-  (`tfdist.contract.install_patches`);
+  (`tfdist.contract.install_patches`), serving calls under tfdist's strategies only;
+- `registry`: each patch's target, reason, upstream issue and the fingerprint of the Keras code it was
+  written against; a patch whose target differs is not installed;
 - `keras_internals` and `tensorflow_internals`: private state tfdist reads;
 - `tf_distribute`: the private TensorFlow classes the strategies extend;
 - `optional`: Horovod, NVML and the profiler's protobuf, on first use.

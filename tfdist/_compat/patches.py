@@ -3,28 +3,39 @@ clipping after the all-reduce, gradient weights by batch share, atomic parameter
 write from the chief alone, optimizer slots built outside a custom loop's traced step, gradient accumulation
 under a strategy, tfdist's own code left out of AutoGraph's conversion.
 
-They are installed together, once (`install_patches`), and each falls back to
-Keras's own behaviour for a strategy that asks for nothing. How a patch asks a
-strategy is given to it (`tfdist.contract` passes the contract's
-answers), so this module imports nothing of tfdist's.
+Each is declared in `patches()` (`registry.Patch`: its target, why, the upstream issue, the fingerprint of the
+Keras code it was written against) and installed together, once (`install_patches`), where this Keras is that
+code. A replacement serves only calls under one of tfdist's strategies (and under TensorFlow's own after
+`fix_tensorflow_strategies()`, for the fixes of Keras bugs); every other call runs Keras's own function. How a
+patch asks a strategy is given to it (`tfdist.contract` passes the contract's answers), so this module imports
+nothing of tfdist's but `_compat`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 import threading
 import weakref
 from typing import Callable
 
+from tfdist._compat import registry
 from tfdist._compat.keras_internals import backing_value, updates_replaced
+from tfdist._compat.registry import Patch
 
-__all__ = ["built_in_a_step", "forget_step_functions", "gradient_weight", "install_patches", "keras_step_function",
-           "training_epoch_iterator", "resume_epoch_iterator", "batches_read", "parameter_server_writes_in_reverse",
-           "weighted_by_batch_share"]
+__all__ = ["KerasNotAsWrittenFor", "patches", "built_in_a_step", "fix_tensorflow_strategies", "forget_step_functions", "gradient_weight",
+           "install_patches", "keras_step_function", "training_epoch_iterator", "resume_epoch_iterator",
+           "batches_read", "parameter_server_writes_in_reverse", "weighted_by_batch_share"]
 
 # How the patches ask a strategy, by name (each is described in `install_patches`).
 _ASK: dict[str, Callable] = {}
+_FIXING_TENSORFLOW = [False]
+
+
+class KerasNotAsWrittenFor(RuntimeError):
+    """A patch tfdist's strategies need does not fit the installed Keras or TensorFlow."""
 
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
@@ -32,7 +43,7 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
                     after_compile: Callable,
                     before_save: Callable, is_chief: Callable, multi_process: Callable, any_process: Callable,
                     splits_optimizers: Callable, is_tfdists: Callable) -> None:
-    """Installs every patch, once; later calls change nothing.
+    """Installs every patch that fits this Keras, once; later calls change nothing.
 
     Args:
       keras_hooks: `(strategy, model)` -> the step functions the strategy supplies for `model`, or None.
@@ -51,7 +62,10 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
       multi_process: `(strategy)` -> whether the job has other processes.
       any_process: `(strategy, flag)` -> whether `flag` is set in any process; every process calls it.
       splits_optimizers: `(strategy)` -> whether it splits the state of the optimizer `compile` gets.
-      is_tfdists: `(strategy)` -> whether it is one of tfdist's strategies.
+      is_tfdists: `(strategy)` -> whether it is one of tfdist's strategies: the patches serve its calls.
+
+    Raises:
+      KerasNotAsWrittenFor: a patch does not fit this Keras (another version, or its target's code changed).
     """
     _ASK.setdefault("keras_hooks", keras_hooks)
     _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
@@ -65,20 +79,91 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     _ASK.setdefault("any_process", any_process)
     _ASK.setdefault("splits_optimizers", splits_optimizers)
     _ASK.setdefault("is_tfdists", is_tfdists)
-    _install_trainer_hooks()
-    _install_clipping_after_all_reduce()
-    _install_gradient_all_reduce()
-    _install_atomic_parameter_server_updates()
-    _install_save_check()
-    _install_loss_scaling_agreement()
-    _install_chief_only_callback_writes()
-    _install_save_reference_objects_outside_strategies()
-    _install_optimizer_build_outside_the_step()
-    _install_gradient_accumulation_under_strategies()
-    _install_autograph_skips_tfdist()
+    registry.install(patches(), _serves)
+    _skip_tfdist_in_autograph()
+    reasons = dict.fromkeys(registry.refused().values())  # once each: another version refuses every patch
+    if reasons:
+        raise KerasNotAsWrittenFor(f"tfdist's patches to Keras do not fit it: {'; '.join(reasons)} "
+                                   f"(pip install 'tfdist[cpu]' installs the versions they were written for)")
 
 
-def _install_autograph_skips_tfdist() -> None:
+@functools.cache
+def patches() -> tuple[Patch, ...]:
+    """Every patch tfdist makes to Keras, in the order they are installed."""
+    return (*_trainer_patches(), *_clipping_patches(), *_all_reduce_patches(), *_parameter_server_patches(),
+            *_loss_scaling_patches(), *_chief_only_write_patches(), *_saving_patches(), *_optimizer_build_patches(),
+            *_accumulation_patches())
+
+
+def fix_tensorflow_strategies() -> None:
+    """Has tfdist's fixes of Keras bugs serve TensorFlow's own strategies too (`tf.distribute.MirroredStrategy`,
+    ...): custom loops' first step (keras-team/keras#19246), gradient accumulation (keras-team/keras#20582),
+    loss scaling's skip decision agreed over the replicas, `use_ema`'s overwrite, and checkpoints written by the
+    chief alone. Without this call tfdist changes nothing for them."""
+    _FIXING_TENSORFLOW[0] = True
+
+
+def _serves(patch: Patch, strategy) -> bool:
+    """Whether a call under `strategy` gets `patch`'s replacement rather than Keras's own function."""
+    if strategy is None:
+        return False
+    if _ASK["is_tfdists"](strategy):
+        return True
+    return patch.fixes_tensorflow and _FIXING_TENSORFLOW[0] and type(strategy).__name__ != "_DefaultDistributionStrategy"
+
+
+# The fingerprint (`registry.fingerprint`) of each target's source in Keras 3.15, which its patch was written against.
+WRITTEN_AGAINST = {
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_train_function": "a9703da4a49b",
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_test_function": "ad5e9155b929",
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_predict_function": "a772a2efdd90",
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.get_metrics_result": "89f313bc35c1",
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9",
+    "keras.src.trainers.trainer.Trainer.compile": "98ee80c63ae7",
+    "keras.src.backend.tensorflow.trainer.TFEpochIterator.__init__": "901af2700297",
+    "keras.src.backend.tensorflow.trainer.TFEpochIterator._get_iterator": "b986aa8a9d22",
+    "keras.src.backend.tensorflow.trainer.TFEpochIterator.__next__": "bbaac0291856",
+    "keras.src.optimizers.base_optimizer.BaseOptimizer._clip_gradients": "152b956e23c9",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients": "953512efa56c",
+    "keras.src.backend.tensorflow.core.Variable.assign_add": "02093eccc2e3",
+    "keras.src.backend.tensorflow.core.Variable.assign_sub": "d5f310723e8b",
+    "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer.check_finite": "b0ce693a4ff0",
+    "keras.src.callbacks.backup_and_restore.BackupAndRestore._save_model": "5eb7b53ca13a",
+    "keras.src.callbacks.backup_and_restore.BackupAndRestore.on_train_end": "3a3f33285b2c",
+    "keras.src.callbacks.model_checkpoint.ModelCheckpoint._save_model": "a9be0a24277f",
+    "keras.src.callbacks.callback_list.CallbackList.on_train_begin": "c01ea7a54c55",
+    "keras.src.saving.saving_lib.get_attr_skipset": "015ec1e6d451",
+    "keras.src.models.model.Model.save": "765eeadff933",
+    "keras.src.models.model.Model.save_weights": "939f2c342aa3",
+    "keras.src.optimizers.base_optimizer.BaseOptimizer.apply": "43097be63b91",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_apply_gradients": "48d6e24d5803",
+}
+
+
+def _patch(target: str, make: Callable, why: str, **how) -> Patch:
+    return Patch(target, make, why, WRITTEN_AGAINST[target], **how)
+
+
+def _of_model(model, *args, **kwargs):
+    return model.distribute_strategy
+
+
+def _of_the_context(*args, **kwargs):
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy()
+
+
+def _of_the_callbacks_model(callback, *args, **kwargs):
+    return getattr(getattr(callback, "model", None), "distribute_strategy", None)
+
+
+def keras_function(owner, name: str):
+    """Keras's own function under tfdist's patch of `owner.name` (the function itself where none is)."""
+    return inspect.unwrap(getattr(owner, name))
+
+
+def _skip_tfdist_in_autograph() -> None:
     """AutoGraph leaves tfdist's modules as they are, as it leaves TensorFlow's and Keras's.
 
     A `tf.function` converts every function it calls from a module its rules do not exclude, and a
@@ -93,14 +178,12 @@ def _install_autograph_skips_tfdist() -> None:
         config.CONVERSION_RULES = (config.DoNotConvert("tfdist"), *config.CONVERSION_RULES)
 
 
-_STEP_FUNCTION_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
+_TRAINER = "keras.src.backend.tensorflow.trainer.TensorFlowTrainer."
+_EPOCH_ITERATOR = "keras.src.backend.tensorflow.trainer.TFEpochIterator."
 
-_TRAINER_HOOKS = _STEP_FUNCTION_MAKERS + ("get_metrics_result", "_maybe_symbolic_build", "compile")
 
-_ORIGINAL_TRAINER_METHODS: dict = {}
-
-def _install_trainer_hooks() -> None:
-    """Lets a strategy supply the step functions Keras 3's TensorFlow trainer runs.
+def _trainer_patches() -> list[Patch]:
+    """Lets a strategy supply the step functions Keras 3's TensorFlow trainer runs, and resume an epoch.
 
     Keras 3 builds `fit`/`evaluate`/`predict` step functions around
     `strategy.run` on the calling process, and offers no way to schedule them
@@ -120,15 +203,11 @@ def _install_trainer_hooks() -> None:
     distributed iterator it then drops (see `_first_batch`); the build here
     reads the batch before distribution, and only when something is left to
     build. After `compile`, the model's strategy hears of it
-    (`after_compile`), before the optimizer is built. Everything else keeps
-    Keras's own methods. Idempotent.
+    (`after_compile`), before the optimizer is built. The epoch iterator's
+    patches change nothing until `resume_epoch_iterator` asks, whatever the
+    strategy, but that an epoch's iterator over a tfdist strategy's devices
+    starts when a step first reads it (`_StartedOnFirstRead`).
     """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
-    from keras.src.trainers.trainer import Trainer
-
-    if _ORIGINAL_TRAINER_METHODS:
-        return
-    _ORIGINAL_TRAINER_METHODS.update({name: getattr(TensorFlowTrainer, name) for name in _TRAINER_HOOKS})
 
     def hooks_of(model):
         # Made once per compile: `compile` makes a new `_compile_config`, and a
@@ -139,78 +218,112 @@ def _install_trainer_hooks() -> None:
             model.__dict__["_tfdist_hooks"] = (compiled_as, _ASK["keras_hooks"](model.distribute_strategy, model))
         return model.__dict__["_tfdist_hooks"][1]
 
-    def step_function_maker(name: str):
-        attribute = name.replace("make_", "")
+    def step_function_maker(keras_make):
+        attribute = keras_make.__name__.replace("make_", "")
 
         def make(self, force=False):
             hooks = hooks_of(self)
             if attribute not in (hooks or {}):
-                return _ORIGINAL_TRAINER_METHODS[name](self, force=force)
+                return keras_make(self, force=force)
             setattr(self, attribute, hooks[attribute])
             return getattr(self, attribute)
 
         return make
 
-    def get_metrics_result(self):
-        import tensorflow as tf
+    def metrics_result_getter(keras_get):
+        def get_metrics_result(self):
+            import tensorflow as tf
 
-        hooks = hooks_of(self)
-        # In a traced step (Keras's own compute_metrics) the graph reads the metrics itself.
-        if "metrics_result" in (hooks or {}) and tf.executing_eagerly():
-            return hooks["metrics_result"]()
-        return _ORIGINAL_TRAINER_METHODS["get_metrics_result"](self)
+            hooks = hooks_of(self)
+            # In a traced step (Keras's own compute_metrics) the graph reads the metrics itself.
+            if "metrics_result" in (hooks or {}) and tf.executing_eagerly():
+                return hooks["metrics_result"]()
+            return keras_get(self)
 
-    def maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if iterator is not None and self._distribute_strategy is not None and _needs_a_batch(self):
-            data_batch = _first_batch(iterator, self._distribute_strategy)
-        return _ORIGINAL_TRAINER_METHODS["_maybe_symbolic_build"](self, data_batch=data_batch)
+        return get_metrics_result
 
-    def compile_told(self, *args, **kwargs):
-        _ORIGINAL_TRAINER_METHODS["compile"](self, *args, **kwargs)
-        _ASK["after_compile"](self.distribute_strategy, self)
+    def build_from_the_undistributed_batch(keras_build):
+        def maybe_symbolic_build(self, iterator=None, data_batch=None):
+            if iterator is not None and self._distribute_strategy is not None and _needs_a_batch(self):
+                data_batch = _first_batch(iterator, self._distribute_strategy)
+            return keras_build(self, data_batch=data_batch)
 
-    next_group = TFEpochIterator.__next__
-    init = TFEpochIterator.__init__
-    get_iterator = TFEpochIterator._get_iterator
+        return maybe_symbolic_build
 
-    def init_recorded(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        global _LATEST_EPOCH_ITERATOR
-        _LATEST_EPOCH_ITERATOR = weakref.ref(self)
+    def strategy_told_of_compile(keras_compile):
+        def compile_told(self, *args, **kwargs):
+            keras_compile(self, *args, **kwargs)
+            _ASK["after_compile"](self.distribute_strategy, self)
 
-    def get_iterator_resumed(self):
-        # Called whenever Keras starts a new iterator over the dataset.
-        skip = self.__dict__.pop("_tfdist_skip_batches", 0)
-        self.__dict__["_tfdist_batches"] = skip
-        if not skip:
-            dataset = get_iterator(self)
-        else:
-            dataset = self.data_adapter.get_tf_dataset().skip(skip)  # global batches: before any sharding
-            dataset = self._distribute_strategy.experimental_distribute_dataset(dataset)
-        return _StartedOnFirstRead(dataset) if _ASK["is_tfdists"](self._distribute_strategy) else dataset
+        return compile_told
 
-    def next_group_told(self):
-        first, last, iterator = next_group(self)
-        resume_at = self.__dict__.pop("_tfdist_first_step", 0)
-        while first < resume_at:  # steps a checkpoint already took: Keras's counter moves, no data is read
+    def recorded(init):
+        def init_recorded(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            global _LATEST_EPOCH_ITERATOR
+            _LATEST_EPOCH_ITERATOR = weakref.ref(self)
+
+        return init_recorded
+
+    def resumed(get_iterator):
+        def get_iterator_resumed(self):
+            # Called whenever Keras starts a new iterator over the dataset.
+            skip = self.__dict__.pop("_tfdist_skip_batches", 0)
+            self.__dict__["_tfdist_batches"] = skip
+            if not skip:
+                dataset = get_iterator(self)
+            else:
+                dataset = self.data_adapter.get_tf_dataset().skip(skip)  # global batches: before any sharding
+                dataset = self._distribute_strategy.experimental_distribute_dataset(dataset)
+            strategy = self._distribute_strategy
+            return _StartedOnFirstRead(dataset) if strategy is not None and _ASK["is_tfdists"](strategy) else dataset
+
+        return get_iterator_resumed
+
+    def told(next_group):
+        def next_group_told(self):
             first, last, iterator = next_group(self)
-        if isinstance(iterator, _StartedOnFirstRead):
-            iterator = iterator.started()
-        # An iterator made before the patches were installed has no count yet.
-        self.__dict__["_tfdist_batches"] = self.__dict__.get("_tfdist_batches", 0) + last - first + 1
-        if hasattr(iterator, "on_step_group"):
-            iterator.on_step_group(first, last, self.num_batches)
-        return first, last, iterator
+            resume_at = self.__dict__.pop("_tfdist_first_step", 0)
+            while first < resume_at:  # steps a checkpoint already took: Keras's counter moves, no data is read
+                first, last, iterator = next_group(self)
+            if isinstance(iterator, _StartedOnFirstRead):
+                iterator = iterator.started()
+            # An iterator made before the patches were installed has no count yet.
+            self.__dict__["_tfdist_batches"] = self.__dict__.get("_tfdist_batches", 0) + last - first + 1
+            if hasattr(iterator, "on_step_group"):
+                iterator.on_step_group(first, last, self.num_batches)
+            return first, last, iterator
 
-    for name in _STEP_FUNCTION_MAKERS:
-        setattr(TensorFlowTrainer, name, step_function_maker(name))
-    TensorFlowTrainer.get_metrics_result = get_metrics_result
-    TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
-    # On Keras's base class, where `compile_from_config` (model loading) checks it is not overridden.
-    Trainer.compile = compile_told
-    TFEpochIterator.__init__ = init_recorded
-    TFEpochIterator._get_iterator = get_iterator_resumed
-    TFEpochIterator.__next__ = next_group_told
+        return next_group_told
+
+    step_functions = "a strategy's own step functions (`keras_hooks`), where it has them"
+    return [
+        _patch(_TRAINER + "make_train_function", step_function_maker, step_functions,
+              strategy_of=_of_model),
+        _patch(_TRAINER + "make_test_function", step_function_maker, step_functions,
+              strategy_of=_of_model),
+        _patch(_TRAINER + "make_predict_function", step_function_maker, step_functions,
+              strategy_of=_of_model),
+        _patch(_TRAINER + "get_metrics_result", metrics_result_getter,
+              "metrics read from a strategy's own step functions (`metrics_result`)",
+              strategy_of=_of_model),
+        _patch(_TRAINER + "_maybe_symbolic_build", build_from_the_undistributed_batch,
+              "the model built from the first batch before distribution: one that does not divide over the "
+              "replicas fails Keras's build", strategy_of=_of_model, fixes_tensorflow=True,
+              upstream="keras-team/keras#19246"),
+        # On Keras's base class, where `compile_from_config` (model loading) checks it is not overridden.
+        _patch("keras.src.trainers.trainer.Trainer.compile", strategy_told_of_compile,
+              "the strategy hears of `compile` (it splits the optimizer's state; the memory check of its build)", strategy_of=_of_model),
+        _patch(_EPOCH_ITERATOR + "__init__", recorded,
+              "the epoch iterator `fit` made last is known (`training_epoch_iterator`)"),
+        _patch(_EPOCH_ITERATOR + "_get_iterator", resumed,
+              "a resumed epoch skips the batches a checkpoint already took; over a tfdist strategy's devices an "
+              "epoch's iterator starts on first read"),
+        _patch(_EPOCH_ITERATOR + "__next__", told,
+              "a resumed epoch starts at the checkpoint's step; a strategy's iterator hears which steps a call "
+              "runs (`on_step_group`)"),
+    ]
+
 
 class _StartedOnFirstRead:
     """`iter(dataset)`, made when a step first reads it.
@@ -295,11 +408,10 @@ def keras_step_function(model, attribute: str):
     """Keras's own step function (`train_function`, ...) for `model`, for a hook to wrap."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    maker = "make_" + attribute
-    _ORIGINAL_TRAINER_METHODS.get(maker, getattr(TensorFlowTrainer, maker))(model, force=True)
+    keras_function(TensorFlowTrainer, "make_" + attribute)(model, force=True)
     return getattr(model, attribute)
 
-def _install_clipping_after_all_reduce() -> None:
+def _clipping_patches() -> list[Patch]:
     """Lets a strategy clip gradients after the all-reduce, as one device would.
 
     Keras 3 clips (`clipnorm`, `global_clipnorm`, `clipvalue`) each replica's
@@ -310,16 +422,14 @@ def _install_clipping_after_all_reduce() -> None:
     all-reduced first, clipped, and divided by the number of replicas, so the
     all-reduce Keras runs next gives the clipped global gradient. It costs one
     more all-reduce per step, only when clipping is on. Other strategies keep
-    Keras's behaviour. Idempotent.
+    Keras's behaviour.
     """
     import tensorflow as tf
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    if getattr(BaseOptimizer, "_tfdist_clips_after_all_reduce", False):
-        return
-    keras_clip = BaseOptimizer._clip_gradients
+    def clipped_after_the_all_reduce(keras_clip):
+        return lambda self, grads: _clip_gradients(keras_clip, self, grads)
 
-    def _clip_gradients(self, grads):
+    def _clip_gradients(keras_clip, self, grads):
         grads = weighted_by_batch_share(grads)
         context = tf.distribute.get_replica_context()
         clipping = self.clipnorm or self.global_clipnorm or self.clipvalue
@@ -338,11 +448,10 @@ def _install_clipping_after_all_reduce() -> None:
         replicas = context.num_replicas_in_sync
         return [None if g is None else g / replicas for g in keras_clip(self, summed)]
 
-    BaseOptimizer._clip_gradients = _clip_gradients
-    BaseOptimizer._tfdist_keras_clip = keras_clip
-    BaseOptimizer._tfdist_clips_after_all_reduce = True
+    return [_patch("keras.src.optimizers.base_optimizer.BaseOptimizer._clip_gradients", clipped_after_the_all_reduce,
+                  "gradients weighted by their replica's batch share, and clipped after the all-reduce", strategy_of=_of_the_context)]
 
-def _install_gradient_all_reduce() -> None:
+def _all_reduce_patches() -> list[Patch]:
     """Lets a strategy all-reduce the gradients last layer first, and compressed.
 
     Keras 3 all-reduces every gradient in one call, in the order of the
@@ -359,16 +468,13 @@ def _install_gradient_all_reduce() -> None:
     variable's dtype first, runs where the variable lives, so only the narrow
     gradient crosses. A strategy may reduce the gradients itself
     (`reduce_gradients`: a layout's split variables keep their own replica's).
-    Idempotent.
     """
     import tensorflow as tf
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    if getattr(TFOptimizer, "_tfdist_gradient_all_reduce", False):
-        return
-    keras_all_reduce = TFOptimizer._all_reduce_sum_gradients
+    def the_strategys_all_reduce(keras_all_reduce):
+        return lambda self, grads_and_vars: _all_reduce_sum_gradients(keras_all_reduce, self, grads_and_vars)
 
-    def _all_reduce_sum_gradients(self, grads_and_vars):
+    def _all_reduce_sum_gradients(keras_all_reduce, self, grads_and_vars):
         context = tf.distribute.get_replica_context()
         strategy = tf.distribute.get_strategy()
         reduced = _ASK["reduce_gradients"](strategy, grads_and_vars) if context is not None else None
@@ -393,11 +499,12 @@ def _install_gradient_all_reduce() -> None:
             pairs[i] = (tf.cast(r, gradient.dtype) if isinstance(r, tf.Tensor) else r, variable)
         return pairs
 
-    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
-    TFOptimizer._tfdist_gradient_all_reduce = True
+    return [_patch("keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+                  the_strategys_all_reduce,
+                  "the strategy's own all-reduce of the gradients: last layer first, compressed, or by the strategy", strategy_of=_of_the_context)]
 
 
-def _install_loss_scaling_agreement() -> None:
+def _loss_scaling_patches() -> list[Patch]:
     """Lets the replicas take loss scaling's step-or-skip decision together, from the whole batch.
 
     Keras's LossScaleOptimizer checks the gradients for inf and NaN before its
@@ -408,16 +515,10 @@ def _install_loss_scaling_agreement() -> None:
     another replica's inf reaches every weight. One device decides from the
     whole batch's gradient, which is not finite when any part is not: so the
     replicas' decisions are all-reduced (a count of the parts that overflowed).
-    Idempotent.
     """
     import tensorflow as tf
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-    if getattr(LossScaleOptimizer, "_tfdist_agreed_check", False):
-        return
-    keras_check = LossScaleOptimizer.check_finite
-
-    def check_finite(self, grads):
+    def check_finite(keras_check, self, grads):
         finite = keras_check(self, grads)
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
@@ -425,11 +526,12 @@ def _install_loss_scaling_agreement() -> None:
         overflowed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
         return tf.equal(overflowed, 0.0)
 
-    LossScaleOptimizer.check_finite = check_finite
-    LossScaleOptimizer._tfdist_agreed_check = True
+    return [_patch("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer.check_finite",
+                  lambda keras_check: functools.partial(check_finite, keras_check),
+                  "loss scaling's step-or-skip decision taken from every replica's gradients, as one device takes it", strategy_of=_of_the_context, fixes_tensorflow=True)]
 
 
-def _install_chief_only_callback_writes() -> None:
+def _chief_only_write_patches() -> list[Patch]:
     """Keras's BackupAndRestore and ModelCheckpoint write their files from the chief alone in a multi-process job.
 
     Every process of a job runs its `fit`'s callbacks, and Keras 3's write one path from each (tf.keras's
@@ -439,23 +541,14 @@ def _install_chief_only_callback_writes() -> None:
     When every process has such a callback (agreed as `fit` begins), every process waits after each save
     for the chief's to end, so that none reads a file the chief is still writing: Keras's guide restores
     the latest checkpoint as soon as `fit` returns. Horovod's examples give rank 0 alone a ModelCheckpoint;
-    then nobody waits. Idempotent.
+    then nobody waits.
     """
-    import functools
-
     from keras.src.callbacks.backup_and_restore import BackupAndRestore
-    from keras.src.callbacks.callback_list import CallbackList
     from keras.src.callbacks.model_checkpoint import ModelCheckpoint
 
-    if getattr(BackupAndRestore, "_tfdist_chief_writes", False):
-        return
-
     def on_the_chief(write, *, then_wait: bool):
-        @functools.wraps(write)
         def write_on_the_chief(self, *args, **kwargs):
-            strategy = getattr(self.model, "distribute_strategy", None)
-            if strategy is None:
-                return write(self, *args, **kwargs)
+            strategy = self.model.distribute_strategy
             result = write(self, *args, **kwargs) if _ASK["is_chief"](strategy) else None
             if then_wait and getattr(self, "_tfdist_every_process_saves", False):
                 _ASK["any_process"](strategy, False)
@@ -464,11 +557,10 @@ def _install_chief_only_callback_writes() -> None:
         return write_on_the_chief
 
     def agreeing_who_saves(on_train_begin):
-        @functools.wraps(on_train_begin)
         def on_train_begin_after_agreeing(self, logs=None):
-            strategy = getattr(self.model, "distribute_strategy", None)
+            strategy = self.model.distribute_strategy
             savers = [c for c in self.callbacks if isinstance(c, (BackupAndRestore, ModelCheckpoint))]
-            if strategy is not None and _ASK["multi_process"](strategy):
+            if _ASK["multi_process"](strategy):
                 everywhere = not _ASK["any_process"](strategy, not savers)
                 for callback in savers:
                     callback._tfdist_every_process_saves = everywhere
@@ -476,14 +568,23 @@ def _install_chief_only_callback_writes() -> None:
 
         return on_train_begin_after_agreeing
 
-    BackupAndRestore._save_model = on_the_chief(BackupAndRestore._save_model, then_wait=True)
-    BackupAndRestore.on_train_end = on_the_chief(BackupAndRestore.on_train_end, then_wait=False)  # deletes it
-    ModelCheckpoint._save_model = on_the_chief(ModelCheckpoint._save_model, then_wait=True)
-    CallbackList.on_train_begin = agreeing_who_saves(CallbackList.on_train_begin)
-    BackupAndRestore._tfdist_chief_writes = True
+    written = functools.partial(on_the_chief, then_wait=True)
+    why = "written by the chief alone in a multi-process job, the other processes waiting for it"
+    callbacks = "keras.src.callbacks."
+    return [
+        _patch(callbacks + "backup_and_restore.BackupAndRestore._save_model", written, why,
+              strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+        _patch(callbacks + "backup_and_restore.BackupAndRestore.on_train_end",
+              functools.partial(on_the_chief, then_wait=False), "the backup deleted by the chief alone", strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+        _patch(callbacks + "model_checkpoint.ModelCheckpoint._save_model", written, why,
+              strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+        _patch(callbacks + "callback_list.CallbackList.on_train_begin", agreeing_who_saves,
+              "the processes agree whether every one of them has a checkpoint callback (then each waits for the "
+              "chief's saves)", strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+    ]
 
 
-def _install_save_reference_objects_outside_strategies() -> None:
+def _saving_patches() -> list[Patch]:
     """Keras's `.keras` saving builds its bare reference objects once, outside any strategy's scope.
 
     To know which attributes to skip, Keras's saving builds a bare object of each kind it saves (an
@@ -492,25 +593,39 @@ def _install_save_reference_objects_outside_strategies() -> None:
     strategy's scope that variable's initial value is broadcast from the chief, so a save on the chief
     alone (ModelCheckpoint's) waits on a collective no other worker joins, and fails when they move on
     ("CollectiveBcastSend ... aborted"). A strategy's scope belongs to its thread: the objects are built
-    in a thread of their own, once per kind. Idempotent.
+    in a thread of their own, once per kind. Before `model.save` or `save_weights` opens its file, the
+    model's strategy may refuse it (`before_save`): an object that cannot give its state (an optimizer
+    state split over processes, which one process cannot gather alone) could only raise once the file is
+    already truncated, and an earlier save at that path would be lost.
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from keras.src.saving import saving_lib
-
-    if getattr(saving_lib.get_attr_skipset, "_tfdist_outside_strategies", False):
-        return
-    build = saving_lib.get_attr_skipset
     skipsets: dict = {}
 
-    def get_attr_skipset(obj_type):
-        if obj_type not in skipsets:
-            with ThreadPoolExecutor(1) as thread:
-                skipsets[obj_type] = thread.submit(build, obj_type).result()
-        return skipsets[obj_type]
+    def outside_strategies(build):
+        def get_attr_skipset(obj_type):
+            if obj_type not in skipsets:
+                with ThreadPoolExecutor(1) as thread:
+                    skipsets[obj_type] = thread.submit(build, obj_type).result()
+            return skipsets[obj_type]
 
-    get_attr_skipset._tfdist_outside_strategies = True
-    saving_lib.get_attr_skipset = get_attr_skipset
+        return get_attr_skipset
+
+    def checked(save):
+        def save_after_the_check(self, *args, **kwargs):
+            _ASK["before_save"](self.distribute_strategy, self)
+            return save(self, *args, **kwargs)
+
+        return save_after_the_check
+
+    why = "refused before the file is opened when the model's state cannot be saved that way"
+    return [
+        _patch("keras.src.saving.saving_lib.get_attr_skipset", outside_strategies,
+              "the reference objects saving compares with built once, outside the strategy's scope: a chief's save "
+              "alone waited on a collective", strategy_of=_of_the_context, fixes_tensorflow=True),
+        _patch("keras.src.models.model.Model.save", checked, why, strategy_of=_of_model),
+        _patch("keras.src.models.model.Model.save_weights", checked, why, strategy_of=_of_model),
+    ]
 
 
 _IN_A_STEP = threading.local()  # set while an optimizer first applied in a traced step builds
@@ -518,11 +633,11 @@ _IN_A_STEP = threading.local()  # set while an optimizer first applied in a trac
 
 def built_in_a_step() -> bool:
     """Whether the optimizer building now was first applied inside a traced step (a custom loop's), after
-    the step's forward pass: it builds outside the step (`_install_optimizer_build_outside_the_step`)."""
+    the step's forward pass: it builds outside the step (`_optimizer_build_patches`)."""
     return getattr(_IN_A_STEP, "on", False)
 
 
-def _install_optimizer_build_outside_the_step() -> None:
+def _optimizer_build_patches() -> list[Patch]:
     """Builds a Keras optimizer's slots outside the traced step when its first `apply` runs inside one.
 
     TensorFlow's custom-loop guide calls `optimizer.apply_gradients` inside `strategy.run` inside a
@@ -532,17 +647,12 @@ def _install_optimizer_build_outside_the_step() -> None:
     'cond/else/_1/cond/Placeholder'" (keras-team/keras#19246), under tfdist's strategies and TensorFlow's
     own alike. Here the slots are made once, eagerly (`tf.init_scope`), from the step's cross-replica
     context (`merge_call`), as an optimizer built before the loop would have them. Under a strategy that
-    splits the optimizer `compile` gets (`shard_optimizer`), another one is whole, and it says so. Idempotent.
+    splits the optimizer `compile` gets (`shard_optimizer`), another one is whole, and it says so.
     """
     import tensorflow as tf
     from keras.src import backend
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    if getattr(BaseOptimizer, "_tfdist_builds_outside_the_step", False):
-        return
-    keras_apply = BaseOptimizer.apply
-
-    def apply(self, grads, trainable_variables=None):
+    def apply(keras_apply, self, grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
         if (not self.built and trainable_variables is not None and tf.inside_function()
                 and tf.distribute.has_strategy() and context is not None):
@@ -564,11 +674,13 @@ def _install_optimizer_build_outside_the_step() -> None:
                       file=sys.stderr, flush=True)
         return keras_apply(self, grads, trainable_variables)
 
-    BaseOptimizer.apply = apply
-    BaseOptimizer._tfdist_builds_outside_the_step = True
+    return [_patch("keras.src.optimizers.base_optimizer.BaseOptimizer.apply",
+                  lambda keras_apply: functools.partial(apply, keras_apply),
+                  "an optimizer first applied inside a traced step builds its slots outside it",
+                  strategy_of=_of_the_context, fixes_tensorflow=True, upstream="keras-team/keras#19246")]
 
 
-def _install_gradient_accumulation_under_strategies() -> None:
+def _accumulation_patches() -> list[Patch]:
     """Makes Keras's gradient accumulation (`gradient_accumulation_steps`) work under a tf.distribute strategy.
 
     Keras 3 chooses between updating and accumulating with a conditional inside the replica's step,
@@ -584,18 +696,14 @@ def _install_gradient_accumulation_under_strategies() -> None:
     splits (`shard_optimizer`) updates its slices of the averages, on update steps only
     (`keras_internals.replace_accumulated_update`). The weights' moving average (`use_ema`) moves every step, and
     its overwrite of the weights (`ema_overwrite_frequency`, which Keras also puts in a conditional that enters the
-    cross-replica context: with or without accumulation) runs as `_moving_average_as_keras_does` says. Idempotent.
+    cross-replica context: with or without accumulation) runs as `_moving_average_as_keras_does` says.
     """
     import tensorflow as tf
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     from tfdist._compat.keras_internals import accumulated_update
 
-    if getattr(TFOptimizer, "_tfdist_accumulates_under_strategies", False):
-        return
-    keras_apply = TFOptimizer._backend_apply_gradients
-
-    def _backend_apply_gradients(self, grads, trainable_variables):
+    def _backend_apply_gradients(keras_apply, self, grads, trainable_variables):
         context = tf.distribute.get_replica_context()
         if context is None or not tf.distribute.has_strategy():
             return keras_apply(self, grads, trainable_variables)
@@ -620,7 +728,7 @@ def _install_gradient_accumulation_under_strategies() -> None:
             for i, (g, _) in zip(owed, summed):
                 grads[i] = g
         sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
-        averages = self._tfdist_keras_clip([(g + total) / steps for g, total in zip(grads, sums)])
+        averages = keras_function(BaseOptimizer, "_clip_gradients")(self, [(g + total) / steps for g, total in zip(grads, sums)])
         is_update_step = (self._iterations + 1) % steps == 0
         learning_rate = self.learning_rate
 
@@ -652,8 +760,11 @@ def _install_gradient_accumulation_under_strategies() -> None:
         if self.use_ema:  # every step, updated or not, as Keras's own accumulation does
             _moving_average_as_keras_does(self)
 
-    TFOptimizer._backend_apply_gradients = _backend_apply_gradients
-    TFOptimizer._tfdist_accumulates_under_strategies = True
+    return [_patch("keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_apply_gradients",
+                  lambda keras_apply: functools.partial(_backend_apply_gradients, keras_apply),
+                  "gradient accumulation and the moving average's overwrite under a strategy, with no conditional "
+                  "entering the cross-replica context", strategy_of=_of_the_context,
+                  fixes_tensorflow=True, upstream="keras-team/keras#20582")]
 
 
 def _moving_average_as_keras_does(optimizer) -> None:
@@ -676,33 +787,6 @@ def _moving_average_as_keras_does(optimizer) -> None:
             distribution.extended.update(backing_value(variable), overwrite, args=(average,), group=False)
 
     tf.__internal__.distribute.interim.maybe_merge_call(in_cross_replica_context, optimizer._distribution_strategy)
-
-
-def _install_save_check() -> None:
-    """Lets a strategy refuse `model.save` / `model.save_weights` before Keras opens the file.
-
-    Keras opens the file for writing, then asks each object for its state; an
-    object that cannot give it (an optimizer state split over processes, which
-    one process cannot gather alone) can only raise once the file is already
-    truncated, and an earlier save at that path is lost. Idempotent.
-    """
-    import functools
-
-    from keras.src.models.model import Model
-
-    if getattr(Model, "_tfdist_save_checked", False):
-        return
-
-    def checked(save):
-        @functools.wraps(save)
-        def save_after_the_check(self, *args, **kwargs):
-            _ASK["before_save"](self.distribute_strategy, self)
-            return save(self, *args, **kwargs)
-
-        return save_after_the_check
-
-    Model.save, Model.save_weights = checked(Model.save), checked(Model.save_weights)
-    Model._tfdist_save_checked = True
 
 
 def _narrowed(gradient, dtype):
@@ -751,7 +835,7 @@ def _scaled(gradient, weight):
                                 gradient.dense_shape)
     return gradient * tf.cast(weight, gradient.dtype)
 
-def _install_atomic_parameter_server_updates() -> None:
+def _parameter_server_patches() -> list[Patch]:
     """Makes Keras 3's `assign_add`/`assign_sub` atomic for variables on parameter servers.
 
     Keras 3 updates a variable by read-modify-write (`assign(self + value)`).
@@ -760,14 +844,9 @@ def _install_atomic_parameter_server_updates() -> None:
     steps). TensorFlow's own AssignAdd/AssignSub run on the parameter server
     under the variable's lock, as tf.keras used them. Inside
     `parameter_server_writes_in_reverse`, the variables it names are updated
-    at its end, in its order. Other variables keep Keras's code. Idempotent.
+    at its end, in its order. Other variables keep Keras's code.
     """
     from keras.src.backend.common.stateless_scope import in_stateless_scope
-    from keras.src.backend.tensorflow.core import Variable
-
-    if getattr(Variable, "_tfdist_atomic_updates", False):
-        return
-    keras_add, keras_sub = Variable.assign_add, Variable.assign_sub
 
     def on_parameter_server(variable) -> bool:
         return not in_stateless_scope() and "/job:ps/" in (getattr(variable._value, "device", "") or "")
@@ -780,14 +859,18 @@ def _install_atomic_parameter_server_updates() -> None:
             return variable
         return getattr(variable._value, method)(value)
 
-    def assign_add(self, value):
-        return update(self, "assign_add", value) if on_parameter_server(self) else keras_add(self, value)
+    def atomic(keras_update):
+        method = keras_update.__name__
 
-    def assign_sub(self, value):
-        return update(self, "assign_sub", value) if on_parameter_server(self) else keras_sub(self, value)
+        def assign(self, value):
+            return update(self, method, value) if on_parameter_server(self) else keras_update(self, value)
 
-    Variable.assign_add, Variable.assign_sub = assign_add, assign_sub
-    Variable._tfdist_atomic_updates = True
+        return assign
+
+    why = "an update of a variable on a parameter server is TensorFlow's atomic one, not a read and a write"
+    return [_patch("keras.src.backend.tensorflow.core.Variable." + method, atomic, why,
+                  strategy_of=_of_the_context) for method in ("assign_add", "assign_sub")]
+
 
 
 _HELD_WRITES = threading.local()
@@ -818,3 +901,4 @@ def parameter_server_writes_in_reverse(variables: list):
         for method, value in held[id(variable)]:
             with tf.control_dependencies(previous):
                 previous = [getattr(variable._value, method)(value)]
+
