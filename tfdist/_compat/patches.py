@@ -25,7 +25,8 @@ from tfdist._compat import registry
 from tfdist._compat.keras_internals import backing_value, updates_replaced
 from tfdist._compat.registry import Patch
 
-__all__ = ["KerasNotAsWrittenFor", "patches", "built_in_a_step", "fix_tensorflow_strategies", "forget_step_functions", "gradient_weight",
+__all__ = ["KerasNotAsWrittenFor", "patches", "built_in_a_step", "fix_tensorflow_strategies", "forget_step_functions",
+           "gradient_weight",
            "install_patches", "keras_step_function", "training_epoch_iterator", "resume_epoch_iterator",
            "batches_read", "parameter_server_writes_in_reverse", "weighted_by_batch_share"]
 
@@ -109,7 +110,8 @@ def _serves(patch: Patch, strategy) -> bool:
         return False
     if _ASK["is_tfdists"](strategy):
         return True
-    return patch.fixes_tensorflow and _FIXING_TENSORFLOW[0] and type(strategy).__name__ != "_DefaultDistributionStrategy"
+    no_strategy = type(strategy).__name__ == "_DefaultDistributionStrategy"  # Keras alone has none of those bugs
+    return patch.fixes_tensorflow and _FIXING_TENSORFLOW[0] and not no_strategy
 
 
 # The fingerprint (`registry.fingerprint`) of each target's source in Keras 3.15, which its patch was written against.
@@ -298,30 +300,26 @@ def _trainer_patches() -> list[Patch]:
 
     step_functions = "a strategy's own step functions (`keras_hooks`), where it has them"
     return [
-        _patch(_TRAINER + "make_train_function", step_function_maker, step_functions,
-              strategy_of=_of_model),
-        _patch(_TRAINER + "make_test_function", step_function_maker, step_functions,
-              strategy_of=_of_model),
-        _patch(_TRAINER + "make_predict_function", step_function_maker, step_functions,
-              strategy_of=_of_model),
+        *(_patch(_TRAINER + maker, step_function_maker, step_functions, strategy_of=_of_model)
+          for maker in ("make_train_function", "make_test_function", "make_predict_function")),
         _patch(_TRAINER + "get_metrics_result", metrics_result_getter,
-              "metrics read from a strategy's own step functions (`metrics_result`)",
-              strategy_of=_of_model),
+               "metrics read from a strategy's own step functions (`metrics_result`)", strategy_of=_of_model),
         _patch(_TRAINER + "_maybe_symbolic_build", build_from_the_undistributed_batch,
-              "the model built from the first batch before distribution: one that does not divide over the "
-              "replicas fails Keras's build", strategy_of=_of_model, fixes_tensorflow=True,
-              upstream="keras-team/keras#19246"),
+               "the model built from the first batch before distribution: one that does not divide over the "
+               "replicas fails Keras's build", strategy_of=_of_model, fixes_tensorflow=True,
+               upstream="keras-team/keras#19246"),
         # On Keras's base class, where `compile_from_config` (model loading) checks it is not overridden.
         _patch("keras.src.trainers.trainer.Trainer.compile", strategy_told_of_compile,
-              "the strategy hears of `compile` (it splits the optimizer's state; the memory check of its build)", strategy_of=_of_model),
+               "the strategy hears of `compile` (it splits the optimizer's state; the memory check of its build)",
+               strategy_of=_of_model),
         _patch(_EPOCH_ITERATOR + "__init__", recorded,
-              "the epoch iterator `fit` made last is known (`training_epoch_iterator`)"),
+               "the epoch iterator `fit` made last is known (`training_epoch_iterator`)"),
         _patch(_EPOCH_ITERATOR + "_get_iterator", resumed,
-              "a resumed epoch skips the batches a checkpoint already took; over a tfdist strategy's devices an "
-              "epoch's iterator starts on first read"),
+               "a resumed epoch skips the batches a checkpoint already took; over a tfdist strategy's devices an "
+               "epoch's iterator starts on first read"),
         _patch(_EPOCH_ITERATOR + "__next__", told,
-              "a resumed epoch starts at the checkpoint's step; a strategy's iterator hears which steps a call "
-              "runs (`on_step_group`)"),
+               "a resumed epoch starts at the checkpoint's step; a strategy's iterator hears which steps a call "
+               "runs (`on_step_group`)"),
     ]
 
 
@@ -426,9 +424,6 @@ def _clipping_patches() -> list[Patch]:
     """
     import tensorflow as tf
 
-    def clipped_after_the_all_reduce(keras_clip):
-        return lambda self, grads: _clip_gradients(keras_clip, self, grads)
-
     def _clip_gradients(keras_clip, self, grads):
         grads = weighted_by_batch_share(grads)
         context = tf.distribute.get_replica_context()
@@ -448,8 +443,10 @@ def _clipping_patches() -> list[Patch]:
         replicas = context.num_replicas_in_sync
         return [None if g is None else g / replicas for g in keras_clip(self, summed)]
 
-    return [_patch("keras.src.optimizers.base_optimizer.BaseOptimizer._clip_gradients", clipped_after_the_all_reduce,
-                  "gradients weighted by their replica's batch share, and clipped after the all-reduce", strategy_of=_of_the_context)]
+    return [_patch("keras.src.optimizers.base_optimizer.BaseOptimizer._clip_gradients",
+                   lambda keras_clip: functools.partial(_clip_gradients, keras_clip),
+                   "gradients weighted by their replica's batch share, and clipped after the all-reduce",
+                   strategy_of=_of_the_context)]
 
 def _all_reduce_patches() -> list[Patch]:
     """Lets a strategy all-reduce the gradients last layer first, and compressed.
@@ -470,9 +467,6 @@ def _all_reduce_patches() -> list[Patch]:
     (`reduce_gradients`: a layout's split variables keep their own replica's).
     """
     import tensorflow as tf
-
-    def the_strategys_all_reduce(keras_all_reduce):
-        return lambda self, grads_and_vars: _all_reduce_sum_gradients(keras_all_reduce, self, grads_and_vars)
 
     def _all_reduce_sum_gradients(keras_all_reduce, self, grads_and_vars):
         context = tf.distribute.get_replica_context()
@@ -500,8 +494,9 @@ def _all_reduce_patches() -> list[Patch]:
         return pairs
 
     return [_patch("keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
-                  the_strategys_all_reduce,
-                  "the strategy's own all-reduce of the gradients: last layer first, compressed, or by the strategy", strategy_of=_of_the_context)]
+                   lambda keras_all_reduce: functools.partial(_all_reduce_sum_gradients, keras_all_reduce),
+                   "the strategy's own all-reduce of the gradients: last layer first, compressed, or by the strategy",
+                   strategy_of=_of_the_context)]
 
 
 def _loss_scaling_patches() -> list[Patch]:
@@ -527,8 +522,9 @@ def _loss_scaling_patches() -> list[Patch]:
         return tf.equal(overflowed, 0.0)
 
     return [_patch("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer.check_finite",
-                  lambda keras_check: functools.partial(check_finite, keras_check),
-                  "loss scaling's step-or-skip decision taken from every replica's gradients, as one device takes it", strategy_of=_of_the_context, fixes_tensorflow=True)]
+                   lambda keras_check: functools.partial(check_finite, keras_check),
+                   "loss scaling's step-or-skip decision taken from every replica's gradients, as one device takes it",
+                   strategy_of=_of_the_context, fixes_tensorflow=True)]
 
 
 def _chief_only_write_patches() -> list[Patch]:
@@ -573,14 +569,15 @@ def _chief_only_write_patches() -> list[Patch]:
     callbacks = "keras.src.callbacks."
     return [
         _patch(callbacks + "backup_and_restore.BackupAndRestore._save_model", written, why,
-              strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+               strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
         _patch(callbacks + "backup_and_restore.BackupAndRestore.on_train_end",
-              functools.partial(on_the_chief, then_wait=False), "the backup deleted by the chief alone", strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+               functools.partial(on_the_chief, then_wait=False), "the backup deleted by the chief alone",
+               strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
         _patch(callbacks + "model_checkpoint.ModelCheckpoint._save_model", written, why,
-              strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+               strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
         _patch(callbacks + "callback_list.CallbackList.on_train_begin", agreeing_who_saves,
-              "the processes agree whether every one of them has a checkpoint callback (then each waits for the "
-              "chief's saves)", strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
+               "the processes agree whether every one of them has a checkpoint callback (then each waits for the "
+               "chief's saves)", strategy_of=_of_the_callbacks_model, fixes_tensorflow=True),
     ]
 
 
@@ -621,8 +618,8 @@ def _saving_patches() -> list[Patch]:
     why = "refused before the file is opened when the model's state cannot be saved that way"
     return [
         _patch("keras.src.saving.saving_lib.get_attr_skipset", outside_strategies,
-              "the reference objects saving compares with built once, outside the strategy's scope: a chief's save "
-              "alone waited on a collective", strategy_of=_of_the_context, fixes_tensorflow=True),
+               "the reference objects saving compares with built once, outside the strategy's scope: a chief's save "
+               "alone waited on a collective", strategy_of=_of_the_context, fixes_tensorflow=True),
         _patch("keras.src.models.model.Model.save", checked, why, strategy_of=_of_model),
         _patch("keras.src.models.model.Model.save_weights", checked, why, strategy_of=_of_model),
     ]
@@ -675,9 +672,9 @@ def _optimizer_build_patches() -> list[Patch]:
         return keras_apply(self, grads, trainable_variables)
 
     return [_patch("keras.src.optimizers.base_optimizer.BaseOptimizer.apply",
-                  lambda keras_apply: functools.partial(apply, keras_apply),
-                  "an optimizer first applied inside a traced step builds its slots outside it",
-                  strategy_of=_of_the_context, fixes_tensorflow=True, upstream="keras-team/keras#19246")]
+                   lambda keras_apply: functools.partial(apply, keras_apply),
+                   "an optimizer first applied inside a traced step builds its slots outside it",
+                   strategy_of=_of_the_context, fixes_tensorflow=True, upstream="keras-team/keras#19246")]
 
 
 def _accumulation_patches() -> list[Patch]:
@@ -728,7 +725,8 @@ def _accumulation_patches() -> list[Patch]:
             for i, (g, _) in zip(owed, summed):
                 grads[i] = g
         sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
-        averages = keras_function(BaseOptimizer, "_clip_gradients")(self, [(g + total) / steps for g, total in zip(grads, sums)])
+        keras_clip = keras_function(BaseOptimizer, "_clip_gradients")
+        averages = keras_clip(self, [(g + total) / steps for g, total in zip(grads, sums)])
         is_update_step = (self._iterations + 1) % steps == 0
         learning_rate = self.learning_rate
 
@@ -761,10 +759,10 @@ def _accumulation_patches() -> list[Patch]:
             _moving_average_as_keras_does(self)
 
     return [_patch("keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_apply_gradients",
-                  lambda keras_apply: functools.partial(_backend_apply_gradients, keras_apply),
-                  "gradient accumulation and the moving average's overwrite under a strategy, with no conditional "
-                  "entering the cross-replica context", strategy_of=_of_the_context,
-                  fixes_tensorflow=True, upstream="keras-team/keras#20582")]
+                   lambda keras_apply: functools.partial(_backend_apply_gradients, keras_apply),
+                   "gradient accumulation and the moving average's overwrite under a strategy, with no conditional "
+                   "entering the cross-replica context", strategy_of=_of_the_context,
+                   fixes_tensorflow=True, upstream="keras-team/keras#20582")]
 
 
 def _moving_average_as_keras_does(optimizer) -> None:
@@ -869,7 +867,7 @@ def _parameter_server_patches() -> list[Patch]:
 
     why = "an update of a variable on a parameter server is TensorFlow's atomic one, not a read and a write"
     return [_patch("keras.src.backend.tensorflow.core.Variable." + method, atomic, why,
-                  strategy_of=_of_the_context) for method in ("assign_add", "assign_sub")]
+                   strategy_of=_of_the_context) for method in ("assign_add", "assign_sub")]
 
 
 

@@ -100,7 +100,8 @@ def _why_not(patch: Patch, versions: dict[str, str]):
     except (ImportError, AttributeError, OSError, TypeError) as error:
         return f"{patch.target} is not in this Keras ({type(error).__name__}: {error})"
     if found != patch.fingerprint:
-        return f"{patch.target} is not the code it was written for (fingerprint {found}, written for {patch.fingerprint})"
+        return (f"{patch.target} is not the code it was written for "
+                f"(fingerprint {found}, written for {patch.fingerprint})")
     return owner, name, function
 
 
