@@ -25,7 +25,9 @@ children train with collectives and give a fresh process's weights, many in a ro
 What a process reads while it imports TensorFlow, Keras and Python (oneDNN on or off, the log
 level, the path: `IMPORT_TIME_VARIABLES`) is fixed in a zygote. A client with other values of
 those variables is forked from a sibling zygote that imported with them (started on first use, at
-most `MAX_SIBLINGS`); one with interpreter options becomes the real interpreter. A script that
+most `MAX_SIBLINGS`); one with interpreter options becomes the real interpreter. A client with
+`TFDIST_TEST_WITHOUT_TFDIST=1` is forked from a sibling that imported TensorFlow and Keras and never tfdist:
+a reference computed there never saw tfdist. A script that
 sets such a variable itself before importing TensorFlow must not be run through the zygote. A
 client in another network namespace (a task on a namespace host) sends it along with its mount
 namespace, and its child joins both (setns) before it runs: it is on that host as the client is.
@@ -49,19 +51,20 @@ import subprocess
 import sys
 import tempfile
 
-from tfdist.tf_startup import QUIET_LOG_LEVEL
 from zygote_client import SOCKET_VARIABLE, has_interpreter_options, network_namespace, receive, send
 
 OFF_VARIABLE = "TFDIST_TEST_ZYGOTE_OFF"  # =1: every process starts for real
 REFUSALS_VARIABLE = "TFDIST_TEST_ZYGOTE_REFUSALS"  # a file: each refusal, a JSON line (why, and the program)
 FORKS_VARIABLE = "TFDIST_TEST_ZYGOTE_FORKS"  # a file: each child, a JSON line (its PID, test and program)
+# =1: forked from a zygote that imported TensorFlow and Keras but never tfdist (a reference that never saw it).
+WITHOUT_TFDIST_VARIABLE = "TFDIST_TEST_WITHOUT_TFDIST"
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_client.py")
 # What a process reads once while it imports TensorFlow, Keras and Python: a child must share them.
 IMPORT_TIME_VARIABLES = ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS", "KERAS_BACKEND", "KERAS_HOME",
                          "TF_CPP_MAX_VLOG_LEVEL", "TF_USE_LEGACY_KERAS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                          "PYTHONPATH", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONWARNINGS", "PYTHONIOENCODING",
-                         "PYTHONUTF8", "PYTHONOPTIMIZE", "PYTHONDEVMODE")
+                         "PYTHONUTF8", "PYTHONOPTIMIZE", "PYTHONDEVMODE", WITHOUT_TFDIST_VARIABLE)
 
 
 def _import_time_values(env: dict) -> dict:
@@ -73,6 +76,8 @@ def _values_at_import(request: dict) -> dict:
     but tfdist's command line sets the log level itself where it is unset (`quiet_tensorflow_log`)."""
     values = _import_time_values(request["env"])
     if values["TF_CPP_MIN_LOG_LEVEL"] is None and request["argv"][:2] == ["-m", "tfdist.cli"]:
+        from tfdist.tf_startup import QUIET_LOG_LEVEL  # here: a zygote without tfdist never imports it
+
         values["TF_CPP_MIN_LOG_LEVEL"] = QUIET_LOG_LEVEL
     return values
 
@@ -375,6 +380,8 @@ def _route_subprocesses() -> None:
             _kill(child, number)
 
     subprocess.Popen.__init__, subprocess.Popen.send_signal = routed_start, signal_forked_child
+    if os.environ.get(WITHOUT_TFDIST_VARIABLE) == "1":  # its program never imports tfdist's servers
+        return
     from tfdist.cluster import servers
 
     listens = servers.listens
@@ -409,13 +416,17 @@ def _die_with_parent() -> None:
 
 def _zygote_main(listener: socket.socket, ready_fd: int | None, siblings: _Siblings | None) -> None:
     _die_with_parent()  # the test process (a sibling's: the test's zygote)
-    from tfdist.tf_startup import import_tensorflow
+    if os.environ.get(WITHOUT_TFDIST_VARIABLE) == "1":
+        import tensorflow  # noqa: F401
+        import keras  # noqa: F401
+    else:
+        from tfdist.tf_startup import import_tensorflow
 
-    import_tensorflow()  # TensorFlow's start-up lines dropped, as tfdist's processes drop them
-    import keras  # noqa: F401
+        import_tensorflow()  # TensorFlow's start-up lines dropped, as tfdist's processes drop them
+        import keras  # noqa: F401
 
-    import tfdist  # noqa: F401
-    import tfdist.training  # noqa: F401  (not tfdist.cli: run as __main__, it would define its flags again)
+        import tfdist  # noqa: F401
+        import tfdist.training  # noqa: F401  (not tfdist.cli: run as __main__, it would define its flags again)
 
     sys.stdout.flush()
     sys.stderr.flush()

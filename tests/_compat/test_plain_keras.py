@@ -3,7 +3,6 @@ a process where a tfdist strategy was made as in one that never imported tfdist.
 
 import json
 import os
-import subprocess
 import sys
 
 import zygote
@@ -14,18 +13,18 @@ from tfdist._compat.patches import patches
 SCRIPT = os.path.join(ROOT, "tests", "scenarios", "plain_keras_programs.py")
 
 
-def _programs(out_dir, *flags, start):
+def _programs(out_dir, *flags, env):
     targets = json.dumps([patch.target for patch in patches()])
-    proc = start([sys.executable, SCRIPT, str(out_dir), targets, *flags], capture_output=True, text=True,
-                 timeout=patient(300), cwd=ROOT)
+    proc = zygote.run([sys.executable, SCRIPT, str(out_dir), targets, *flags], capture_output=True, text=True,
+                      timeout=patient(300), cwd=ROOT, env=env)
     assert proc.returncode == 0, why_it_failed(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_plain_keras_programs_are_untouched_by_a_tfdist_strategy_in_the_process(tmp_path):
-    # The reference starts a real interpreter: the test zygote has imported tfdist.
-    never_saw_tfdist = _programs(tmp_path / "plain", start=subprocess.run)
-    after_tfdist = _programs(tmp_path / "after", "--after-a-tfdist-strategy", start=zygote.run)
+    # The reference is forked from a zygote that imported TensorFlow and Keras, never tfdist.
+    never_saw_tfdist = _programs(tmp_path / "plain", env={**os.environ, zygote.WITHOUT_TFDIST_VARIABLE: "1"})
+    after_tfdist = _programs(tmp_path / "after", "--after-a-tfdist-strategy", env=dict(os.environ))
     assert never_saw_tfdist.pop("tfdist_imported") is False and after_tfdist.pop("tfdist_imported") is True
     # Keras's own bugs under TensorFlow's strategies stay Keras's: tfdist fixes them only for its own strategies.
     assert never_saw_tfdist["tensorflow_mirrored_accumulation"]["error"].startswith("RuntimeError")
