@@ -683,9 +683,10 @@ def _accumulation_patches() -> list[Patch]:
     Keras 3 chooses between updating and accumulating with a conditional inside the replica's step,
     and both branches enter the strategy's cross-replica context (`merge_call`), which a conditional
     cannot hold: the first step fails ("Exception encountered when calling Cond.call()",
-    keras-team/keras#20582). Here the replica does, every step, what needs no condition: weights the
-    gradients by its batch share, all-reduces them (tfdist's all-reduce where the strategy asks for it)
-    and averages them with the accumulated sum, clipped as on one device. It then enters the
+    keras-team/keras#20582). Here the replica does, every step, what needs no condition: weights its
+    gradients by its batch share, averages them with its own accumulated sum (as Keras's accumulators, each
+    replica's holds its own gradients), and all-reduces that average (tfdist's all-reduce where the strategy
+    asks for it), clipped as on one device. It then enters the
     cross-replica context once, unconditionally, and each variable's update runs the condition per
     device: on every `gradient_accumulation_steps`-th step weight decay and the optimizer's update with
     the average, and the accumulator zeroed; on the others the gradient added to the accumulator. The
@@ -719,14 +720,17 @@ def _accumulation_patches() -> list[Patch]:
         owed = [i for i, v in enumerate(trainable_variables)
                 if not getattr(backing_value(v), "gradient_reduced", False)]
         grads = list(grads)
-        if owed:
-            weighted = weighted_by_batch_share([grads[i] for i in owed])
-            summed = self._all_reduce_sum_gradients([(g, trainable_variables[i]) for g, i in zip(weighted, owed)])
-            for i, (g, _) in zip(owed, summed):
-                grads[i] = g
+        for i, g in zip(owed, weighted_by_batch_share([grads[i] for i in owed])):
+            grads[i] = g
+        # Each replica accumulates its own gradients, as Keras's accumulation does; the averages are all-reduced
+        # every step, since a collective cannot wait inside the update step's conditional.
         sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
-        keras_clip = keras_function(BaseOptimizer, "_clip_gradients")
-        averages = keras_clip(self, [(g + total) / steps for g, total in zip(grads, sums)])
+        averages = [(g + total) / steps for g, total in zip(grads, sums)]
+        if owed:
+            reduced = self._all_reduce_sum_gradients([(averages[i], trainable_variables[i]) for i in owed])
+            for i, (average, _) in zip(owed, reduced):
+                averages[i] = average
+        averages = keras_function(BaseOptimizer, "_clip_gradients")(self, averages)
         is_update_step = (self._iterations + 1) % steps == 0
         learning_rate = self.learning_rate
 
