@@ -1,5 +1,6 @@
 """Keras's own tf.distribute tests (installed with Keras: its optimizers under a strategy, EMA, gradient
-accumulation, variables, `fit`) pass under tfdist's data-parallel kinds wherever they pass under TensorFlow's own
+accumulation, variables, `fit`) pass under tfdist's data-parallel kinds (mirrored, its optimizer state split at
+stages 1 and 2, a layout of the data axis alone) wherever they pass under TensorFlow's own
 MirroredStrategy, in a process that never imported tfdist."""
 
 import json
@@ -26,7 +27,8 @@ def test_keras_own_distribute_tests_pass_under_tfdists_kinds_where_they_pass_und
     reference = _outcomes("tensorflow", env={**os.environ, zygote.WITHOUT_TFDIST_VARIABLE: "1"})["tensorflow"]
     passing = {test for test, outcome in reference.items() if outcome == "passed"}
     assert len(passing) >= 20 and "OptimizerDistributeTest::test_gradient_accumulation" in passing
-    for kind, outcomes in _outcomes("mirrored", "shard_optimizer_1", "shard_optimizer_2", env=dict(os.environ)).items():
+    kinds = ("mirrored", "shard_optimizer_1", "shard_optimizer_2", "layout_data")
+    for kind, outcomes in _outcomes(*kinds, env=dict(os.environ)).items():
         for test in passing:
             if (kind, test) in REFUSED:
                 assert "cannot be split over devices" in outcomes[test], (kind, test, outcomes[test])

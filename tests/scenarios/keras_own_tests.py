@@ -3,9 +3,9 @@ tfdist's; prints one JSON line: kind -> test id -> "passed", "failed: ERROR" or 
 
     python tests/scenarios/keras_own_tests.py KIND...
 
-KIND: `tensorflow` (Keras's tests as they are), `mirrored`, `shard_optimizer_1`, `shard_optimizer_2`. Keras's
-tests make `tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])`; in this process that name makes the kind's
-strategy over the same devices. Nothing of Keras's tests is copied: pytest runs the installed modules.
+KIND: `tensorflow` (Keras's tests as they are), `mirrored`, `shard_optimizer_1`, `shard_optimizer_2`,
+`layout_data`. Keras's tests make `tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])`; in this process that
+name makes the kind's strategy over the same devices. Nothing of Keras's tests is copied: pytest runs the installed modules.
 """
 
 import json
@@ -27,6 +27,10 @@ def _strategy_of(kind: str):
 
     tfdist.MirroredStrategy  # imported before the name is swapped: tfdist's class extends TensorFlow's
 
+    if kind == "layout_data":  # a layout of the data axis alone: Keras's DataParallel on TensorFlow
+        from tfdist.parallel.layout import Layout
+
+        return lambda devices=None, **kwargs: tfdist.LayoutStrategy(Layout(model=1, data=2), devices)
     stage = {"mirrored": 0, "shard_optimizer_1": 1, "shard_optimizer_2": 2}[kind]
     return lambda devices=None, **kwargs: tfdist.MirroredStrategy(devices, shard_optimizer=stage, **kwargs)
 

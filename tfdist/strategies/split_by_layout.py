@@ -150,10 +150,11 @@ class SplitsByLayout:
         if self.layout is None:
             return super().after_compile(model)
         optimizer = model.optimizer
-        if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
+        splits_weights = self.layout.model > 1  # a data axis alone splits none: Keras's DataParallel
+        if splits_weights and (getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None)):
             raise ValueError(f"{type(self).__name__}: clipnorm and global_clipnorm would clip a split variable's "
                              "shard by its own norm in this version; use clipvalue, or no clipping.")
-        if getattr(getattr(optimizer, "inner_optimizer", optimizer), "use_ema", False):
+        if splits_weights and getattr(getattr(optimizer, "inner_optimizer", optimizer), "use_ema", False):
             raise ValueError(f"{type(self).__name__}: use_ema would keep each weight's moving average whole where "
                              "the layout splits the weight, in this version; train without use_ema.")
         if self.shard_optimizer == 3 and getattr(optimizer, "clipvalue", None):
