@@ -106,11 +106,17 @@ def _weights_and_history(model, history, ops=False):
     return result
 
 
+def _ema_and_accumulation():
+    return keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=3, gradient_accumulation_steps=2,
+                                 clipnorm=0.5, weight_decay=0.01)
+
+
 def one_device_ema_and_accumulation():
-    model, history = _fitted(None, lambda: keras.optimizers.Adam(
-        0.01, use_ema=True, ema_overwrite_frequency=3, gradient_accumulation_steps=2, clipnorm=0.5,
-        weight_decay=0.01))
-    return _weights_and_history(model, history)
+    return _weights_and_history(*_fitted(None, _ema_and_accumulation))
+
+
+def tensorflow_one_device_ema_and_accumulation():
+    return _weights_and_history(*_fitted(tf.distribute.OneDeviceStrategy("/cpu:0"), _ema_and_accumulation))
 
 
 def tensorflow_mirrored_mixed_precision():
@@ -200,6 +206,7 @@ def main():
         raise SystemExit("the reference imported tfdist")
     results = {
         "one_device_ema_and_accumulation": _outcome(one_device_ema_and_accumulation),
+        "tensorflow_one_device_ema_and_accumulation": _outcome(tensorflow_one_device_ema_and_accumulation),
         "tensorflow_mirrored_mixed_precision": _outcome(tensorflow_mirrored_mixed_precision),
         "tensorflow_mirrored_accumulation": _outcome(tensorflow_mirrored_accumulation),
         "tensorflow_mirrored_ema_overwrite": _outcome(tensorflow_mirrored_ema_overwrite),
