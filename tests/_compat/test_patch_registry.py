@@ -114,3 +114,26 @@ def test_tensorflows_own_strategies_get_the_fixes_of_keras_bugs_after_one_call_o
     tfdist.fix_tensorflow_strategies()
     for fixed, keras_alone in zip(trained(tensorflow_mirrored()), trained(tf.distribute.get_strategy())):
         np.testing.assert_allclose(fixed, keras_alone, atol=1e-6, rtol=0)  # 2 replicas' sum: float32 rounding
+
+
+def test_only_a_model_compiled_under_a_tfdist_strategy_gets_tfdists_memory_check(monkeypatch):
+    """The memory check of the optimizer's build (a process memory limit past which `compile` refuses) is
+    tfdist's: a plain model, or one under TensorFlow's own strategy, compiles as Keras compiles it."""
+    import keras
+    import tensorflow as tf
+
+    import tfdist.contract
+
+    checked = []
+    monkeypatch.setattr(tfdist.contract, "guard_optimizer_build", lambda optimizer, **how: checked.append(how))
+
+    def compiled(strategy):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile(optimizer="adam", loss="mse")
+
+    compiled(tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    assert len(checked) == 1 and checked[0]["replicas"] == 2
+    compiled(tf.distribute.get_strategy())
+    compiled(tensorflow_mirrored())
+    assert len(checked) == 1
