@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import pytest
 import zygote
 from helpers import ROOT, patient, why_it_failed
 
@@ -23,6 +24,8 @@ def _outcomes(*kinds, env):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# On one worker with the other test of references that never saw tfdist: one zygote without tfdist for both.
+@pytest.mark.xdist_group("without_tfdist")
 def test_keras_own_distribute_tests_pass_under_tfdists_kinds_where_they_pass_under_tensorflows():
     reference = _outcomes("tensorflow", env={**os.environ, zygote.WITHOUT_TFDIST_VARIABLE: "1"})["tensorflow"]
     passing = {test for test, outcome in reference.items() if outcome == "passed"}

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import pytest
 import zygote
 from helpers import ROOT, patient, why_it_failed
 
@@ -21,6 +22,8 @@ def _programs(out_dir, *flags, env):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# On one worker with the other test of references that never saw tfdist: one zygote without tfdist for both.
+@pytest.mark.xdist_group("without_tfdist")
 def test_plain_keras_programs_are_untouched_by_a_tfdist_strategy_in_the_process(tmp_path):
     # The reference is forked from a zygote that imported TensorFlow and Keras, never tfdist.
     never_saw_tfdist = _programs(tmp_path / "plain", env={**os.environ, zygote.WITHOUT_TFDIST_VARIABLE: "1"})
