@@ -484,3 +484,24 @@ def test_a_custom_training_loop_is_refused_in_one_line():
         with pytest.raises(ValueError, match="LayoutStrategy trains a model split over 2 devices with Keras.s fit "
                                              r"\(or train_on_batch\) in this version, not in a custom training loop"):
             step(X[:16], Y[:16])
+
+
+def test_keras_own_global_distribution_beside_a_layouts_is_one_line_at_compile():
+    """Keras's global distribution set beside tfdist's layout strategy failed at the first step ("'NoneType'
+    object has no attribute 'batch_reduce'"): tfdist.set_distribution leaves Keras's unset, and a model compiled
+    with both is refused in one line. (A DataParallel's MirroredStrategy trains with it set, as Keras does.)"""
+    import tfdist
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    strategy = tfdist.strategy_from(distribution)
+    keras.distribution.set_distribution(distribution)
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="dense")])
+            with pytest.raises(ValueError, match="keras.distribution.set_distribution was called too"):
+                model.compile(optimizer="sgd", loss="mse")
+    finally:
+        keras.distribution.set_distribution(None)

@@ -149,6 +149,10 @@ class SplitsByLayout:
     def after_compile(self, model: keras.Model) -> None:
         if self.layout is None:
             return super().after_compile(model)
+        if keras.distribution.distribution() is not None:
+            raise ValueError(f"{type(self).__name__}: keras.distribution.set_distribution was called too; the "
+                             "first step would fail ('NoneType' object has no attribute 'batch_reduce'): call "
+                             "tfdist.set_distribution alone, or keras.distribution.set_distribution(None)")
         optimizer = model.optimizer
         splits_weights = self.layout.model > 1  # a data axis alone splits none: Keras's DataParallel
         if splits_weights and (getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None)):
