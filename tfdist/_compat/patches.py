@@ -25,10 +25,10 @@ from tfdist._compat import registry
 from tfdist._compat.keras_internals import backing_value, updates_replaced
 from tfdist._compat.registry import Patch
 
-__all__ = ["KerasNotAsWrittenFor", "patches", "built_in_a_step", "fix_tensorflow_strategies", "forget_step_functions",
-           "gradient_weight",
-           "install_patches", "keras_step_function", "training_epoch_iterator", "resume_epoch_iterator",
-           "batches_read", "parameter_server_writes_in_reverse", "weighted_by_batch_share"]
+__all__ = ["KerasNotAsWrittenFor", "batches_read", "built_in_a_step", "fix_tensorflow_strategies",
+           "forget_step_functions", "gradient_weight", "install_patches", "keras_function", "keras_step_function",
+           "parameter_server_writes_in_reverse", "patches", "resume_epoch_iterator", "training_epoch_iterator",
+           "weighted_by_batch_share"]
 
 # How the patches ask a strategy, by name (each is described in `install_patches`).
 _ASK: dict[str, Callable] = {}
@@ -97,10 +97,8 @@ def patches() -> tuple[Patch, ...]:
 
 
 def fix_tensorflow_strategies() -> None:
-    """Has tfdist's fixes of Keras bugs serve TensorFlow's own strategies too (`tf.distribute.MirroredStrategy`,
-    ...): custom loops' first step (keras-team/keras#19246), gradient accumulation (keras-team/keras#20582),
-    loss scaling's skip decision agreed over the replicas, `use_ema`'s overwrite, and checkpoints written by the
-    chief alone. Without this call tfdist changes nothing for them."""
+    """The patches marked `fixes_tensorflow` serve TensorFlow's own strategies too, from now on in this process
+    (`tfdist.fix_tensorflow_strategies` says which)."""
     _FIXING_TENSORFLOW[0] = True
 
 
