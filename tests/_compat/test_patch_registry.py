@@ -9,7 +9,7 @@ import pytest
 from helpers import ROOT, tensorflow_mirrored
 
 import tfdist
-from tfdist._compat import registry
+from tfdist._compat import registry, versions
 from tfdist._compat.patches import WRITTEN_AGAINST, KerasNotAsWrittenFor, patches
 from tfdist.contract import install_patches
 
@@ -71,7 +71,7 @@ def test_a_target_gone_from_keras_is_named(reinstalled, monkeypatch):
 
 
 def test_another_keras_version_installs_nothing_and_the_strategy_names_the_versions(reinstalled, monkeypatch):
-    monkeypatch.setattr(registry, "_installed_versions", lambda: {"tensorflow": "2.21.0", "keras": "3.16.0"})
+    monkeypatch.setattr(versions, "installed_versions", lambda: {"tensorflow": "2.21.0", "keras": "3.16.0"})
     with pytest.raises(KerasNotAsWrittenFor, match="written for tensorflow 2.21, keras 3.15; this is keras 3.16.0"):
         tfdist.MirroredStrategy(["/cpu:0"])
     assert registry.installed() == []

@@ -2,11 +2,11 @@
 it was written for.
 
 A patch names its target by its dotted path, says why in one line, names the upstream issue it works around, and
-carries a fingerprint of the target's source as it was written against (`TESTED_VERSIONS`). It is installed only
-when the versions' major.minor and the fingerprint both match; otherwise it is refused, and `refused()` says why,
-in the line tfdist's strategies raise. An installed replacement keeps its target's name, signature and docstring
-(`functools.update_wrapper`), and serves only the calls made under a strategy `serves` accepts: every other call
-runs Keras's own function, untouched. `remove_all` puts every original back.
+carries a fingerprint of the target's source as it was written against (`versions.TESTED_VERSIONS`). It is
+installed only when the versions' major.minor and the fingerprint both match; otherwise it is refused, and
+`refused()` says why, in the line tfdist's strategies raise. An installed replacement keeps its target's name,
+signature and docstring (`functools.update_wrapper`), and serves only the calls made under a strategy `serves`
+accepts: every other call runs Keras's own function, untouched. `remove_all` puts every original back.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import dataclasses
 import functools
 import hashlib
 import importlib
-import importlib.metadata
 import inspect
 from typing import Callable, Optional
 
-from tfdist._compat.versions import TESTED_VERSIONS
+from tfdist._compat import versions
 
 __all__ = ["Patch", "fingerprint", "install", "installed", "refused", "remove_all", "resolve"]
 
@@ -75,25 +74,8 @@ def fingerprint(function) -> str:
     return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:12]
 
 
-def _installed_versions() -> dict[str, str]:
-    versions = {}
-    for name, distributions in (("tensorflow", ("tensorflow", "tensorflow-cpu")), ("keras", ("keras",))):
-        for distribution in distributions:
-            try:
-                versions[name] = importlib.metadata.version(distribution)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                pass
-    return versions
-
-
-def _why_not(patch: Patch, versions: dict[str, str]):
-    """(owner, name, Keras's function), or the reason the patch does not fit this Keras."""
-    other = [f"{name} {version}" for name, version in versions.items()
-             if ".".join(version.split(".")[:2]) != TESTED_VERSIONS.get(name)]
-    if other:
-        written_for = ", ".join(f"{name} {version}" for name, version in TESTED_VERSIONS.items())
-        return f"they were written for {written_for}; this is {', '.join(other)}"
+def _fitting(patch: Patch):
+    """(owner, name, Keras's function), or the reason the patch's target is not the code it was written for."""
     try:
         owner, name, function = resolve(patch.target)
         found = fingerprint(function)
@@ -105,14 +87,16 @@ def _why_not(patch: Patch, versions: dict[str, str]):
     return owner, name, function
 
 
-def install(patches: list[Patch], serves: Callable[[Patch, object], bool], versions=None) -> None:
+def install(patches: list[Patch], serves: Callable[[Patch, object], bool]) -> None:
     """Installs each patch not installed yet whose target is as it was written for; records the others in
     `refused()`. `serves(patch, strategy)`: whether a call under `strategy` gets tfdist's replacement."""
-    versions = _installed_versions() if versions is None else versions
+    other = versions.outside_tested(versions.installed_versions())
+    written_for = ", ".join(f"{name} {version}" for name, version in versions.TESTED_VERSIONS.items())
+    another_version = f"they were written for {written_for}; this is {', '.join(other)}" if other else None
     for patch in patches:
         if patch.target in _INSTALLED:
             continue
-        found = _why_not(patch, versions)
+        found = another_version or _fitting(patch)
         if isinstance(found, str):
             _REFUSED[patch.target] = found
             continue
