@@ -36,5 +36,6 @@ def test_plain_keras_programs_are_untouched_by_a_tfdist_strategy_in_the_process(
     # Keras's own bugs under TensorFlow's strategies stay Keras's: tfdist fixes them only for its own strategies.
     assert never_saw_tfdist["tensorflow_mirrored_accumulation"]["error"].startswith("RuntimeError")
     assert "CollectiveReduceV2" in never_saw_tfdist["tensorflow_mirrored_mixed_precision"]["traced_ops"]
+    # exact: both processes run Keras's own code on the same kernels, with TensorFlow's op determinism on.
     for program, expected in never_saw_tfdist.items():
         assert after_tfdist[program] == expected, program
