@@ -59,7 +59,8 @@ BAZEL_TESTS = $(shell $(PYTHON) tools/bazel_unit_tests.py)
 # the times, the slowest tests and, where process accounting can be switched on (root), how many
 # processes of TensorFlow's size were started and how many forked from the test zygote, and the
 # tests of most CPU (each test's own process logs its CPU; the zygote logs which test asked for each child).
-# A whole run then checks docs/own-script.md's tables against its results (tools/own_script_table.py).
+# A whole run then checks the tables of docs/own-script.md and docs/optimizers.md against its results
+# (tools/own_script_table.py, tools/optimizer_table.py).
 BAZEL_LOG := bazel-test.log
 RESULTS := .test-results
 test: setup
@@ -84,8 +85,8 @@ test: setup
 	    --total_seconds $$(( $$(date +%s) - start )) --junit $(RESULTS)/pytest.xml --accounting $(RESULTS)/pacct \
 	    --refusals $(RESULTS)/zygote-refusals.jsonl --forks $(RESULTS)/zygote-forks.jsonl \
 	    --cpu_log $(RESULTS)/test-cpu.jsonl; \
-	table_status=0; [ -n "$(PYTEST_ARGS)" ] || python tools/own_script_table.py --junit $(RESULTS)/pytest.xml --check \
-	    || table_status=1; \
+	table_status=0; [ -n "$(PYTEST_ARGS)" ] || for table in own_script_table optimizer_table; do \
+	    python tools/$$table.py --junit $(RESULTS)/pytest.xml --check || table_status=1; done; \
 	[ $$pytest_status -eq 0 ] && [ $$bazel_status -eq 0 ] && [ $$table_status -eq 0 ]
 
 # Two pytest-xdist workers: most of a multi-process test's time is its processes starting,

@@ -171,4 +171,4 @@ def test_the_pages_tables_are_what_a_run_of_every_passing_cell_writes():
 
     every_cell_passed = {test: "passed" for *_, test in kind_cells() + launched_cells()}
     page = open(own_script_table.PAGE, encoding="utf-8").read()
-    assert own_script_table.render(page, every_cell_passed) == page
+    assert own_script_table.render_page(page, every_cell_passed) == page

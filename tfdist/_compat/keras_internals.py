@@ -226,3 +226,53 @@ def optimizer_variables(optimizer) -> list:
 def variable_index(optimizer, variable) -> int:
     """The position of `variable` among `optimizer_variables(optimizer)`, as Keras finds its slots."""
     return optimizer._get_variable_index(variable)
+
+
+def step_state_update(optimizer):
+    """What `optimizer`'s own `_backend_update_step` does once per update beside each variable's `update_step`, as
+    `(variable, new_value)` where `new_value(value)` is the variable's next value; None when it does nothing more.
+
+    Accumulating gradients under a strategy (`patches`) runs `update_step` per variable inside a condition, never
+    `_backend_update_step`: Nadam's product of its momentum schedule (`_u_product`) would stay 1.0, and its update
+    divides by 1 - that product (every weight NaN after the first update).
+
+    Raises:
+      ValueError: another optimizer class has its own `_backend_update_step`, which no condition can hold.
+    """
+    from keras import ops
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.nadam import Nadam
+
+    if isinstance(optimizer, Nadam):
+        def next_product(value):
+            step = ops.cast(optimizer.iterations + 1, value.dtype)
+            return value * optimizer.beta_1 * (1.0 - 0.5 * ops.power(0.96, step))
+        return optimizer._u_product, next_product
+    if type(optimizer)._backend_update_step is not TFOptimizer._backend_update_step:
+        raise ValueError(f"`gradient_accumulation_steps` under a strategy cannot run the own `_backend_update_step` of "
+                         f"{type(optimizer).__name__} on update steps only. Received: {type(optimizer).__name__}")
+    return None
+
+
+
+def weight_decay_of(optimizer, variable):
+    """The weight decay `optimizer`'s own `_apply_weight_decay` gives `variable` (one device's value), or None: Muon
+    decays the variables Adam updates (those with a velocity) by `adam_weight_decay`. Accumulating gradients under a
+    strategy (`patches`) decays each variable inside a condition, per device, where Keras's method cannot run.
+
+    Raises:
+      ValueError: another optimizer class has its own `_apply_weight_decay`.
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.optimizers.muon import Muon
+
+    own = type(optimizer)._apply_weight_decay not in (TFOptimizer._apply_weight_decay, BaseOptimizer._apply_weight_decay)
+    if own and not isinstance(optimizer, Muon):
+        raise ValueError(f"`gradient_accumulation_steps` under a strategy cannot run the own `_apply_weight_decay` of "
+                         f"{type(optimizer).__name__} on update steps only. Received: {type(optimizer).__name__}")
+    if not optimizer._use_weight_decay(variable):
+        return None
+    if isinstance(optimizer, Muon) and optimizer.adam_velocities[optimizer._get_variable_index(variable)] is not None:
+        return optimizer.adam_weight_decay
+    return optimizer.weight_decay

@@ -690,14 +690,16 @@ def _accumulation_patches() -> list[Patch]:
     the average, and the accumulator zeroed; on the others the gradient added to the accumulator. The
     same steps as one device's, on the same global gradients. An optimizer whose state a strategy
     splits (`shard_optimizer`) updates its slices of the averages, on update steps only
-    (`keras_internals.replace_accumulated_update`). The weights' moving average (`use_ema`) moves every step, and
+    (`keras_internals.replace_accumulated_update`). What an optimizer does per update beside each variable's
+    `update_step` is done on update steps too: Nadam's product of its momentum schedule, Muon's decay of the variables
+    Adam updates (`keras_internals.step_state_update`, `weight_decay_of`). The weights' moving average (`use_ema`) moves every step, and
     its overwrite of the weights (`ema_overwrite_frequency`, which Keras also puts in a conditional that enters the
     cross-replica context: with or without accumulation) runs as `_moving_average_as_keras_does` says.
     """
     import tensorflow as tf
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    from tfdist._compat.keras_internals import accumulated_update
+    from tfdist._compat.keras_internals import accumulated_update, step_state_update, weight_decay_of
 
     def _backend_apply_gradients(keras_apply, self, grads, trainable_variables):
         context = tf.distribute.get_replica_context()
@@ -713,6 +715,7 @@ def _accumulation_patches() -> list[Patch]:
             _moving_average_as_keras_does(self)
             return
         split_update = accumulated_update(self)
+        step_state = step_state_update(self)
         steps = self.gradient_accumulation_steps
         # A weight split over the replicas (ZeRO 3) has its slice's gradient summed in the backward pass already.
         owed = [i for i, v in enumerate(trainable_variables)
@@ -734,9 +737,10 @@ def _accumulation_patches() -> list[Patch]:
 
         def update_or_accumulate(variable, total, gradient, average):
             def update():
-                if self.weight_decay is not None and self._use_weight_decay(variable):
-                    decay = tf.cast(self.weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
-                    variable.assign_sub(variable * decay)
+                weight_decay = weight_decay_of(self, variable)
+                if weight_decay is not None:
+                    variable.assign_sub(variable * tf.cast(weight_decay, variable.dtype)
+                                        * tf.cast(learning_rate, variable.dtype))
                 if split_update is None:
                     self.update_step(average, variable, learning_rate)
                 total.assign(tf.zeros_like(total))
@@ -749,6 +753,11 @@ def _accumulation_patches() -> list[Patch]:
             return tf.cond(is_update_step, update, accumulate)
 
         def in_cross_replica_context(distribution, grads, averages):
+            if step_state is not None:  # before the updates, which read it
+                state, next_value = step_state
+                distribution.extended.update(
+                    backing_value(state), lambda value: tf.cond(is_update_step, lambda: value.assign(
+                        next_value(value)).read_value(), value.read_value), group=False)
             for variable, total, gradient, average in zip(trainable_variables, sums, grads, averages):
                 distribution.extended.update(variable.value, update_or_accumulate,
                                              args=(total.value, gradient, average), group=False)
