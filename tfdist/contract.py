@@ -76,6 +76,10 @@ class StrategyContract:
         """Runs after `model.compile` under this strategy, before Keras builds the optimizer (mirrored
         with `shard_optimizer`: split the optimizer's state over the devices)."""
 
+    def after_build(self, model) -> None:
+        """Runs once `fit`, `evaluate` or `predict` built the model from its first batch, before its step is
+        traced: an error here is one line, not one inside the trace (pipeline: fewer layers than stages)."""
+
     def before_save(self, model) -> None:
         """Runs before `model.save` or `model.save_weights` opens its file; raises the error of a model
         that cannot be saved that way (Horovod: an optimizer state split over the ranks)."""
@@ -178,6 +182,7 @@ def install_patches() -> None:
                      gradients_sent_as=lambda strategy: contract(strategy).gradients_sent_as,
                      reduce_gradients=lambda strategy, pairs: contract(strategy).reduce_gradients(pairs),
                      after_compile=_after_compile,
+                     after_build=lambda strategy, model: contract(strategy).after_build(model),
                      before_save=lambda strategy, model: contract(strategy).before_save(model),
                      is_chief=lambda strategy: contract(strategy).is_chief,
                      multi_process=lambda strategy: contract(strategy).multi_process,

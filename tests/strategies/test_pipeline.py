@@ -264,12 +264,17 @@ def test_a_batch_that_does_not_split_into_micro_batches():
         model.fit(data, epochs=1, verbose=0)
 
 
-def test_more_stages_than_layers():
+@pytest.mark.parametrize("built", [True, False])
+def test_more_stages_than_layers_is_refused_in_one_line_before_the_first_step(built):
+    """At compile for a built model; for one `fit` builds from its first batch, once built, before its step is
+    traced (inside the trace TensorFlow's error would wrap the line in its own)."""
     strategy = PipelineStrategy(4, 2, devices=FOUR, verbose=False)
     with strategy.scope():
-        model = _compile(keras.Sequential([keras.Input((12,)), keras.layers.Dense(5)]))
-    with pytest.raises(ValueError, match="must not exceed the model's 1 layers"):
-        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+        model = keras.Sequential([keras.Input((12,))] * built + [keras.layers.Dense(5)])
+        with pytest.raises(ValueError, match="must not exceed the model's 1 layers") as refused:
+            _compile(model)
+            model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+    assert len(str(refused.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ class KerasNotAsWrittenFor(RuntimeError):
 
 def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
                     gradient_all_reduce: Callable, gradients_sent_as: Callable, reduce_gradients: Callable,
-                    after_compile: Callable,
+                    after_compile: Callable, after_build: Callable,
                     before_save: Callable, is_chief: Callable, multi_process: Callable, any_process: Callable,
                     splits_optimizers: Callable, is_tfdists: Callable) -> None:
     """Installs every patch that fits this Keras, once; later calls change nothing.
@@ -57,6 +57,8 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
         replicas by the strategy itself, or None for the all-reduce of every gradient.
       after_compile: `(strategy, model)`, run after `model.compile` (a strategy that splits the
         optimizer's state does it then, before Keras builds the optimizer).
+      after_build: `(strategy, model)`, run once `fit`, `evaluate` or `predict` built the model from its first
+        batch, before its step is traced (a pipeline refuses a model of fewer layers than stages there).
       before_save: `(strategy, model)`, run before `model.save` or `model.save_weights` opens its file;
         it raises when the model cannot be saved that way.
       is_chief: `(strategy)` -> whether this process writes the job's files (the chief, or rank 0).
@@ -68,18 +70,8 @@ def install_patches(*, keras_hooks: Callable, clips_after_all_reduce: Callable,
     Raises:
       KerasNotAsWrittenFor: a patch does not fit this Keras (another version, or its target's code changed).
     """
-    _ASK.setdefault("keras_hooks", keras_hooks)
-    _ASK.setdefault("clips_after_all_reduce", clips_after_all_reduce)
-    _ASK.setdefault("gradient_all_reduce", gradient_all_reduce)
-    _ASK.setdefault("gradients_sent_as", gradients_sent_as)
-    _ASK.setdefault("reduce_gradients", reduce_gradients)
-    _ASK.setdefault("after_compile", after_compile)
-    _ASK.setdefault("before_save", before_save)
-    _ASK.setdefault("is_chief", is_chief)
-    _ASK.setdefault("multi_process", multi_process)
-    _ASK.setdefault("any_process", any_process)
-    _ASK.setdefault("splits_optimizers", splits_optimizers)
-    _ASK.setdefault("is_tfdists", is_tfdists)
+    for name, ask in dict(locals()).items():  # the arguments: what the patches ask of a call's strategy
+        _ASK.setdefault(name, ask)
     registry.install(patches(), _serves)
     _skip_tfdist_in_autograph()
     reasons = dict.fromkeys(registry.refused().values())  # once each: another version refuses every patch
@@ -246,7 +238,8 @@ def _trainer_patches() -> list[Patch]:
         def maybe_symbolic_build(self, iterator=None, data_batch=None):
             if iterator is not None and self._distribute_strategy is not None and _needs_a_batch(self):
                 data_batch = _first_batch(iterator, self._distribute_strategy)
-            return keras_build(self, data_batch=data_batch)
+            keras_build(self, data_batch=data_batch)
+            _ASK["after_build"](self.distribute_strategy, self)
 
         return maybe_symbolic_build
 

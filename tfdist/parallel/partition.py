@@ -137,6 +137,15 @@ def balance(costs: Sequence[float], num_stages: int) -> list[int]:
     return starts[::-1]
 
 
+def check_stage_count(layers: list, num_stages: int) -> None:
+    """Raises the ValueError of `num_stages` that the model's `layers` (its graph's, in order) cannot fill."""
+    if num_stages < 1:
+        raise ValueError(f"`num_stages` must be >= 1. Received: {num_stages}")
+    if num_stages > len(layers):
+        raise ValueError(f"`num_stages` must not exceed the model's {len(layers)} layers "
+                         f"({', '.join(layer.name for layer in layers)}). Received: {num_stages}")
+
+
 def split(
     model: keras.Model,
     num_stages: int,
@@ -166,13 +175,7 @@ def split(
     """
     nodes, inputs, outputs = _compat.graph_nodes(model)
     ops = [op for op, _, _ in nodes]
-    if num_stages < 1:
-        raise ValueError(f"`num_stages` must be >= 1. Received: {num_stages}")
-    if num_stages > len(nodes):
-        raise ValueError(
-            f"`num_stages` must not exceed the model's {len(nodes)} layers "
-            f"({', '.join(op.name for op in ops)}). Received: {num_stages}"
-        )
+    check_stage_count(ops, num_stages)
     if boundaries is None and balance_by not in BALANCE_BASES:
         raise ValueError(f"`balance_by` must be one of {BALANCE_BASES}. Received: {balance_by!r}")
     # Timing runs layers in training mode on random data, which moves BatchNorm
