@@ -207,11 +207,27 @@ def _serve_command(args) -> None:
               f"whose task for this process is a worker or ps. Received: strategy.kind={config.strategy.kind}")
 
 
+def _kind_given() -> bool:
+    """Whether the job's strategy kind is chosen, by the config file or by --set."""
+    from tfdist.config.loading import read_yaml
+
+    if any(override.split("=", 1)[0].strip() == "strategy.kind" for override in _SET.value):
+        return True
+    strategy = (read_yaml(_CONFIG.value) if _CONFIG.value else {}).get("strategy")
+    return isinstance(strategy, dict) and "kind" in strategy
+
+
 def _launch_command(args) -> None:
     from tfdist.launch import local as launch
     from tfdist.launch.hosts import NamespaceHosts
 
     command = _user_command("launch", args)
+    if (_WORKERS.value > 1 or _PS.value or _CHIEF.value) and not _kind_given():
+        # As torchrun: several workers and no kind given make a job across them (one process is mirrored's).
+        kind = "parameter_server" if _PS.value else "multi_worker_mirrored"
+        flags.FLAGS.set = [*_SET.value, f"strategy.kind={kind}"]
+        print(f"tfdist launch: no strategy.kind given: {_WORKERS.value} workers as strategy.kind={kind} "
+              "(--set strategy.kind=... chooses another)", file=sys.stderr)
     config = _load(tfdist_train=not command)
     if _LINK.value and not _HOSTS.value:
         _fail("--link shapes the links of --hosts: give --hosts N too.")

@@ -158,10 +158,12 @@ def test_a_users_own_script_runs_as_every_task_and_trains_as_on_one_device(tmp_p
                      "--per_worker_batch", "128", "--model_path", str(tmp_path / "one.keras"),
                      "--backup_dir", str(tmp_path / "backup-one"), timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
-    kind = "strategy.kind=multi_worker_mirrored"
-    two = run_tfdist("launch", "--workers", "2", "--set", kind, "--", *GUIDE, "--set", kind,
+    # No kind given to the launcher: several workers make a multi-worker job, as torchrun's do.
+    two = run_tfdist("launch", "--workers", "2", "--", *GUIDE, "--set", "strategy.kind=multi_worker_mirrored",
                      "--model_path", str(tmp_path / "two.keras"), "--backup_dir", str(tmp_path / "backup"), timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.startswith("tfdist launch: no strategy.kind given: 2 workers as "
+                                 "strategy.kind=multi_worker_mirrored (--set strategy.kind=... chooses another)\n")
     assert "[worker 1] Epoch 2/2" in two.stdout and "\nEpoch 2/2" in two.stdout  # worker 0 reports unprefixed
     # The same global batch of 128 on one device and on two workers of 64: the same weights.
     for one_device, two_workers in zip(_weights(tmp_path / "one.keras"), _weights(tmp_path / "two.keras")):
@@ -198,7 +200,10 @@ def test_a_launcher_killed_outright_takes_every_task_with_it(tmp_path, flags):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--workers", "2"], "`--workers` must be 1: strategy.kind=mirrored runs in one process"),
+    (["--workers", "2", "--set", "strategy.kind=mirrored"],
+     "`--workers` must be 1: strategy.kind=mirrored runs in one process"),
+    (["--workers", "2", "--config", "configs/default.yaml"],  # its kind is mirrored
+     "`--workers` must be 1: strategy.kind=mirrored runs in one process"),
     (["--workers", "0", *MULTI_WORKER], "`--workers` must be at least 1"),
     (["--workers", "2", "--ps", "1", *MULTI_WORKER], "`--ps` only applies with strategy.kind=parameter_server"),
     (["--workers", "2", *MULTI_WORKER, "--set", "cluster.workers=[127.0.0.1:1]"], "`cluster.workers` must be empty"),
