@@ -9,6 +9,7 @@ KINDS = {  # the one-process kinds, each on 2 logical devices: column -> the scr
     "mirrored": ["strategy.kind=mirrored", *TWO_DEVICES],
     "mirrored, shard_optimizer 1": ["strategy.kind=mirrored", "strategy.shard_optimizer=1", *TWO_DEVICES],
     "mirrored, shard_optimizer 2": ["strategy.kind=mirrored", "strategy.shard_optimizer=2", *TWO_DEVICES],
+    "mirrored, shard_optimizer 3": ["strategy.kind=mirrored", "strategy.shard_optimizer=3", *TWO_DEVICES],
     "pipeline": ["strategy.kind=pipeline", *TWO_DEVICES],  # one replica of 2 stages
     "tensor_parallel": ["strategy.kind=tensor_parallel", *TWO_DEVICES],  # one group of 2: Megatron's split
 }
@@ -22,6 +23,7 @@ MATRIX = {
         **{kind: "equal" for kind in KINDS},
         "mirrored, shard_optimizer 1": "equal, optimizer not split (says so)",
         "mirrored, shard_optimizer 2": "equal, optimizer not split (says so)",
+        "mirrored, shard_optimizer 3": "equal, optimizer not split (says so)",
         "pipeline": "equal, not pipelined (says so)",
         "tensor_parallel": REFUSED_CUSTOM_LOOP,
     },
@@ -30,6 +32,7 @@ MATRIX = {
         **{kind: "equal" for kind in KINDS},
         "mirrored, shard_optimizer 1": "equal, the custom loop's optimizer not split (says so)",
         "mirrored, shard_optimizer 2": "equal, the custom loop's optimizer not split (says so)",
+        "mirrored, shard_optimizer 3": "equal, the custom loop's optimizer not split (says so)",
         "pipeline": "equal, the custom loop not pipelined (says so)",
         "tensor_parallel": REFUSED_CUSTOM_LOOP,
     },

@@ -182,6 +182,8 @@ class OptimizerShards:
             _compat.replace_clipping(inner, self._clip_as_one_device)
 
     def build(self, variables):
+        if self.copies:  # built: loading a model builds again after its compile did (at stage 3), as Keras's own
+            return       # optimizers, a second build changes nothing
         if self.collectives.stage == 3 and _compat.built_in_a_step():
             raise ValueError("An optimizer whose weights are split over the replicas (shard_optimizer 3) must be "
                              "built before the first step reads them: build the model before `compile` (or call "
