@@ -111,6 +111,20 @@ def test_sigterm_saves_at_the_step_it_stopped_and_exits_for_a_retry(tmp_path, un
     assert _digest(tmp_path / "metrics.json") == (uninterrupted, stopped_at)
 
 
+@pytest.mark.timeout(300)
+def test_sigterm_saves_with_nobody_reading_its_lines(tmp_path):
+    """A launched task whose launcher was killed outright gets SIGTERM from its guard, and nobody reads its lines:
+    the line announcing the save meets a closed pipe (EPIPE). The save goes on; the BrokenPipeError ended it."""
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    process = _start(tmp_path / "ckpt", tmp_path / "metrics.json", "checkpoint.every_steps=20",
+                     "checkpoint.grace_seconds=20")
+    _wait_for_checkpoint_after(store, 0, process)  # step 20: training is under way
+    process.stderr.close()  # the reader is gone
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=patient(60)) == EXIT_PREEMPTED
+    assert store.steps()[0] > 20
+
+
 @uninterrupted_once
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 @pytest.mark.timeout(600)

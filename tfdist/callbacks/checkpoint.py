@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.callbacks.preemption import Preemption
+from tfdist.callbacks.preemption import Preemption, say
 from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
 from tfdist.parallel.optimizer_shards import checkpointed_variables
 from tfdist.contract import install_patches
@@ -153,10 +153,9 @@ class Checkpoint(Preemption):
         return "saving after this step"
 
     def _exit_at_deadline(self):
-        print(f"tfdist: error: preempted (SIGTERM); the step and checkpoint did not finish within "
-              f"checkpoint.grace_seconds={self.grace_seconds:g}; exiting without saving "
-              f"(exit {EXIT_PREEMPTED}: run the job again to resume from the last checkpoint)", file=sys.stderr)
-        sys.stderr.flush()
+        say(f"tfdist: error: preempted (SIGTERM); the step and checkpoint did not finish within "
+            f"checkpoint.grace_seconds={self.grace_seconds:g}; exiting without saving "
+            f"(exit {EXIT_PREEMPTED}: run the job again to resume from the last checkpoint)")
         os._exit(EXIT_PREEMPTED)
 
     def on_preempted(self) -> None:

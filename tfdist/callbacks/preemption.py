@@ -60,8 +60,7 @@ class Preemption(keras.callbacks.Callback):
 
     def _on_sigterm(self):
         if not self._sigterm.is_set():
-            print(f"{SIGTERM_RECEIVED}: {self._plan()} (within {self.grace_seconds:g} s)", file=sys.stderr,
-                  flush=True)
+            say(f"{SIGTERM_RECEIVED}: {self._plan()} (within {self.grace_seconds:g} s)")
             self._sigterm.set()
             self._deadline = threading.Timer(self.grace_seconds, self._exit_at_deadline)
             self._deadline.daemon = True
@@ -72,9 +71,8 @@ class Preemption(keras.callbacks.Callback):
                 "(set checkpoint.dir to resume)")
 
     def _exit_at_deadline(self):  # a step stuck (in a collective, say) must not outlive the grace period
-        print(f"tfdist: error: stopped (SIGTERM); the step did not finish within {self.grace_seconds:g} s; exiting "
-              f"(exit {self.exit_code})", file=sys.stderr)
-        sys.stderr.flush()
+        say(f"tfdist: error: stopped (SIGTERM); the step did not finish within {self.grace_seconds:g} s; exiting "
+            f"(exit {self.exit_code})")
         os._exit(self.exit_code)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -113,8 +111,7 @@ class Preemption(keras.callbacks.Callback):
             self._deadline.cancel()
         self.on_stopped()
         if self.preempted:
-            print(self._exit_line(), file=sys.stderr)
-            sys.stderr.flush()
+            say(self._exit_line())
             sys.exit(self.exit_code)
         if self._sigterm.is_set():  # it came after the last step: training is done; now obey it
             os.kill(os.getpid(), signal.SIGTERM)
@@ -125,3 +122,18 @@ class Preemption(keras.callbacks.Callback):
     def _exit_line(self) -> str:
         return (f"tfdist: stopped by SIGTERM; no checkpoint.dir, so nothing was saved: the job starts over if run "
                 f"again (exit {self.exit_code})")
+
+
+def say(line: str) -> None:
+    """Writes `line` to stderr. A reader that is gone (a launcher killed outright, whose guard then sends SIGTERM)
+    must not stop what the line announces: the write's BrokenPipeError would end the process before its save, so
+    stdout and stderr go to /dev/null from then on, and the save goes on."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # EPIPE
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(nowhere, stream.fileno())
+            except (OSError, ValueError):  # a stream without a file descriptor
+                pass
