@@ -53,6 +53,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("optimizer_matrix")
+@pytest.mark.timeout(900)  # the first test's: the fixture's two rounds of processes, each bound by its own limit
 @pytest.mark.parametrize("optimizer", list(cells.OPTIMIZERS))
 @pytest.mark.parametrize("kind", list(cells.KINDS))
 def test_every_option_trains_the_weights_of_keras_alone_or_is_refused_before_training(trained, kind, optimizer):
