@@ -505,3 +505,30 @@ def test_keras_own_global_distribution_beside_a_layouts_is_one_line_at_compile()
                 model.compile(optimizer="sgd", loss="mse")
     finally:
         keras.distribution.set_distribution(None)
+
+
+@pytest.mark.parametrize("data", [1, 2], ids=["1x2", "2x2"])
+def test_lora_on_a_megatron_pair_trains_as_on_one_device(data):
+    """A Dense pair with LoRA enabled: the column's `lora_kernel_b` splits with its kernel's columns (and bias) and its
+    `lora_kernel_a` stays whole, the row's `lora_kernel_a` splits with its kernel's rows; the frozen kernels stay as
+    they were."""
+    def lora_pair(strategy=None):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            inputs = keras.Input((8,))
+            hidden = keras.layers.Dense(16, activation="relu", name="column")(inputs)
+            model = keras.Model(inputs, keras.layers.Dense(8, name="row")(hidden))
+            for layer in model.layers[1:]:
+                layer.enable_lora(2)
+                layer.lora_kernel_b.assign(np.random.default_rng(1).normal(size=layer.lora_kernel_b.shape) * 0.1)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+        return model, model.fit(x, x[:, ::-1], batch_size=16, epochs=3, shuffle=False, verbose=0).history["loss"]
+
+    one, one_loss = lora_pair()
+    split, loss = lora_pair(LayoutStrategy(Layout(model=2, data=data, megatron=True)))
+    assert loss == pytest.approx(one_loss, abs=1e-6)
+    for expected, got in zip(one.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert sorted(v.path for v in split.variables if is_split(v)) == [
+        "column/bias", "column/kernel", "column/lora_kernel_b", "row/kernel", "row/lora_kernel_a"]

@@ -42,27 +42,29 @@ COLLECTIVES = {
 LAYERS = 1
 
 
-def _causal_lm(name: str, strategy=None):
+def _causal_lm(name: str, strategy=None, lora_rank=None):
     backbone, causal_lm, extra = BACKBONES[name]
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = causal_lm()(backbone=backbone()(
             vocabulary_size=VOCABULARY, num_layers=LAYERS, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
             intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
+        if lora_rank:  # keras-hub's: the query and value projections, every other weight frozen
+            model.backbone.enable_lora(rank=lora_rank)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
-def _trained(name: str, strategy=None):
-    model = _causal_lm(name, strategy)
+def _trained(name: str, strategy=None, lora_rank=None):
+    model = _causal_lm(name, strategy, lora_rank)
     history = model.fit(FEATURES, TOKENS[:, 1:], batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
     return model, history["loss"]
 
 
 @functools.cache
-def _one_device(name: str):
-    model, loss = _trained(name)
+def _one_device(name: str, lora_rank=None):
+    model, loss = _trained(name, lora_rank=lora_rank)
     return model.get_weights(), loss
 
 
@@ -93,6 +95,27 @@ def test_a_keras_hub_backbone_split_by_its_own_layout_map_trains_as_on_one_devic
     assert max(by_device.values()) / whole_bytes <= 1.15 / devices
     if data == 1 and devices == 2:
         assert collectives_of_a_step(split, strategy, (FEATURES, TOKENS[:, 1:])) == COLLECTIVES[name](LAYERS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+def test_lora_on_a_backbone_split_by_its_own_layout_map_trains_as_on_one_device(name):
+    """keras.io's distributed tuning of Gemma: LoRA enabled on a backbone split by its own layout map (2 x 2). A
+    LoRA factor splits as its kernel does where it has the kernel's split axis; the frozen weights stay split and
+    unchanged, and only the LoRA weights get optimizer state."""
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices=[f"cpu:{i}" for i in range(4)])
+    strategy = strategy_from(keras.distribution.ModelParallel(layout_map=BACKBONES[name][0]().get_layout_map(mesh),
+                                                              batch_dim_name="batch"))
+    split, loss = _trained(name, strategy, lora_rank=4)
+    one_weights, one_loss = _one_device(name, lora_rank=4)
+    assert loss == pytest.approx(one_loss, abs=1e-5)
+    for whole, got in zip(one_weights, split.get_weights()):
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+    lora = [v for v in split.trainable_variables if "lora_kernel" in v.path]
+    assert len(lora) == 2 * 2 * LAYERS and len(split.trainable_variables) == len(lora)  # query and value: a and b
+    assert [v.path for v in lora if is_split(v)] == [v.path for v in lora if v.path.endswith("lora_kernel_a")]
+    slots = [v for v in split.optimizer.variables if len(v.shape)]
+    assert len(slots) == 2 * len(lora)  # Adam's two for each LoRA weight, none for a frozen one
 
 
 def _split_strategy():

@@ -35,6 +35,7 @@ from tfdist._compat.keras_internals import (
     replace_update_step,
     replace_variable_value,
     start_at_epoch,
+    stored_kernel,
     variable_index,
 )
 from tfdist._compat.optional import horovod, nvml, xspace

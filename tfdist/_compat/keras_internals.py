@@ -276,3 +276,9 @@ def weight_decay_of(optimizer, variable):
     if isinstance(optimizer, Muon) and optimizer.adam_velocities[optimizer._get_variable_index(variable)] is not None:
         return optimizer.adam_weight_decay
     return optimizer.weight_decay
+
+
+def stored_kernel(layer):
+    """The kernel variable a `Dense` or `EinsumDense` layer holds: with LoRA enabled, `layer.kernel` is a tensor
+    computed from it and the LoRA factors (`lora_kernel_a` @ `lora_kernel_b`, scaled), not a variable."""
+    return layer._kernel if getattr(layer, "lora_enabled", False) else layer.kernel

@@ -128,17 +128,17 @@ def megatron_axes(model: keras.Model, devices: int) -> dict[str, int]:
                                   f"{devices} devices.")
             *projections, output = _compat.attention_projections(layer)
             for projection in projections:
-                axes[projection.kernel.path] = 1
+                axes[_compat.stored_kernel(projection).path] = 1
                 if projection.bias is not None:
                     axes[projection.bias.path] = 0
-            axes[output.kernel.path] = 0
+            axes[_compat.stored_kernel(output).path] = 0
     for column, row in _sole_consumers(model).items():
         if (type(column) is keras.layers.Dense and type(row) is keras.layers.Dense and elementwise(column.activation)
-                and column.kernel.path not in axes):
+                and _compat.stored_kernel(column).path not in axes):
             if column.units % devices:
                 raise LayoutError(f"Layers {column.name!r} and {row.name!r} pass {column.units} hidden units, which "
                                   f"do not divide over {devices} devices.")
-            axes[column.kernel.path], axes[row.kernel.path] = 1, 0
+            axes[_compat.stored_kernel(column).path], axes[_compat.stored_kernel(row).path] = 1, 0
             if column.bias is not None:
                 axes[column.bias.path] = 0
     return axes

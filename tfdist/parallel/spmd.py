@@ -43,6 +43,7 @@ from typing import Callable, Optional
 import keras
 import tensorflow as tf
 
+from tfdist import _compat
 from tfdist.contract import contract
 
 __all__ = ["SPLIT_LAYERS", "block_state", "copy", "einsum_parts", "elementwise", "gather", "in_replica",
@@ -221,7 +222,8 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
     """An einsum layer's output with its kernel split along `axes[kernel_name]`: the letter of that axis
     decides the collectives (kept in the output: gathered, unless the layer `keeps_shards`; contracted:
     summed)."""
-    y, out_axis = _contract(equation, inputs, getattr(layer, kernel_name), axes[kernel_name])
+    kernel = _lora_kernel(layer, axes) if getattr(layer, "lora_enabled", False) else getattr(layer, kernel_name)
+    y, out_axis = _contract(equation, inputs, kernel, axes[kernel_name])
     bias = getattr(layer, "bias", None)
     if bias is not None:  # aligned with the output's last axes, of size 1 where it broadcasts
         rank = len(bias.shape)
@@ -233,6 +235,26 @@ def _einsum(layer, axes: dict[str, Optional[int]], equation: str, inputs, kernel
     if layer.activation is not None:
         y = layer.activation(y)
     return y if out_axis is None or keeps_shards else gather(y, out_axis)
+
+
+def lora_axes(layer, kernel_axis: Optional[int]) -> dict[str, Optional[int]]:
+    """How a LoRA layer's factors split with its kernel along `kernel_axis`: the kernel is `lora_kernel_a` (the
+    kernel's shape but its last axis, then the rank) times `lora_kernel_b` (the rank, then the kernel's last axis),
+    so the factor that has the kernel's split axis splits along it and the other stays whole."""
+    if kernel_axis is None:
+        return {"lora_kernel_a": None, "lora_kernel_b": None}
+    last = kernel_axis % len(layer.lora_kernel_a.shape) == len(layer.lora_kernel_a.shape) - 1
+    return {"lora_kernel_a": None if last else kernel_axis, "lora_kernel_b": 1 if last else None}
+
+
+def _lora_kernel(layer, axes: dict[str, Optional[int]]) -> tf.Tensor:
+    """This replica's shard of a LoRA layer's kernel, as Keras computes the whole: its own kernel's shard plus the
+    scaled product of the factors, one of them this replica's shard (`lora_axes`). The whole factor is copied:
+    each replica's gradient of it is the part its shard of the product gives, summed over the replicas."""
+    a, b = (tf.convert_to_tensor(getattr(layer, name)) if axes.get(name) is not None else copy(
+        tf.convert_to_tensor(getattr(layer, name))) for name in ("lora_kernel_a", "lora_kernel_b"))
+    delta = (layer.lora_alpha / layer.lora_rank) * keras.ops.matmul(a, b)
+    return keras.ops.cast(tf.convert_to_tensor(_compat.stored_kernel(layer)) + delta, layer.compute_dtype)
 
 
 def elementwise(activation) -> bool:
@@ -302,8 +324,8 @@ def split_call(layer: keras.layers.Layer, axes: dict[str, Optional[int]], keeps_
         raise ValueError(f"Layer {layer.name!r} ({type(layer).__name__}) has split variables, and only "
                          f"{', '.join(k.__name__ for k in SPLIT_LAYERS)} layers can be split in this version.")
     main, compute = SPLIT_LAYERS[kind]
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        raise ValueError(f"Layer {layer.name!r} is quantized or has LoRA weights; split it before either.")
+    if getattr(layer, "quantization_mode", None):
+        raise ValueError(f"Layer {layer.name!r} is quantized; split it before quantizing.")
     if axes.get(main) is None:
         raise ValueError(f"Layer {layer.name!r} splits {', '.join(a for a, x in axes.items() if x is not None)} "
                          f"but not its {main}; split the {main} (the bias follows it).")

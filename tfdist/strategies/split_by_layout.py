@@ -36,7 +36,7 @@ from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.megatron_pairs import functional_pairs, paired_blocks
 from tfdist.parallel.mesh_groups import MeshGroups
 from tfdist.parallel.recompute import recompute_again
-from tfdist.parallel.spmd import SPLIT_LAYERS, split_block_call, split_call
+from tfdist.parallel.spmd import SPLIT_LAYERS, lora_axes, split_block_call, split_call
 from tfdist.parallel.split_variables import SplitVariable, is_split, split, split_axis
 from tfdist.strategies.data_parallel import multi_step_function
 
@@ -294,6 +294,8 @@ class SplitsByLayout:
         axes_by_layer = {}
         for layer in layers:
             layer_axes = {name: axes.pop(v.path, None) for name, v in _own_variables(layer).items()}
+            if getattr(layer, "lora_enabled", False):  # the LoRA factors split as the kernel does
+                layer_axes.update(lora_axes(layer, layer_axes["kernel"]))
             if any(axis is not None for axis in layer_axes.values()):
                 axes_by_layer[layer] = layer_axes
         if axes:  # checked before anything is split: a refused layout leaves the model as it was
@@ -340,11 +342,16 @@ def _scaled(gradient, factor: int):
 
 def _own_variables(layer) -> dict[str, Any]:
     """The variables a layer the layout may split holds itself, by attribute (`kernel`, `bias`, `embeddings`,
-    a `ReversibleEmbedding`'s `reverse_embeddings`)."""
+    a `ReversibleEmbedding`'s `reverse_embeddings`; with LoRA enabled the stored kernel and the factors)."""
     kind = next((k for k in type(layer).__mro__ if k in SPLIT_LAYERS), None)
     if kind is None:
         return {}
-    names = ("embeddings", "reverse_embeddings") if kind is keras.layers.Embedding else ("kernel", "bias")
-    return {name: getattr(layer, name) for name in names if getattr(layer, name, None) is not None}
+    if kind is keras.layers.Embedding:
+        return {name: getattr(layer, name) for name in ("embeddings", "reverse_embeddings")
+                if getattr(layer, name, None) is not None}
+    own = {"kernel": _compat.stored_kernel(layer), "bias": layer.bias}
+    if layer.lora_enabled:
+        own.update(lora_kernel_a=layer.lora_kernel_a, lora_kernel_b=layer.lora_kernel_b)
+    return {name: variable for name, variable in own.items() if variable is not None}
 
 
