@@ -245,8 +245,8 @@ class SplitsByLayout:
 
     def reduce_gradients(self, grads_and_vars) -> list:
         """A split variable's gradient is its replica's own, scaled back from Keras's 1/replicas (every
-        replica of a row saw the row's whole batch) and summed over its column; the others are summed over
-        the replicas.
+        replica of a row saw the row's whole batch) and summed over its column, and so is a whole variable's
+        sparse one; the others are summed over the replicas.
 
         Raises:
           ValueError: gradients applied outside Keras's training step (a custom training loop), whose loss
@@ -255,7 +255,10 @@ class SplitsByLayout:
         if self.layout is None:
             return super().reduce_gradients(grads_and_vars)
         context = tf.distribute.get_replica_context()
-        own = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and _split_storage(v) is not None]
+        # A whole variable's sparse gradient (an embedding's rows) is the same on every replica of a row: summed over
+        # the model axis, each row would repeat at a fraction of its value, and Adam squares each row apart.
+        own = [i for i, (g, v) in enumerate(grads_and_vars)
+               if g is not None and (_split_storage(v) is not None or isinstance(g, tf.IndexedSlices))]
         summed = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in own]
         pairs = list(grads_and_vars)
         if not self._keras_steps and self.layout.model > 1:
@@ -267,10 +270,11 @@ class SplitsByLayout:
                              "loss, divided by the examples of every replica, would count each example once per "
                              "device of the model axis.")
         for i in own:
-            groups = self.groups_holding(_split_storage(pairs[i][1]))
+            holder = _split_storage(pairs[i][1]) or _compat.backing_value(pairs[i][1])
+            groups = self.groups_holding(holder)
             gradient = groups.data_sum(_scaled(pairs[i][0], self.layout.model))
             if self.processes is not None:  # and over the same column of every process's mesh
-                device = _split_storage(pairs[i][1]).values[groups.local_index()].device
+                device = holder.values[groups.local_index()].device
                 gradient, = self.processes.all_reduce(tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(gradient)],
                                                       device)
             pairs[i] = (gradient, pairs[i][1])
