@@ -17,3 +17,8 @@ def test_the_reason_is_the_line_that_says_why_not_where():
     assert error_reason(GRAPH_ERROR) == "Connection reset by peer"
     assert error_reason("Graph execution error:\n\n(0) UNAVAILABLE: socket closed\n(1) CANCELLED") == "UNAVAILABLE: socket closed"
     assert error_reason("") == "no reason given"
+    full_disk = ("{{function_node __wrapped__SaveV2_dtypes_10_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+                 "/tmp/disk/.tmp-40-7/checkpoint_temp/part-00000-of-00001.data-00000-of-00001.tempstate1855; "
+                 "No space left on device [Op:SaveV2] name: ")
+    assert error_reason(full_disk) == ("/tmp/disk/.tmp-40-7/checkpoint_temp/part-00000-of-00001.data-00000-of-00001"
+                                       ".tempstate1855; No space left on device")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["CheckpointWriteError", "ClusterError", "ConfigError", "LayoutError", "MemoryLimitError", "error_reason"]
 
 _MISSING = object()
@@ -70,7 +72,10 @@ def error_reason(message) -> str:
     lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
     root_errors = [line[len("(0) "):] for line in lines if line.startswith("(0) ")]
     reasons = [line for line in lines if not line.startswith(_ERROR_FRAMING)]
-    return (root_errors or reasons or lines or ["no reason given"])[0]
+    reason = (root_errors or reasons or lines or ["no reason given"])[0]
+    # An eager op's error wraps the reason in the function's node and the op's name (a full disk's SaveV2: about
+    # 400 characters of which the reason is 23).
+    return re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:[^\]]*\].*$", "", reason) or reason
 
 
 class LayoutError(ValueError):

@@ -172,7 +172,7 @@ def _split_paths(config, model) -> set:
     try:
         return set(layout.axes_of(model))
     except LayoutError as error:
-        raise ConfigError(key, f"does not fit the model: {error}", "see above") from None
+        raise ConfigError(key, f"does not fit the model: {error}") from None
 
 
 def _layer_cost(layer, output, flops: dict, kept: dict, split: set, kept_remat: dict) -> LayerCost:

@@ -288,7 +288,15 @@ def _layout(config: Config, gpus: int) -> LayoutStrategy:
                                   keep_whole_below=config.strategy.keep_whole_below,
                                   prefetch_weights=config.strategy.prefetch_weights)
     except LayoutError as error:
-        raise ConfigError(key, str(error), settings.layout_map or "see above") from None
+        raise _layout_error(key, error, settings) from None
+
+
+def _layout_error(key: str, error: LayoutError, settings) -> ConfigError:
+    """The ConfigError of a layout that does not fit: the LayoutError's line names the variable, rule and shapes
+    it received; the config's own value is the user's layout_map function, if one made it."""
+    if settings.layout_map:
+        return ConfigError(key, str(error), settings.layout_map)
+    return ConfigError(key, str(error))
 
 
 def layout_of(config: Config, devices: Sequence[str]) -> tuple[Layout, str]:
@@ -308,7 +316,7 @@ def layout_of(config: Config, devices: Sequence[str]) -> tuple[Layout, str]:
             return dataclasses.replace(layout, megatron=settings.megatron), key
         return Layout(model=shape[1], data=shape[0], rules=settings.rules, megatron=settings.megatron), key
     except LayoutError as error:
-        raise ConfigError(key, str(error), settings.layout_map or "see above") from None
+        raise _layout_error(key, error, settings) from None
 
 
 def _tpu(config: Config, gpus: int = 0) -> tf.distribute.TPUStrategy:

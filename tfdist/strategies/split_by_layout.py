@@ -200,7 +200,7 @@ class SplitsByLayout:
         except LayoutError as error:
             if self.config_key is None:
                 raise
-            raise ConfigError(self.config_key, f"does not fit the model: {error}", "see above") from None
+            raise ConfigError(self.config_key, f"does not fit the model: {error}") from None
 
     def local_keras_hooks(self, model: keras.Model) -> dict[str, Any]:
         """tfdist's training and evaluation functions (Keras's put a step in a `tf.cond` with
