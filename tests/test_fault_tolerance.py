@@ -134,6 +134,16 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_resumes_exactly(tmp
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=720k", "tfdist-test-full-disk", str(disk)], check=True)
     try:
         store = CheckpointStore(str(disk))
+        # Preempted, and its save does not fit: exit 75 all the same (a scheduler requeues on it), since a rerun
+        # resumes from the checkpoint before.
+        process = _start(disk, tmp_path / "metrics.json", "checkpoint.every_steps=20", "checkpoint.keep=1")
+        _wait_for_checkpoint_after(store, 0, process)  # step 20
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=patient(60))
+        assert process.returncode == EXIT_PREEMPTED and store.steps() == [20], err[-3000:]
+        assert re.fullmatch(rf"tfdist: error: preempted \(SIGTERM\) and could not write the checkpoint of step \d+ to "
+                            rf"{disk} \(.*No space left on device\); a rerun resumes from step 20: exiting "
+                            rf"{EXIT_PREEMPTED} so that the job is run again", err.strip().splitlines()[-1]), err
         process = _start(disk, tmp_path / "metrics.json", "checkpoint.every_steps=20", "checkpoint.keep=1")
         _, err = process.communicate(timeout=patient(300))
         saved = store.steps()

@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfdist import _compat
 from tfdist.callbacks.preemption import Preemption, say
 from tfdist.checkpoint_store import EXIT_PREEMPTED, CheckpointMismatch, CheckpointStore
+from tfdist.errors import CheckpointWriteError
 from tfdist.parallel.optimizer_shards import checkpointed_variables
 from tfdist.contract import install_patches
 
@@ -159,7 +160,12 @@ class Checkpoint(Preemption):
         os._exit(EXIT_PREEMPTED)
 
     def on_preempted(self) -> None:
-        self._save()
+        try:
+            self._save()
+        except CheckpointWriteError as error:  # preempted all the same: a rerun resumes from the checkpoint before
+            say(f"tfdist: error: preempted (SIGTERM) and {str(error).rstrip('.')}: exiting {EXIT_PREEMPTED} so that "
+                "the job is run again")
+            sys.exit(EXIT_PREEMPTED)
 
     def on_stopped(self) -> None:
         if self._step != self._last_saved_step:
