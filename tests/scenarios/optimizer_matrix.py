@@ -73,8 +73,8 @@ def train(strategy, name: str, options: dict) -> dict:
 
 
 def one_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}" + (f" (and {len(lines) - 1} lines)" if lines[1:] else "")
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0]}" + (f" (and {len(lines) - 1} lines)" if lines[1:] else "")
 
 
 def strategy_of(kind: str):

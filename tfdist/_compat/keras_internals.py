@@ -267,8 +267,8 @@ def weight_decay_of(optimizer, variable):
     from keras.src.optimizers.base_optimizer import BaseOptimizer
     from keras.src.optimizers.muon import Muon
 
-    own = type(optimizer)._apply_weight_decay not in (TFOptimizer._apply_weight_decay, BaseOptimizer._apply_weight_decay)
-    if own and not isinstance(optimizer, Muon):
+    keras_own = (TFOptimizer._apply_weight_decay, BaseOptimizer._apply_weight_decay)
+    if type(optimizer)._apply_weight_decay not in keras_own and not isinstance(optimizer, Muon):
         raise ValueError(f"`gradient_accumulation_steps` under a strategy cannot run the own `_apply_weight_decay` of "
                          f"{type(optimizer).__name__} on update steps only. Received: {type(optimizer).__name__}")
     if not optimizer._use_weight_decay(variable):

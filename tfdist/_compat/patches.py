@@ -684,10 +684,11 @@ def _accumulation_patches() -> list[Patch]:
     same steps as one device's, on the same global gradients. An optimizer whose state a strategy
     splits (`shard_optimizer`) updates its slices of the averages, on update steps only
     (`keras_internals.replace_accumulated_update`). What an optimizer does per update beside each variable's
-    `update_step` is done on update steps too: Nadam's product of its momentum schedule, Muon's decay of the variables
-    Adam updates (`keras_internals.step_state_update`, `weight_decay_of`). The weights' moving average (`use_ema`) moves every step, and
-    its overwrite of the weights (`ema_overwrite_frequency`, which Keras also puts in a conditional that enters the
-    cross-replica context: with or without accumulation) runs as `_moving_average_as_keras_does` says.
+    `update_step` is done on update steps too: Nadam's product of its momentum schedule, Muon's decay of the
+    variables Adam updates (`keras_internals.step_state_update`, `weight_decay_of`). The weights' moving average
+    (`use_ema`) moves every step, and its overwrite of the weights (`ema_overwrite_frequency`, which Keras also puts
+    in a conditional that enters the cross-replica context: with or without accumulation) runs as
+    `_moving_average_as_keras_does` says.
     """
     import tensorflow as tf
     from keras.src.optimizers.base_optimizer import BaseOptimizer
