@@ -353,6 +353,8 @@ def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_ret
     (["strategy.kind=layout", "layout.rules=[[a, [rows]]]"], "layout.rules[0]", "with the axes model, batch or null"),
     (["strategy.kind=layout", "layout.rules=[['(', [model]]]"], "layout.rules[0]", "is not a regular expression"),
     (["layout.model_devices=4"], "layout", "only applies with strategy.kind=layout"),
+    (["strategy.kind=layout", "layout.megatron=true", "strategy.shard_optimizer=3"], "strategy.shard_optimizer",
+     "layout.data_devices is 1 in one process: nothing would be split"),  # it trained, silently unsplit
 ])
 def test_a_layout_config_that_cannot_work_is_refused_at_load(overrides, key, message):
     from tfdist import ConfigError, load_config

@@ -130,6 +130,11 @@ def _check_strategy(config: Config) -> None:
         raise ConfigError("strategy.shard_optimizer", "cannot split the optimizer of a pipeline whose stages are "
                           f"split over strategy.tensor_parallel_size ({s.tensor_parallel_size}) devices in this "
                           "version; use strategy.kind tensor_parallel or layout.", s.shard_optimizer)
+    if (s.shard_optimizer and s.kind == "layout" and config.layout.data_devices == 1
+            and s.data_parallel == DataParallel.LOCAL):
+        raise ConfigError("strategy.shard_optimizer", "splits the optimizer's state over the layout's data axis, and "
+                          "layout.data_devices is 1 in one process: nothing would be split. Set layout.data_devices "
+                          "to 2 or more, or strategy.data_parallel to multi_worker or horovod.", s.shard_optimizer)
     for name in ("keep_whole_below", "prefetch_weights"):
         value = getattr(s, name)
         if value != getattr(StrategyConfig(), name) and s.shard_optimizer != 3:
