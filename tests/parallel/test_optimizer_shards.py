@@ -460,7 +460,7 @@ def test_a_config_passes_the_weights_split_to_its_strategy(cpus, monkeypatch, ki
                  "TensorParallelStrategy", "LayoutStrategy"):
         monkeypatch.setattr(factory, name, lambda *args, **kwargs: given.update(kwargs))
     monkeypatch.setattr(factory, "cluster_resolver", lambda config: _NoCluster())
-    layout = ["layout.megatron=true"] if kind == "layout" else []
+    layout = ["layout.megatron=true", "layout.data_devices=2"] if kind == "layout" else []  # 2 rows to split over
     config = load_config(None, [f"strategy.kind={kind}", *layout, "strategy.shard_optimizer=3",
                                 "strategy.keep_whole_below=10", "strategy.prefetch_weights=false",
                                 "runtime.intra_op_threads=0", "runtime.inter_op_threads=0"])
