@@ -21,6 +21,7 @@ from tfdist._compat.keras_internals import (
     build_without_slots,
     gradient_accumulators,
     graph_nodes,
+    has_layer_graph,
     keras_call_state,
     keras_global_seed_state,
     keras_reduce_per_replica,

@@ -4,10 +4,11 @@ distributed update, which an optimizer state split over devices takes over."""
 
 from __future__ import annotations
 
-__all__ = ["attention_projections", "build_for_training", "build_without_slots", "graph_nodes",
+__all__ = ["attention_projections", "build_for_training", "build_without_slots", "graph_nodes", "has_layer_graph",
            "keras_global_seed_state", "keras_reduce_per_replica", "layout_map_of", "loss_tracker",
            "make_slots_where_created", "nested_layers", "optimizer_variables", "replace_update_step",
-           "replace_variable_value", "start_at_epoch", "variable_index"]
+           "replace_variable_value", "start_at_epoch", "stored_kernel", "variable_index"]
+
 
 def graph_nodes(model):
     """The layer graph of a Sequential or functional Keras model.
@@ -22,10 +23,8 @@ def graph_nodes(model):
     Raises:
       ValueError: the model is subclassed (it has no layer graph) or unbuilt.
     """
-    import keras
-
-    graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
-    if graph is None or not hasattr(graph, "_nodes_by_depth"):
+    graph = _layer_graph(model)
+    if graph is None:
         raise ValueError(
             f"`model` must be a built Sequential or functional model to be split into "
             f"pipeline stages; a subclassed model has no layer graph. Received: {model.name}"
@@ -37,6 +36,19 @@ def graph_nodes(model):
                 continue
             nodes.append((node.operation, list(node.input_tensors), list(node.outputs)))
     return nodes, list(graph.inputs), list(graph.outputs)
+
+
+def has_layer_graph(model) -> bool:
+    """Whether `model` is a built Sequential or functional model, whose layer graph `graph_nodes` reads."""
+    return _layer_graph(model) is not None
+
+
+def _layer_graph(model):
+    import keras
+
+    graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
+    return graph if hasattr(graph, "_nodes_by_depth") else None
+
 
 def attention_projections(layer) -> tuple:
     """A `MultiHeadAttention`'s query, key, value and output `EinsumDense` layers (Keras keeps them as private
@@ -252,7 +264,6 @@ def step_state_update(optimizer):
         raise ValueError(f"`gradient_accumulation_steps` under a strategy cannot run the own `_backend_update_step` of "
                          f"{type(optimizer).__name__} on update steps only. Received: {type(optimizer).__name__}")
     return None
-
 
 
 def weight_decay_of(optimizer, variable):

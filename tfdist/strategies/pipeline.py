@@ -238,8 +238,7 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
 
     def after_build(self, model: keras.Model) -> None:
         # A model of fewer layers than stages is refused in one line, not inside its first step's trace.
-        graph = getattr(model, "_functional", model)  # a Sequential's, once built
-        if model.built and hasattr(graph, "_nodes_by_depth"):  # a subclassed model is refused at its first step
+        if _compat.has_layer_graph(model):  # a subclassed model is refused at its first step
             partition_lib.check_stage_count([op for op, _, _ in _compat.graph_nodes(model)[0]], self.num_stages)
 
     def partition_of(self, model: keras.Model) -> Optional[partition_lib.Partition]:
