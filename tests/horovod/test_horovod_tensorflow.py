@@ -7,8 +7,9 @@ import sys
 
 import numpy as np
 import pytest
+import zygote
 
-from helpers import ROOT, SCENARIO_DIR, horovodrun, run_tfdist, tfdist_imports
+from helpers import ROOT, SCENARIO_DIR, horovodrun, patient, run_tfdist, tfdist_imports, why_it_failed
 
 pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -87,6 +88,69 @@ def test_a_partial_tape_keeps_the_local_layers_gradients_on_their_rank(loops):
     np.testing.assert_array_equal(first[0], second[0])
     np.testing.assert_array_equal(first[1], second[1])  # exact: as above
     assert np.abs(first[2] - second[2]).max() > 1e-4
+
+
+SURFACE = os.path.join(SCENARIO_DIR, "horovod_port_surface.py")
+
+
+@pytest.fixture(scope="module")
+def surface(tmp_path_factory):
+    """What the port's own names did on each rank of one 2-rank job ([rank 0's, rank 1's], each its JSON and the
+    weights it trained with SyncBatchNormalization), and the reference weights from BatchNormalization on the global
+    batches in a process that never imported tfdist or Horovod."""
+    out = str(tmp_path_factory.mktemp("surface") / "out")
+    done = horovodrun([sys.executable, SURFACE, out])
+    assert done.returncode == 0, why_it_failed(done.stdout + done.stderr)
+    reference = zygote.run([sys.executable, SURFACE, out, "--reference"], capture_output=True, text=True, cwd=ROOT,
+                           timeout=patient(120), env={**os.environ, zygote.WITHOUT_TFDIST_VARIABLE: "1"})
+    assert reference.returncode == 0, why_it_failed(reference.stderr)
+    ranks = [(json.load(open(f"{out}.rank{rank}.json")), _weights(np_load(f"{out}.rank{rank}.npz")))
+             for rank in range(2)]
+    return ranks, _weights(np_load(f"{out}.reference.npz"))
+
+
+# Its reference forks from the zygote without tfdist that the other tests of such references use.
+on_the_worker_without_tfdist = pytest.mark.xdist_group("without_tfdist")
+
+
+@on_the_worker_without_tfdist
+def test_sync_batch_normalization_on_uneven_shares_trains_as_batch_normalization_on_the_global_batch(surface):
+    (_, first), (_, second), reference = *surface[0], surface[1]
+    for mine, theirs in zip(first, second):
+        np.testing.assert_array_equal(mine, theirs)  # exact: the ranks apply the same summed gradients
+    # Each rank's sums of 16 and 8 rows added by the all-reduce, and the variance as E[x^2] - E[x]^2, against one
+    # process's sums of 24: float32 epsilon x 24 rows = 2.9e-6 of the largest value of a weight (measured: 3.5e-7 of
+    # the moving variance's 65, 7e-8 of the moving mean's 5.8).
+    # The first layer's bias feeds the normalization, which subtracts it again: its gradient is 0 but for rounding,
+    # so both runs leave it at rounding noise (measured: 7e-8 at most), not equal.
+    bias_before = 1
+    assert np.abs(first[bias_before]).max() < 1e-6 and np.abs(reference[bias_before]).max() < 1e-6
+    for index, (mine, theirs) in enumerate(zip(first, reference)):
+        if index != bias_before:
+            np.testing.assert_allclose(mine, theirs, rtol=0, atol=2.9e-6 * np.abs(theirs).max())
+
+
+@on_the_worker_without_tfdist
+def test_the_ports_own_names_do_what_horovods_do_on_keras_3_variables(surface):
+    for rank, (found, _) in enumerate(surface[0]):
+        assert found["ops"] == [rank, rank, 2, 2, 1] and found["ops_eagerly"] == [rank, 2]
+        assert found["built"] == {"mpi": True, "gloo": True, "nccl": 0, "cuda": False}  # tools/install_horovod.sh
+        assert found["is_homogeneous"] is True
+        # In place, into the same variable, as Horovod's own does to a tf.Variable.
+        assert found["broadcast_"] == {"port": [2.0] * 3, "horovod": [2.0] * 3, "same_variable": True}
+        # Horovod Keras's collectives on a Keras 3 variable in a tf.function, as horovod.tensorflow's on a tensor
+        # (exact: the same collectives on the same numbers).
+        assert found["keras_collectives"] == found["horovod_collectives"]
+        assert found["keras_collectives"]["reducescatter"] == [[5.0, 6.0], [7.0, 8.0]][rank]  # averaged by default
+        assert found["elastic_restored"] == [[5.0, 6.0], [3.0]]  # the committed values
+        assert found["elastic_synced"] == [[10.0, 0.0], 0]  # rank 0's variables and its committed epoch
+        assert found["elastic_without_variables"].startswith("TensorFlowState needs its variables")
+        assert [line.split(";")[0] for line in found["broadcast_global_variables"]] == [
+            "broadcast_global_variables: TensorFlow 2 has no global variables"] * 2
+        best = found["best_model_checkpoint"]
+        assert best["written"] == best["best"] and best["best"] == [0, 1]  # val_loss falls, then rises
+        assert best["loaded"] == best["kernels"][best["best"][-1]]  # exact: the file holds that epoch's kernel
+        assert best["without_path"].startswith("BestModelCheckpoint has no path to save to")
 
 
 def _example(name):

@@ -4,9 +4,10 @@ Under `horovodrun --min-np/--max-np --host-discovery-script`, a function
 decorated with `run` trains with whichever ranks are alive. A rank that dies
 makes the others' next collective fail; they restore the `state` they last
 committed, re-form Horovod with the survivors, take rank 0's state and call the
-function again. Horovod's own versions fail on Keras 3: its state calls
+function again. Horovod's own versions fail on Keras 3: its Keras state calls
 `optimizer.variables()` (a property in Keras 3) and broadcasts Keras variables
-as `tf.Variable`s, and its `run` only recognises failed collectives by the op
+as `tf.Variable`s, its `TensorFlowState` broadcasts eagerly once when it is made
+and never on a reset, and its `run` only recognises failed collectives by the op
 names in the error text, which misses Keras's grouped all-reduce.
 
     @hvd.elastic.run
@@ -26,12 +27,13 @@ _compat.horovod()  # one clear line when Horovod is missing
 
 from horovod.common.elastic import ObjectState, run_fn  # noqa: E402
 from horovod.common.exceptions import HorovodInternalError  # noqa: E402
+from horovod.tensorflow import broadcast_object, broadcast_object_fn, init, rank, shutdown  # noqa: E402,F401
 import horovod.tensorflow as _hvd  # noqa: E402
 
-from tfdist.horovod.tensorflow.variables import broadcast_variables  # noqa: E402
-from tfdist.horovod.liveness import collectives_are_down  # noqa: E402
+from tfdist.horovod.tensorflow.functions import broadcast_variables  # noqa: E402
+from tfdist.horovod.liveness import collectives_are_down as _collectives_are_down  # noqa: E402
 
-__all__ = ["TensorFlowKerasState", "run"]
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "run"]
 
 
 def run(func):
@@ -46,7 +48,7 @@ def run(func):
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as error:
-            if collectives_are_down(_hvd):
+            if _collectives_are_down(_hvd):
                 raise HorovodInternalError(error) from error
             raise
 
@@ -57,7 +59,44 @@ def run(func):
     return run_fn(attempt, reset)
 
 
-class TensorFlowKerasState(ObjectState):
+class TensorFlowState(ObjectState):
+    """Horovod's state of a list of variables (Keras 3 variables or `tf.Variable`s) plus any keyword properties,
+    committed in host memory and taken from rank 0 after every reset.
+
+    Args:
+      variables: the variables to commit and synchronise. Horovod's default, `tf.compat.v1.global_variables()`, is
+        empty in TensorFlow 2, so they must be given.
+      session: accepted for Horovod's signature; TensorFlow 2 has no sessions.
+      **kwargs: properties to commit and synchronise, as attributes of the state.
+    """
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if not variables:
+            raise ValueError("TensorFlowState needs its variables under TensorFlow 2 (it has no global variables): "
+                             "TensorFlowState(model.variables + optimizer.variables), or TensorFlowKerasState(model)")
+        self.variables = list(variables)
+        self._save_model()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self):
+        self._save_model()
+        super().save()
+
+    def restore(self):
+        for variable, value in zip(self.variables, self._saved):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        broadcast_variables(self.variables, root_rank=0)
+        self._save_model()
+        super().sync()
+
+    def _save_model(self):
+        self._saved = [tf.identity(variable) for variable in self.variables]
+
+
+class TensorFlowKerasState(TensorFlowState):
     """The model's and optimizer's variables plus any keyword properties (`batch=0, epoch=0`), committed
     in host memory and synchronised from rank 0 after every reset.
 
@@ -80,25 +119,4 @@ class TensorFlowKerasState(ObjectState):
         if not self.optimizer.built:
             with model.distribute_strategy.scope():  # where the model's variables are
                 self.optimizer.build(model.trainable_variables)
-        self._save_model()
-        super().__init__(bcast_object=_hvd.broadcast_object, get_rank=_hvd.rank, **kwargs)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        for variable, value in zip(self._variables(), self._saved):
-            variable.assign(value)
-        super().restore()
-
-    def sync(self):
-        broadcast_variables(self._variables(), root_rank=0)
-        self._save_model()
-        super().sync()
-
-    def _variables(self) -> list:
-        return [*self.model.variables, *self.optimizer.variables]
-
-    def _save_model(self):
-        self._saved = [tf.identity(variable) for variable in self._variables()]
+        super().__init__([*model.variables, *self.optimizer.variables], **kwargs)

@@ -30,24 +30,37 @@ from tfdist import _compat
 _hvd = _compat.horovod()  # one clear line when Horovod is missing
 
 # Horovod's own process-level API (it works on Keras 3: it never sees a Keras variable).
+from horovod.common.util import is_version_greater_equal_than  # noqa: E402,F401  (Horovod's module has it)
 from horovod.tensorflow import (  # noqa: E402
     Average,
-    Compression,
     Sum,
-    allgather,
-    broadcast,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     join,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
     start_timeline,
     stop_timeline,
 )
+from horovod.tensorflow.mpi_ops import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: E402
 
+from tfdist.horovod.tensorflow.compression import Compression  # noqa: E402
+from tfdist.horovod.tensorflow import broadcast_global_variables  # noqa: E402
 from tfdist.horovod.tensorflow.keras import callbacks, elastic  # noqa: E402
 from tfdist.horovod.tensorflow.keras.callbacks import (  # noqa: E402
     BroadcastGlobalVariablesCallback,
@@ -58,10 +71,30 @@ from tfdist.horovod.tensorflow.keras.callbacks import (  # noqa: E402
 from tfdist.horovod.tensorflow.keras.optimizer import DistributedOptimizer, load_model  # noqa: E402
 
 
-def allreduce(value, name=None, op=None, compression=Compression.none):
+# Horovod Keras's collectives take a tensor-compatible value (a number, an array, a Keras 3 variable) where
+# horovod.tensorflow's take a tensor; each returns a tensor.
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none):
     """All-reduces a tensor-compatible value (average by default), as Horovod Keras does."""
-    return _hvd.allreduce(_hvd_tensor(value), name=name, op=Average if op is None else op,
+    return _hvd.allreduce(_hvd_tensor(value), name=name, average=average, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, op=Average if op is None and average is None else op,
                           compression=compression)
+
+
+def allgather(value, name=None):
+    """Concatenates every rank's tensor-compatible value along the first dimension, as Horovod Keras does."""
+    return _hvd.allgather(_hvd_tensor(value), name=name)
+
+
+def broadcast(value, root_rank, name=None):
+    """`root_rank`'s tensor-compatible value on every rank, as Horovod Keras does."""
+    return _hvd.broadcast(_hvd_tensor(value), root_rank, name=name)
+
+
+def reducescatter(value, name=None, op=Average):
+    """Reduces a tensor-compatible value (average by default) and gives each rank its slice of the first
+    dimension, as Horovod Keras does."""
+    return _hvd.reducescatter(_hvd_tensor(value), name=name, op=op)
 
 
 def _hvd_tensor(value):
@@ -70,29 +103,14 @@ def _hvd_tensor(value):
     return tf.convert_to_tensor(getattr(value, "value", value))
 
 
+# Every public name of Horovod 0.28.1's `horovod.tensorflow.keras` (tests/horovod/test_port_names.py compares them),
+# and its callbacks (docs/api.md says why).
 __all__ = [
-    "Average",
-    "BroadcastGlobalVariablesCallback",
-    "Compression",
-    "DistributedOptimizer",
-    "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback",
-    "MetricAverageCallback",
-    "Sum",
-    "allgather",
-    "allreduce",
-    "broadcast",
-    "callbacks",
-    "elastic",
-    "init",
-    "is_initialized",
-    "join",
-    "load_model",
-    "local_rank",
-    "local_size",
-    "rank",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
+    "Average", "BroadcastGlobalVariablesCallback", "Compression", "DistributedOptimizer",
+    "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback", "ProcessSet", "Sum",
+    "add_process_set", "allgather", "allreduce", "broadcast", "broadcast_global_variables", "callbacks",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set",
+    "gloo_built", "gloo_enabled", "init", "is_initialized", "is_version_greater_equal_than", "join", "load_model",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank",
+    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
 ]

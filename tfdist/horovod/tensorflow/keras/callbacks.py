@@ -14,7 +14,12 @@ import numpy as np
 
 from tfdist import _compat
 
+_compat.horovod()  # one clear line when Horovod is missing
+
+from horovod.common.util import is_version_greater_equal_than  # noqa: E402,F401  (Horovod's module has it)
+
 __all__ = [
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
@@ -174,3 +179,25 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose and self._rank == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {logs['lr'] if logs else ''}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's `ModelCheckpoint` that keeps only the best model by `monitor` (`save_best_only=True`).
+
+    Horovod's leaves the path for its Spark estimator to set and fails on Keras 3, which checks the path when the
+    callback is made. Here the path is `filepath=` (ending `.keras`, or `.weights.h5` with `save_weights_only`), or
+    `callback.filepath` set before `fit`; `fit` without either raises `ValueError`.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto", save_freq="epoch",
+                 filepath=None):
+        # Keras checks a given path's ending here; with none, a path of the right ending stands in until fit.
+        stand_in = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or stand_in, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        self.filepath = None if filepath is None else self.filepath
+
+    def on_train_begin(self, logs=None):
+        if not self.filepath:
+            raise ValueError("BestModelCheckpoint has no path to save to: pass filepath=..., or set "
+                             "callback.filepath before fit")
