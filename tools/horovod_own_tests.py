@@ -64,9 +64,11 @@ def run_file(directory: str, name: str) -> dict:
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):
         test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        ends = {child.tag for child in case}
-        outcomes[test] = next((outcome for tag, outcome in (("error", "error"), ("failure", "failed"),
-                                                           ("skipped", "skipped")) if tag in ends), "passed")
+        ends = {child.tag: child for child in case}
+        outcome = next((outcome for tag, outcome in (("error", "error"), ("failure", "failed"),
+                                                      ("skipped", "skipped")) if tag in ends), "passed")
+        why = (ends[{"failed": "failure"}.get(outcome, outcome)].get("message") or "").splitlines()
+        outcomes[test] = f"{outcome}: {why[0][:160]}" if outcome in ("failed", "error") and why else outcome
     return outcomes
 
 
@@ -96,6 +98,10 @@ def main() -> None:
     print(f"\npassing against Horovod, not against the port: {len(owed)}")
     print("\n".join(f"  {test} ({results['tfdist'][test.split('::')[0]].get(test.split('::', 1)[1])})"
                     for test in owed))
+    failing = sorted(f"{name}::{test} ({outcome})" for name in args.file or FILES
+                     for test, outcome in results["tfdist"][name].items() if outcome.startswith(("failed", "error")))
+    print(f"\nfailing against the port (each with why; compare with Horovod's above): {len(failing)}")
+    print("\n".join(f"  {test}" for test in failing))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({"results": results, "owed": owed}, out, indent=1)
