@@ -67,8 +67,9 @@ def run_file(directory: str, name: str) -> dict:
         ends = {child.tag: child for child in case}
         outcome = next((outcome for tag, outcome in (("error", "error"), ("failure", "failed"),
                                                       ("skipped", "skipped")) if tag in ends), "passed")
-        why = (ends[{"failed": "failure"}.get(outcome, outcome)].get("message") or "").splitlines()
-        outcomes[test] = f"{outcome}: {why[0][:160]}" if outcome in ("failed", "error") and why else outcome
+        ending = ends.get({"failed": "failure", "error": "error"}.get(outcome, ""))
+        why = (ending.get("message") or "").splitlines() if ending is not None else []
+        outcomes[test] = f"{outcome}: {why[0][:160]}" if why else outcome
     return outcomes
 
 

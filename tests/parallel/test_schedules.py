@@ -47,7 +47,8 @@ def test_a_deadlocking_order_is_refused():
 
 @pytest.mark.parametrize(
     "args,match",
-    [(("zigzag", 2, 2), "must be one of gpipe, 1f1b"), (("1f1b", 0, 2), "must be >= 1")],
+    [(("zigzag", 2, 2), "must be one of gpipe, 1f1b"), (("1f1b", 0, 2), "must be whole numbers >= 1"),
+     (("1f1b", ["/cpu:0", "/cpu:1"], 2), "a pipeline's devices are its `devices=`")],
 )
 def test_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):

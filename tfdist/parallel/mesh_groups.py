@@ -79,7 +79,7 @@ class MeshGroups:
         if launcher is None:
             return t
         with tf.name_scope("model_group"):
-            return launcher.all_reduce(t)
+            return _crossing_as_float32(t, launcher.all_reduce)
 
     def model_gather(self, t: tf.Tensor, axis: int) -> tf.Tensor:
         """The row's tensors concatenated along `axis`, in model order."""
@@ -87,7 +87,7 @@ class MeshGroups:
         if launcher is None:
             return t
         with tf.name_scope("model_group"):
-            return launcher.all_gather(t, axis)
+            return _crossing_as_float32(t, lambda value: launcher.all_gather(value, axis))
 
     def data_sum(self, t):
         """`t` (a tensor or an IndexedSlices) summed over the column."""
@@ -95,9 +95,21 @@ class MeshGroups:
         if launcher is None:
             return t
         with tf.name_scope("data_group"):
-            if isinstance(t, tf.IndexedSlices):
-                return launcher.all_reduce_indexed_slices(t)
-            return launcher.all_reduce(t)
+            if isinstance(t, tf.IndexedSlices):  # its rows gathered: as float32 if bfloat16, as a tensor's below
+                summed = launcher.all_reduce_indexed_slices(
+                    tf.IndexedSlices(_float32_if_bfloat16(t.values), t.indices, t.dense_shape))
+                return tf.IndexedSlices(tf.cast(summed.values, t.dtype), summed.indices, summed.dense_shape)
+            return _crossing_as_float32(t, launcher.all_reduce)
+
+
+def _crossing_as_float32(t: tf.Tensor, collective) -> tf.Tensor:
+    """`collective(t)`; a bfloat16 tensor (mixed_bfloat16's activations) crosses as float32, which TensorFlow's
+    collectives on CPU take where they refuse bfloat16: exact for a gather, and a sum rounds once, at the end."""
+    return tf.cast(collective(_float32_if_bfloat16(t)), t.dtype)
+
+
+def _float32_if_bfloat16(t: tf.Tensor) -> tf.Tensor:
+    return tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
 
 
 def collectives_of_a_step(model, strategy, batch) -> dict[str, int]:

@@ -142,8 +142,10 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
     flat = tf.nest.flatten((args, kwargs))
     at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]  # the tensors: custom_gradient's arguments
     differentiable = [k for k, i in enumerate(at) if flat[i].dtype.is_floating]
-    # Before the first pass writes them: what the second pass must read again.
-    before = [(v, tf.identity(v.value)) for v in layer.non_trainable_variables]
+    # Before the first pass writes them: what the second pass must read again. Asked of each variable, not of the
+    # layer: a frozen layer (keras-hub's LoRA freezes every block) calls all its variables non-trainable, its
+    # trainable LoRA factors among them, whose gradients must reach the variables.
+    before = [(v, tf.identity(v.value)) for v in layer.variables if not v.trainable]
     # Its split weights enter as their slices (gathered inside, so that the gathers can wait, and their
     # gradients reach the slices): a variable custom_gradient finds inside would be read whole.
     split = weight_shards.split_weights_of(layer) if settings["in_order"] else []

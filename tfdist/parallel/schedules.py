@@ -37,10 +37,10 @@ def stage_orders(schedule: str, num_stages: int, num_micro_batches: int) -> list
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"`schedule` must be one of {', '.join(SCHEDULES)}. Received: {schedule!r}")
-    if num_stages < 1 or num_micro_batches < 1:
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (num_stages, num_micro_batches)):
         raise ValueError(
-            "`num_stages` and `num_micro_batches` must be >= 1. "
-            f"Received: {num_stages}, {num_micro_batches}"
+            "`num_stages` and `num_micro_batches` must be whole numbers >= 1 (a pipeline's devices are its "
+            f"`devices=`). Received: {num_stages!r}, {num_micro_batches!r}"
         )
     m_all = range(num_micro_batches)
     if schedule == "gpipe":

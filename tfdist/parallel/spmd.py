@@ -289,8 +289,10 @@ def _reverse_embedding(layer, axes, inputs):
         kernel, axis, equation = layer.reverse_embeddings, axes["reverse_embeddings"], "...a,ab->...b"
     else:  # the table is split and its own reverse table whole: every replica computes the whole logits
         kernel, axis, equation = layer.reverse_embeddings, None, "...a,ab->...b"
-    if layer.reverse_dtype is not None:
-        inputs, kernel = tf.cast(inputs, layer.reverse_dtype), tf.cast(kernel, layer.reverse_dtype)
+    # Keras's matmul promotes the two (mixed precision's bfloat16 inputs and the table, which an embedding reads
+    # uncast, give float32 logits), or casts both to `reverse_dtype`.
+    dtype = layer.reverse_dtype or keras.backend.result_type(tf.convert_to_tensor(inputs).dtype.name, kernel.dtype)
+    inputs, kernel = tf.cast(inputs, dtype), tf.cast(kernel, dtype)
     if axis is None:
         inputs = tf.convert_to_tensor(inputs)
         equation = _without_ellipsis(equation, inputs.shape.rank)
