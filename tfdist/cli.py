@@ -217,17 +217,22 @@ def _kind_given() -> bool:
     return isinstance(strategy, dict) and "kind" in strategy
 
 
+def _kind_across(launcher: str, processes: int, what: str, ps: int = 0, chief: bool = False) -> None:
+    """As torchrun: a job of several processes and no strategy kind given trains across them (one process is
+    mirrored's, the default): multi_worker_mirrored, or parameter_server with parameter servers. Says so."""
+    if (processes > 1 or ps or chief) and not _kind_given():
+        kind = "parameter_server" if ps else "multi_worker_mirrored"
+        flags.FLAGS.set = [*_SET.value, f"strategy.kind={kind}"]
+        print(f"tfdist {launcher}: no strategy.kind given: {processes} {what} as strategy.kind={kind} "
+              "(--set strategy.kind=... chooses another)", file=sys.stderr)
+
+
 def _launch_command(args) -> None:
     from tfdist.launch import local as launch
     from tfdist.launch.hosts import NamespaceHosts
 
     command = _user_command("launch", args)
-    if (_WORKERS.value > 1 or _PS.value or _CHIEF.value) and not _kind_given():
-        # As torchrun: several workers and no kind given make a job across them (one process is mirrored's).
-        kind = "parameter_server" if _PS.value else "multi_worker_mirrored"
-        flags.FLAGS.set = [*_SET.value, f"strategy.kind={kind}"]
-        print(f"tfdist launch: no strategy.kind given: {_WORKERS.value} workers as strategy.kind={kind} "
-              "(--set strategy.kind=... chooses another)", file=sys.stderr)
+    _kind_across("launch", _WORKERS.value, "workers", ps=_PS.value, chief=_CHIEF.value)
     config = _load(tfdist_train=not command)
     if _LINK.value and not _HOSTS.value:
         _fail("--link shapes the links of --hosts: give --hosts N too.")
@@ -252,6 +257,7 @@ def _slurm_command(args) -> None:
     command = _user_command("slurm", args)
     if _TASKS.value is None:
         _fail("`slurm` needs --tasks, the number of Slurm tasks (processes).")
+    _kind_across("slurm", _TASKS.value, "tasks")
     script = slurm.sbatch_script(
         _load(tfdist_train=not command), _train_args(), tasks=_TASKS.value, nodes=_NODES.value,
         gpus_per_node=_GPUS_PER_NODE.value, partition=_PARTITION.value, time_limit=_TIME.value,
@@ -269,6 +275,7 @@ def _k8s_command(args) -> None:
         _fail(f"`k8s` validates what it writes with {', '.join(missing_packages())}: pip install 'tfdist[k8s]'.")
     if not _OUT.value:
         _fail("`k8s` needs --out, the directory to write the manifests to.")
+    _kind_across("k8s", _WORKERS.value, "workers", ps=_PS.value)
     job = k8s.Job(
         name=_NAME.value, image=_IMAGE.value or "", workers=_WORKERS.value, ps=_PS.value,
         gpus_per_worker=_GPUS_PER_WORKER.value, cpu=_CPU.value, memory=_MEMORY.value, flavor=_FLAVOR.value,

@@ -184,6 +184,15 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, flags, message):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags,kind", [(["--workers", "2"], "multi_worker_mirrored"),
+                                        (["--workers", "2", "--ps", "1"], "parameter_server")])
+def test_several_pods_and_no_kind_given_make_a_job_across_them_and_say_so(tmp_path, flags, kind):
+    proc = run_tfdist("k8s", "--image", "repo/tfdist:0.1", "--out", str(tmp_path), *flags)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith(f"tfdist k8s: no strategy.kind given: 2 workers as strategy.kind={kind} ")
+    assert f"kind: {kind}" in (tmp_path / "00-configmap-tfdist-config.yaml").read_text()
+
+
 def test_the_kubernetes_resolver_needs_a_pods_environment(monkeypatch):
     from tfdist.cluster.resolver import cluster_resolver
 

@@ -72,6 +72,14 @@ def test_bad_counts_are_one_line(flags, message):
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("tfdist: error: " + message), lines
 
 
+def test_several_tasks_and_no_kind_given_make_a_multi_worker_job_and_say_so():
+    proc = run_tfdist("slurm", "--tasks", "2")  # a config of mirrored itself is refused above
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ("tfdist slurm: no strategy.kind given: 2 tasks as strategy.kind=multi_worker_mirrored "
+                           "(--set strategy.kind=... chooses another)\n")
+    assert "--set=strategy.kind=multi_worker_mirrored" in proc.stdout
+
+
 def test_the_slurm_resolver_only_runs_in_a_job_step(monkeypatch):
     from tfdist.cluster.resolver import cluster_resolver
 
