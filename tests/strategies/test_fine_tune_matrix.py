@@ -1,7 +1,8 @@
 """keras-hub LLMs (Gemma, Llama 3, Mistral) fine-tuned with LoRA under tfdist's memory options (ZeRO 1, ZeRO 3 with
 rematerialization, the backbone's own layout map) in float32 and mixed_bfloat16, against Keras alone on one device
 in a process that never imported tfdist: the weights (float32) or the loss (mixed_bfloat16), greedy generation, the
-frozen weights, the optimizer's state and the LoRA file (tests/scenarios/fine_tune_matrix.py trains them)."""
+frozen weights, the optimizer's state and the LoRA file (tests/scenarios/fine_tune_matrix.py trains them); and a run killed by SIGKILL resumes exactly
+(tests/scenarios/fine_tune_resume.py)."""
 
 import json
 import os
@@ -82,3 +83,25 @@ def test_lora_fine_tuning_under_a_memory_option_trains_and_generates_as_on_one_d
             assert result["generate_refused"].startswith("generate() on a model split by a layout is not supported")
         elif precision == "float32":
             assert result["generated"] == reference["generated"]
+
+
+RESUME = os.path.join(SCENARIO_DIR, "fine_tune_resume.py")
+
+
+def _resume_run(checkpoints, out, *flags):
+    return zygote.run([sys.executable, RESUME, str(checkpoints), str(out), *flags], cwd=ROOT, capture_output=True,
+                      text=True, timeout=patient(300))
+
+
+@pytest.mark.timeout(900)
+def test_lora_fine_tuning_under_zero_3_and_remat_killed_by_sigkill_resumes_exactly(tmp_path):
+    whole = _resume_run(tmp_path / "whole", tmp_path / "whole.npz")
+    assert whole.returncode == 0, why_it_failed(whole.stderr)
+    killed = _resume_run(tmp_path / "killed", tmp_path / "never.npz", "--sigkill-after", "6")
+    assert killed.returncode == -9 and not (tmp_path / "never.npz").exists()  # mid-epoch 2, its step saved
+    resumed = _resume_run(tmp_path / "killed", tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, why_it_failed(resumed.stderr)
+    with np.load(tmp_path / "whole.npz") as want, np.load(tmp_path / "resumed.npz") as got:
+        for key in want.files:
+            # exact: the same steps from the same restored bytes, with the same kernels on the same shapes
+            np.testing.assert_array_equal(got[key], want[key])
