@@ -39,7 +39,7 @@ BACKBONES = {  # backbone and task classes, and what each needs beyond the share
     "mistral": ("MistralBackbone", "MistralCausalLM", {"num_key_value_heads": 2}),
 }
 PRECISIONS = ("float32", "mixed_bfloat16")
-KINDS = ("shard_optimizer 1", "shard_optimizer 3, remat", "layout 1x2")
+KINDS = ("shard_optimizer 1", "shard_optimizer 3, remat", "layout 1x2", "pipeline 2 stages")
 
 
 def tokens():
@@ -67,6 +67,8 @@ def strategy_of(kind: str, backbone_name: str):
 
     if kind.startswith("shard_optimizer"):
         return tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=int(kind.split()[1].rstrip(",")))
+    if kind.startswith("pipeline"):
+        return tfdist.PipelineStrategy(2, devices=["/cpu:0", "/cpu:1"], verbose=False)
     mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
     layout_map = getattr(keras_hub.models, BACKBONES[backbone_name][0]).get_layout_map(mesh)
     return tfdist.strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))

@@ -290,7 +290,7 @@ def test_more_stages_than_layers_is_refused_in_one_line_before_the_first_step(bu
         (dict(devices=FOUR, layout=Layout(model=2), shard_optimizer=1),
          "`shard_optimizer` cannot split the optimizer of a pipeline whose stages are split over several devices"),
         (dict(schedule="interleaved"), "must be one of gpipe, 1f1b"),
-        (dict(num_micro_batches=0), "must be >= 1"),
+        (dict(num_micro_batches=0), "must be whole numbers >= 1"),
         (dict(balance_by="flops"), "must be one of"),
     ],
 )

@@ -339,10 +339,15 @@ class PipelineStrategy(SplitsByLayout, ReplicaGroupsStrategy):
         for stage in partition.stages:
             for variable in stage.model.variables:
                 if owner.setdefault(id(variable), stage.index) != stage.index:
-                    raise ValueError(
-                        f"variable {variable.path!r} is used by layers of stages {owner[id(variable)]} and "
-                        f"{stage.index}: a weight shared between layers must stay in one stage. Move the boundary."
-                    )
+                    # A weight shared by stages (a language model's token embedding, which also makes its logits)
+                    # stays with the first; a later stage reads it from there, and each stage's gradient of it
+                    # is summed into its one gradient. A layout's split of it would differ per stage.
+                    if self.layout is not None:
+                        raise ValueError(
+                            f"variable {variable.path!r} is used by layers of stages {owner[id(variable)]} and "
+                            f"{stage.index}: a weight shared between stages cannot be split by a layout in this "
+                            "version. Move the boundary.")
+                    continue
                 destinations.append((variable, self.stage_devices[0][stage.index]))
         slots = self.move_variables(destinations, getattr(model, "optimizer", None))
         for variable, device in destinations:
