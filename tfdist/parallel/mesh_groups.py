@@ -95,7 +95,7 @@ class MeshGroups:
         if launcher is None:
             return t
         with tf.name_scope("data_group"):
-            if isinstance(t, tf.IndexedSlices):  # its rows gathered: as float32 if bfloat16, as a tensor's below
+            if isinstance(t, tf.IndexedSlices):  # an embedding's rows, crossing as float32 too
                 summed = launcher.all_reduce_indexed_slices(
                     tf.IndexedSlices(_float32_if_bfloat16(t.values), t.indices, t.dense_shape))
                 return tf.IndexedSlices(tf.cast(summed.values, t.dtype), summed.indices, summed.dense_shape)

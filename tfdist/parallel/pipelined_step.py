@@ -187,8 +187,8 @@ class PipelinedStep:
                     self.out_grads[m].get(id(t), tf.zeros_like(v)) for t, v in zip(stage.produces, outputs)
                 ]
             grads = tape.gradient(targets, sources + variables, output_gradients=seeds)
-            # Zeros where unconnected (made here: TensorFlow's own would take a Keras variable's dtype, a string,
-            # for its own, as a stage that reads another stage's layer through its own does).
+            # Zeros where a source is unconnected (a layer holding another stage's layer lists its variables too),
+            # made here: TensorFlow's own take the source's dtype, for a Keras variable a string, and fail.
             grads = [tf.zeros_like(x) if g is None else g for x, g in zip(sources, grads[:len(sources)])] + [
                 tf.zeros(v.shape, v.dtype) if g is None else g for v, g in zip(variables, grads[len(sources):])]
             # Sums over micro-batches stay on the stage too: a stage's gradients never gather elsewhere.
