@@ -115,6 +115,7 @@ def facts(model, frozen: dict, backbone_name: str, precision: str, prompts) -> d
     slots = [v for v in checkpointed_variables(model.optimizer) if len(v.shape)]
     found = {"lora_weights": len(lora), "trainable_weights": len(model.trainable_variables),
              "slots_per_lora_weight": len(slots) / max(len(lora), 1),
+             # exact: a frozen weight is never written
              "frozen_unchanged": all(np.array_equal(v.numpy(), frozen[v.path]) for v in model.non_trainable_variables)}
     if precision == "float32":
         with tempfile.TemporaryDirectory() as directory:
@@ -123,7 +124,7 @@ def facts(model, frozen: dict, backbone_name: str, precision: str, prompts) -> d
             fresh = causal_lm(backbone_name)
             fresh.backbone.load_lora_weights(path)
             found["lora_file_loads_on_one_device"] = all(
-                np.array_equal(mine.numpy(), theirs.numpy())
+                np.array_equal(mine.numpy(), theirs.numpy())  # exact: saving and loading copy the bytes
                 for mine, theirs in zip(lora, [v for v in fresh.trainable_variables if "lora_kernel" in v.path]))
             found["generated_on_one_device"] = generate(fresh, prompts)
     return found
