@@ -39,7 +39,7 @@ BACKBONES = {  # backbone and task classes, and what each needs beyond the share
     "mistral": ("MistralBackbone", "MistralCausalLM", {"num_key_value_heads": 2}),
 }
 PRECISIONS = ("float32", "mixed_bfloat16")
-KINDS = ("shard_optimizer 1", "shard_optimizer 3, remat", "layout 1x2", "pipeline 2 stages")
+KINDS = ("shard_optimizer 1", "shard_optimizer 2", "shard_optimizer 3, remat", "layout 1x2", "pipeline 2 stages")
 
 
 def tokens():

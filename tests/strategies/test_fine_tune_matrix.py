@@ -1,4 +1,4 @@
-"""keras-hub LLMs (Gemma, Llama 3, Mistral) fine-tuned with LoRA under tfdist's memory options (ZeRO 1, ZeRO 3 with
+"""keras-hub LLMs (Gemma, Llama 3, Mistral) fine-tuned with LoRA under tfdist's memory options (ZeRO 1, 2, ZeRO 3 with
 rematerialization, the backbone's own layout map, a pipeline of 2 stages) in float32 and mixed_bfloat16, against Keras alone on one device
 in a process that never imported tfdist: the weights (float32) or the loss (mixed_bfloat16), greedy generation, the
 frozen weights, the optimizer's state and the LoRA file (tests/scenarios/fine_tune_matrix.py trains them); and a run killed by SIGKILL resumes exactly
@@ -15,7 +15,7 @@ import zygote
 from helpers import ROOT, SCENARIO_DIR, patient, why_it_failed
 
 SCRIPT = os.path.join(SCENARIO_DIR, "fine_tune_matrix.py")
-KINDS = ["shard_optimizer 1", "shard_optimizer 3, remat", "layout 1x2", "pipeline 2 stages"]
+KINDS = ["shard_optimizer 1", "shard_optimizer 2", "shard_optimizer 3, remat", "layout 1x2", "pipeline 2 stages"]
 BACKBONES = ["gemma", "llama3", "mistral"]
 # float32: each replica's half of the batch summed in another order than one device's whole, then Adam's 4 steps of
 # lr 1e-2 on LoRA factors: float32 epsilon x 8 rows x 4 steps x Adam's normalised step 1e-2 = 4e-8 per step's
