@@ -1,7 +1,8 @@
-"""keras-hub LLMs (Gemma, Llama 3, Mistral) fine-tuned with LoRA under tfdist's memory options (ZeRO 1, 2, ZeRO 3 with
-rematerialization, the backbone's own layout map, a pipeline of 2 stages) in float32 and mixed_bfloat16, against Keras alone on one device
-in a process that never imported tfdist: the weights (float32) or the loss (mixed_bfloat16), greedy generation, the
-frozen weights, the optimizer's state and the LoRA file (tests/scenarios/fine_tune_matrix.py trains them); and a run killed by SIGKILL resumes exactly
+"""keras-hub LLMs (Gemma, Llama 3, Mistral) fine-tuned with LoRA under tfdist's memory options (ZeRO 1 and 2, ZeRO 3
+with rematerialization, the backbone's own layout map, a pipeline of 2 stages) in float32 and mixed_bfloat16, against
+Keras alone on one device in a process that never imported tfdist: the weights (float32) or the loss
+(mixed_bfloat16), greedy generation, the frozen weights, the optimizer's state and the LoRA file
+(tests/scenarios/fine_tune_matrix.py trains them); and a run killed by SIGKILL resumes exactly
 (tests/scenarios/fine_tune_resume.py)."""
 
 import json
