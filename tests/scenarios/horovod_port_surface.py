@@ -93,17 +93,20 @@ def ranks(out):
     # Horovod Keras's collectives on a Keras 3 variable, in a tf.function, against horovod.tensorflow's on its
     # tensor.
     mine = keras.Variable(np.arange(4, dtype="float32") + 10 * rank)
+    plain = tf.Variable(np.arange(4, dtype="float32") + 10 * rank)  # a tf.Variable, whose `value` is a method
 
     @tf.function
     def keras_collectives():
-        return {"allreduce": hvd_keras.allreduce(mine), "allgather": hvd_keras.allgather(mine),
+        return {"allreduce": hvd_keras.allreduce(mine), "allreduce_tf_variable": hvd_keras.allreduce(plain),
+                "allgather": hvd_keras.allgather(mine),
                 "broadcast": hvd_keras.broadcast(mine, root_rank=1), "reducescatter": hvd_keras.reducescatter(mine),
                 "reducescatter_sum": hvd_keras.reducescatter(mine, op=hvd.Sum)}
 
     @tf.function
     def horovod_collectives():
         tensor = tf.convert_to_tensor(mine.value)
-        return {"allreduce": real.allreduce(tensor, op=real.Average), "allgather": real.allgather(tensor),
+        return {"allreduce": real.allreduce(tensor, op=real.Average),
+                "allreduce_tf_variable": real.allreduce(tensor, op=real.Average), "allgather": real.allgather(tensor),
                 "broadcast": real.broadcast(tensor, root_rank=1), "reducescatter": real.reducescatter(tensor),
                 "reducescatter_sum": real.reducescatter(tensor, op=real.Sum)}
 

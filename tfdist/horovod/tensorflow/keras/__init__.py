@@ -100,7 +100,9 @@ def reducescatter(value, name=None, op=Average):
 def _hvd_tensor(value):
     import tensorflow as tf
 
-    return tf.convert_to_tensor(getattr(value, "value", value))
+    from tfdist.horovod.tensorflow.variables import as_tf_variable
+
+    return tf.convert_to_tensor(as_tf_variable(value))
 
 
 # Every public name of Horovod 0.28.1's `horovod.tensorflow.keras` (tests/horovod/test_port_names.py compares them),
