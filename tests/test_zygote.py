@@ -189,3 +189,26 @@ def test_two_forked_children_are_the_workers_of_one_multi_worker_job(tmp_path):
         _, err = proc.communicate(timeout=patient(240))
         assert proc.returncode == 0, err[-3000:]
     assert json.loads((tmp_path / "m0.json").read_text())["num_replicas"] == 2  # the chief's report
+
+
+def test_the_oracle_answers_from_keras_alone_and_knows_no_tfdist(tmp_path):
+    """`oracle.keras_alone` trains a saved Keras model as Keras does; a model that needs tfdist to load fails there,
+    as it would in a process that never imported it."""
+    import keras
+    import numpy as np
+    from oracle import keras_alone
+
+    from tfdist.layers import ColumnParallelDense
+
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 3), "float32")
+    for name, layer in (("plain", keras.layers.Dense(3)), ("tfdist", ColumnParallelDense(3))):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), layer])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.save(tmp_path / f"{name}.keras")
+    start = model.get_weights()
+    trained = keras_alone("fit", str(tmp_path / "plain.keras"), x, y, batch_size=8, epochs=2)
+    assert trained["iterations"] == 2 and len(trained["history"]["loss"]) == 2
+    assert not np.allclose(trained["weights"][0], start[0])
+    with pytest.raises(AssertionError, match="(?s)the reference fit failed: .*locate class 'ColumnParallelDense'"):
+        keras_alone("fit", str(tmp_path / "tfdist.keras"), x, y, batch_size=8)

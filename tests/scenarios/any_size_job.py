@@ -16,8 +16,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfdist.layers import ColumnParallelDense, RowParallelDense  # noqa: E402
-
 BATCH = 8
 _rng = np.random.default_rng(0)
 X = _rng.standard_normal((69, 20)).astype("float32")
@@ -30,18 +28,27 @@ def dense():
 
 
 def tensor_parallel():
+    from tfdist.layers import ColumnParallelDense, RowParallelDense
+
     return [ColumnParallelDense(16, activation="relu"), RowParallelDense(16)]
+
+
+FIT = {"batch_size": BATCH, "epochs": 2, "shuffle": False, "validation_data": (X[VALIDATION], Y[VALIDATION])}
+
+
+def build(hidden):
+    """The seeded, compiled model, in the strategy scope the caller opened."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((20,)), *hidden(), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
 
 
 def run(strategy, hidden):
     """fit (2 epochs, with validation), evaluate and predict; (history, weights, evaluation, predictions)."""
     with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((20,)), *hidden(), keras.layers.Dense(3, activation="softmax")])
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
-    history = model.fit(X[TRAIN], Y[TRAIN], batch_size=BATCH, epochs=2, shuffle=False,
-                        validation_data=(X[VALIDATION], Y[VALIDATION]), verbose=0).history
+        model = build(hidden)
+    history = model.fit(X[TRAIN], Y[TRAIN], verbose=0, **FIT).history
     evaluation = model.evaluate(X[EVALUATE], Y[EVALUATE], batch_size=BATCH, verbose=0)
     predictions = model.predict(X[EVALUATE], batch_size=BATCH, verbose=0)
     weights = model.get_weights()

@@ -18,19 +18,27 @@ import numpy as np  # noqa: E402
 from tfdist import MultiWorkerMirroredStrategy  # noqa: E402
 
 
-def train(strategy, steps_per_execution=3, accumulation=1):
+def data():
     """64 examples in batches of 8: an epoch is 3 + 3 + 2 steps."""
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 2)).astype("float32")
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-        accumulating = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
-        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1, **accumulating),
-                      steps_per_execution=steps_per_execution)
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    return model, history
+    return rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 2)).astype("float32")
 
+
+def build(steps_per_execution=3, accumulation=1):
+    """The seeded, compiled model, in the strategy scope the caller opened."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    accumulating = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1, **accumulating),
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def train(strategy, accumulation=1):
+    with strategy.scope():
+        model = build(accumulation=accumulation)
+    history = model.fit(*data(), batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    return model, history
 
 if __name__ == "__main__":
     os.environ["TF_CONFIG"] = sys.argv[1]

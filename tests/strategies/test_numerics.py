@@ -1,43 +1,30 @@
-"""Mirrored training over 2 and 4 replicas matches one device (same global batch, seed, SGD)."""
+"""tfdist's kinds train as Keras alone does: each test's reference comes from a process that never imported tfdist
+(`oracle.keras_alone`), given the same compiled model as a `.keras` file and the same batches."""
 
 import numpy as np
 import pytest
+from oracle import keras_alone
 
 from tfdist import load_config, prepare
-
 
 STEPS = 5
 
 
-def _train(*overrides, initial_weights=None):
-    config = load_config(
-        None,
-        [
-            "train.optimizer=sgd",
-            "train.learning_rate=0.1",
-            "train.global_batch_size=32",
-            "model.dropout=0.0",
-            "train.verbose=0",
-            *overrides,
-        ],
-    )
-    job = prepare(config)
-    if initial_weights is not None:
-        job.model.set_weights(initial_weights)
-    start = job.model.get_weights()
-    job.model.fit(job.train_data, epochs=1, steps_per_epoch=STEPS, verbose=0)
-    return start, job.model.get_weights()
-
-
 @pytest.mark.parametrize("replicas", [2, 4])
-def test_mirrored_matches_one_device(replicas):
-    start, single = _train("strategy.kind=one_device")
+def test_mirrored_matches_one_device(replicas, tmp_path):
     devices = ", ".join(f"/cpu:{i}" for i in range(replicas))
-    _, mirrored = _train(f"strategy.devices=[{devices}]", initial_weights=start)
-    moved = max(np.abs(a - b).max() for a, b in zip(start, single))
+    config = load_config(None, ["train.optimizer=sgd", "train.learning_rate=0.1", "train.global_batch_size=32",
+                                "model.dropout=0.0", "train.verbose=0", f"strategy.devices=[{devices}]"])
+    job = prepare(config)
+    job.model.save(tmp_path / "model.keras")  # compiled, before training: the reference starts from it
+    x, y = (np.concatenate(part) for part in zip(*job.train_data.take(STEPS).as_numpy_iterator()))
+    start = job.model.get_weights()
+    job.model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    single = keras_alone("fit", str(tmp_path / "model.keras"), x, y, batch_size=32, epochs=1, shuffle=False)
+    moved = max(np.abs(a - b).max() for a, b in zip(start, single["weights"]))
     assert moved > 1e-3  # the comparison below is about trained weights
-    for a, b in zip(single, mirrored):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(single["weights"], job.model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 
 
 def _regression_data():
@@ -45,86 +32,83 @@ def _regression_data():
     return rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 2)).astype("float32")
 
 
-def _dense_model(**compile_options):
-    """A seeded Dense regression model, compiled in the strategy scope the caller opened."""
+def _saved_model(path, optimizer, hidden=0, **compile_options) -> str:
+    """A seeded regression model (a Dense of 2, after a ReLU Dense of `hidden` where given), compiled with
+    `optimizer` and saved untrained to `path`: Keras alone loads it in the reference's process, tfdist's run under
+    its strategy's scope, as Keras's guides resume a model."""
     import keras
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-    model.compile(loss="mse", **compile_options)
-    return model
+    layers = [keras.layers.Dense(hidden, activation="relu")] if hidden else []
+    model = keras.Sequential([keras.Input((8,)), *layers, keras.layers.Dense(2)])
+    model.compile(loss="mse", optimizer=optimizer, **compile_options)
+    model.save(path)
+    return str(path)
+
+
+def _fit_under(strategy, model_file, **fit_kwargs):
+    """The saved model loaded under `strategy`'s scope and fitted on the regression data: the model, History."""
+    import keras
+
+    with strategy.scope():
+        model = keras.models.load_model(model_file)
+    keras.utils.set_random_seed(0)
+    return model, model.fit(*_regression_data(), shuffle=False, verbose=0, **fit_kwargs).history
 
 
 @pytest.mark.parametrize("clipping", ["clipnorm", "global_clipnorm", "clipvalue"])
-def test_gradient_clipping_sees_the_all_reduced_gradient_as_on_one_device(clipping):
+def test_gradient_clipping_sees_the_all_reduced_gradient_as_on_one_device(clipping, tmp_path):
     """Keras clips each replica's gradient before the all-reduce; tfdist's strategies clip their sum."""
     import keras
-    import tensorflow as tf
 
     from tfdist import MirroredStrategy
 
-    x, y = _regression_data()
-
-    def step(strategy):
-        with strategy.scope():
-            # A threshold well below the gradient's size, so clipping decides the step.
-            model = _dense_model(optimizer=keras.optimizers.SGD(1.0, **{clipping: 0.01}))
-        start = model.get_weights()
-        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-        return [b - a for a, b in zip(start, model.get_weights())]
-
-    one_device = step(tf.distribute.OneDeviceStrategy("/cpu:0"))
-    mirrored = step(MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    # A threshold well below the gradient's size, so clipping decides the step.
+    model_file = _saved_model(tmp_path / "model.keras", keras.optimizers.SGD(1.0, **{clipping: 0.01}))
+    start = keras.models.load_model(model_file).get_weights()
+    reference = keras_alone("fit", model_file, *_regression_data(), under="one_device", batch_size=64,
+                            shuffle=False)
+    model, _ = _fit_under(MirroredStrategy(["/cpu:0", "/cpu:1"]), model_file, batch_size=64)
+    one_device = [b - a for a, b in zip(start, reference["weights"])]
+    mirrored = [b - a for a, b in zip(start, model.get_weights())]
     if clipping == "global_clipnorm":
         assert np.sqrt(sum(np.sum(d**2) for d in one_device)) == pytest.approx(0.01, rel=1e-4)
     for a, b in zip(one_device, mirrored):
         np.testing.assert_allclose(b, a, atol=1e-7, rtol=1e-5)
 
 
-def test_steps_per_execution_over_several_replicas_matches_one_device():
+def test_steps_per_execution_over_several_replicas_matches_one_device(tmp_path):
     """Keras's own multi-step loop fails under a MirroredStrategy of 2 replicas (a step inside a tf.cond)."""
     import keras
-    import tensorflow as tf
 
     from tfdist import MirroredStrategy
 
-    x, y = _regression_data()
-
-    def train(strategy):
-        with strategy.scope():
-            model = _dense_model(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=3)
-        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-        return model, history
-
-    reference, expected = train(tf.distribute.get_strategy())  # Keras without a strategy
-    model, history = train(MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    model_file = _saved_model(tmp_path / "model.keras", keras.optimizers.SGD(0.1), steps_per_execution=3)
+    expected = keras_alone("fit", model_file, *_regression_data(), batch_size=8, epochs=2, shuffle=False)
+    model, history = _fit_under(MirroredStrategy(["/cpu:0", "/cpu:1"]), model_file, batch_size=8, epochs=2)
     assert int(model.optimizer.iterations.numpy()) == 2 * 8  # 3 + 3 + 2 steps an epoch
-    for a, b in zip(reference.get_weights(), model.get_weights()):
+    for a, b in zip(expected["weights"], model.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
+    np.testing.assert_allclose(history["loss"], expected["history"]["loss"], atol=1e-5)
 
 
-def _accumulated(strategy, optimizer):
-    """The seeded model trained 2 epochs of 8 steps with `optimizer()`, under `strategy` or, with None, Keras's own
-    code (no strategy: tfdist's replacement of Keras's accumulation steps aside)."""
-    import contextlib
-
-    import keras
-
-    x, y = _regression_data()
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((8,))
-        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs)))
-        model.compile(loss="mse", optimizer=optimizer())
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    return model, history
+def _same_as_keras_alone(strategy, optimizer, model_file):
+    """The seeded model with a hidden layer, compiled with `optimizer` and trained 2 epochs of 8 steps by Keras
+    alone (no strategy) and under `strategy`: equal weights (and the same number of updates) and losses."""
+    model_file = _saved_model(model_file, optimizer, hidden=16)
+    expected = keras_alone("fit", model_file, *_regression_data(), batch_size=8, epochs=2, shuffle=False)
+    model, history = _fit_under(strategy, model_file, batch_size=8, epochs=2)
+    assert int(model.optimizer.iterations.numpy()) == expected["iterations"]
+    for a, b in zip(expected["weights"], model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)  # 2 replicas' sums, 8 steps
+    np.testing.assert_allclose(history["loss"], expected["history"]["loss"], atol=1e-5)
+    return expected
 
 
 @pytest.mark.parametrize("kind", ["mirrored", "pipeline", "tensor_parallel", "mirrored_4_replicas",
                                   "mirrored_shard_optimizer_1", "mirrored_4_replicas_shard_optimizer_2",
                                   "pipeline_2_replicas_shard_optimizer_3"])
-def test_gradient_accumulation_matches_one_device(kind):
+def test_gradient_accumulation_matches_one_device(kind, tmp_path):
     """Keras accumulates gradients under a conditional whose branches enter the cross-replica context, which fails
     under every TensorFlow strategy at the first step (keras-team/keras#20582); tfdist's kinds accumulate as one
     device does, an optimizer split over the replicas too (at stage 3 with its weights and their accumulators), and
@@ -148,21 +132,14 @@ def test_gradient_accumulation_matches_one_device(kind):
         "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False),
         "tensor_parallel": lambda: TensorParallelStrategy(["/cpu:0", "/cpu:1"]),
     }
-
-    def optimizer():
-        return keras.optimizers.Adam(0.05, gradient_accumulation_steps=4)
-
-    reference, expected = _accumulated(None, optimizer)
-    model, history = _accumulated(strategies[kind](), optimizer)
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 2 * 8 // 4
-    for a, b in zip(reference.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
+    expected = _same_as_keras_alone(strategies[kind](), keras.optimizers.Adam(0.05, gradient_accumulation_steps=4),
+                                    tmp_path / "model.keras")
+    assert expected["iterations"] == 2 * 8 // 4
 
 
 @pytest.mark.parametrize("accumulation, overwrite_frequency", [(2, None), (2, 3), (None, 3)])
 @pytest.mark.parametrize("kind", ["mirrored", "pipeline"])
-def test_a_moving_average_of_the_weights_ends_at_keras_own_weights(kind, accumulation, overwrite_frequency):
+def test_a_moving_average_of_the_weights_ends_at_keras_own_weights(kind, accumulation, overwrite_frequency, tmp_path):
     """`use_ema`: the moving average moves every step and Keras copies it into the weights at the end of `fit`
     (and every `ema_overwrite_frequency` steps). With `gradient_accumulation_steps`, tfdist's accumulation under a
     strategy left it at zero, so every weight ended at 0.0; without, Keras's overwrite failed under a strategy
@@ -173,14 +150,7 @@ def test_a_moving_average_of_the_weights_ends_at_keras_own_weights(kind, accumul
 
     strategy = {"mirrored": lambda: MirroredStrategy(["/cpu:0", "/cpu:1"]),
                 "pipeline": lambda: PipelineStrategy(2, 4, devices=["/cpu:0", "/cpu:1"], verbose=False)}[kind]()
-
-    def optimizer():
-        return keras.optimizers.Adam(0.05, gradient_accumulation_steps=accumulation, use_ema=True, ema_momentum=0.5,
-                                     ema_overwrite_frequency=overwrite_frequency)
-
-    reference, expected = _accumulated(None, optimizer)
-    model, history = _accumulated(strategy, optimizer)
-    assert max(float(np.abs(w).max()) for w in reference.get_weights()) > 0.5
-    for a, b in zip(reference.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)  # as the accumulation test: 2 replicas' sums, 8 steps
-    np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
+    optimizer = keras.optimizers.Adam(0.05, gradient_accumulation_steps=accumulation, use_ema=True, ema_momentum=0.5,
+                                      ema_overwrite_frequency=overwrite_frequency)
+    expected = _same_as_keras_alone(strategy, optimizer, tmp_path / "model.keras")
+    assert max(float(np.abs(w).max()) for w in expected["weights"]) > 0.5
