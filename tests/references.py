@@ -2,10 +2,35 @@
 imported tfdist. Nothing here imports tfdist (tests/scenarios/keras_alone.py fails if anything did)."""
 
 
-def fit(model_file: str, x, y, under: str = "", seed: int = 0, evaluate=None, predict=None, **fit_kwargs) -> dict:
-    """The compiled model saved in `model_file` trained by Keras's `fit(x, y, **fit_kwargs)`: its weights, History,
-    updates and the shapes of its optimizer's variables; then, where given, `evaluate(*evaluate)` and `predict(predict)`
-    at the fit's batch size.
+# keras-hub's causal LMs of the tests: backbone class, task class and what the backbone needs besides the sizes.
+CAUSAL_LMS = {"gemma": ("GemmaBackbone", "GemmaCausalLM", {"head_dim": 8}),
+              "llama": ("LlamaBackbone", "LlamaCausalLM", {})}
+
+
+def causal_lm(name: str, vocabulary: int, layers: int, lora_rank=None):
+    """A tiny keras-hub causal LM of `CAUSAL_LMS` (random weights, seeded; nothing downloaded), compiled with Adam,
+    with keras-hub's LoRA (the query and value projections; every other weight frozen) at `lora_rank`. Built in the
+    strategy scope the caller opened."""
+    import keras
+    import keras_hub
+
+    backbone, task, extra = CAUSAL_LMS[name]
+    keras.utils.set_random_seed(1)
+    model = getattr(keras_hub.models, task)(backbone=getattr(keras_hub.models, backbone)(
+        vocabulary_size=vocabulary, num_layers=layers, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
+        intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
+    if lora_rank:
+        model.backbone.enable_lora(rank=lora_rank)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def fit(model, x, y, under: str = "", seed: int = 0, evaluate=None, predict=None, **fit_kwargs) -> dict:
+    """The compiled model, saved in the file `model` or built by `references.<name>(**kwargs)` for
+    `model=(name, kwargs)` (what a file does not hold whole: keras-hub's LoRA freezes weights it does not save),
+    trained by Keras's `fit(x, y, **fit_kwargs)`: its weights, History, updates and the shapes of its optimizer's
+    variables; then, where given, `evaluate(*evaluate)` and `predict(predict)` at the fit's batch size.
 
     `under="one_device"` loads and trains it under TensorFlow's OneDeviceStrategy (Keras then builds the optimizer
     eagerly, as under any strategy); `under="mirrored"` under TensorFlow's MirroredStrategy on 2 logical CPUs.
@@ -16,7 +41,7 @@ def fit(model_file: str, x, y, under: str = "", seed: int = 0, evaluate=None, pr
     strategy = {"": tf.distribute.get_strategy(), "one_device": tf.distribute.OneDeviceStrategy("/cpu:0"),
                 "mirrored": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])}[under]
     with strategy.scope():
-        model = keras.models.load_model(model_file)
+        model = keras.models.load_model(model) if isinstance(model, str) else globals()[model[0]](**model[1])
     keras.utils.set_random_seed(seed)
     history = model.fit(x, y, verbose=0, **fit_kwargs)
     batch = fit_kwargs.get("batch_size")

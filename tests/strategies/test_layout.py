@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import attention_and_mlp, megatron_layout_map
+from oracle import keras_alone
 from tfdist.parallel.layout import Layout, LayoutError
 from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
@@ -23,24 +24,30 @@ def _model(optimizer):
     return attention_and_mlp(16, optimizer)
 
 
+FIT = {"batch_size": 16, "epochs": 2, "shuffle": False}
+
+
 def _trained(strategy, optimizer):
-    if strategy is None:
+    with strategy.scope():
         model = _model(optimizer())
-    else:
-        with strategy.scope():
-            model = _model(optimizer())
-    history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    history = model.fit(X, Y, verbose=0, **FIT).history
     return model, history
+
+
+def _keras_alone(optimizer):
+    """The model trained by Keras in a process that never imported tfdist: its "weights", "history", "evaluation"
+    on X and Y, and "predictions" on the first 23 examples."""
+    return keras_alone("fit", _model(optimizer()), X, Y, evaluate=(X, Y), predict=X[:23], **FIT)
 
 
 @pytest.mark.parametrize("data, devices", [(1, 2), (1, 4), (2, 2)], ids=["1x2", "1x4", "data2x2"])
 def test_a_layout_map_splits_an_unchanged_model_which_trains_as_on_one_device(data, devices):
     optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
-    one, one_history = _trained(None, optimizer)
+    one = _keras_alone(optimizer)
     split, history = _trained(LayoutStrategy(megatron_layout_map(devices, data)), optimizer)
-    assert history["loss"] == pytest.approx(one_history["loss"], abs=1e-6)
-    assert history["accuracy"] == one_history["accuracy"]
-    for whole, got in zip(one.get_weights(), split.get_weights()):
+    assert history["loss"] == pytest.approx(one["history"]["loss"], abs=1e-6)
+    assert history["accuracy"] == one["history"]["accuracy"]
+    for whole, got in zip(one["weights"], split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=1e-5)
     matched = [v for v in split.variables if is_split(v)]
     assert len(matched) == 10  # q, k, v kernels and biases, the output kernel, the MLP's two kernels, its bias
@@ -56,14 +63,12 @@ def test_a_layout_map_splits_an_unchanged_model_which_trains_as_on_one_device(da
     momentums = [v for v in split.optimizer.variables if is_split(v)]
     assert len(momentums) == len(matched)  # each split variable's momentum is split beside it
     # Keras's predict, also several steps per call, and a last batch the rows share unevenly (7 = 4 + 3)
-    np.testing.assert_allclose(split.predict(X[:23], batch_size=8, verbose=0), one.predict(X[:23], verbose=0),
-                               atol=1e-5)
+    np.testing.assert_allclose(split.predict(X[:23], batch_size=8, verbose=0), one["predictions"], atol=1e-5)
     if data == 1:
         return
     split.compile(optimizer=split.optimizer, loss=split.loss, metrics=["accuracy"], steps_per_execution=2)
-    np.testing.assert_allclose(split.predict(X[:23], batch_size=8, verbose=0), one.predict(X[:23], verbose=0),
-                               atol=1e-5)
-    assert split.evaluate(X, Y, batch_size=24, verbose=0) == pytest.approx(one.evaluate(X, Y, verbose=0), abs=1e-5)
+    np.testing.assert_allclose(split.predict(X[:23], batch_size=8, verbose=0), one["predictions"], atol=1e-5)
+    assert split.evaluate(X, Y, batch_size=24, verbose=0) == pytest.approx(one["evaluation"], abs=1e-5)
 
 
 @pytest.mark.parametrize("axes", [("model", None), (None, "model")], ids=["vocabulary", "hidden"])
@@ -79,27 +84,26 @@ def test_an_embedding_split_along_its_vocabulary_or_its_hidden_axis_trains_as_on
         built.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(True))
         return built
 
-    one = model()
+    one = keras_alone("fit", model(), tokens, Y[:32], batch_size=8, epochs=2, shuffle=False)
     mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["tokens/embeddings"] = axes
     with LayoutStrategy(layout_map).scope():
         split = model()
-    for trained in (one, split):
-        trained.fit(tokens, Y[:32], batch_size=8, epochs=2, shuffle=False, verbose=0)
+    split.fit(tokens, Y[:32], batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert is_split(split.get_layer("tokens").embeddings)
-    for whole, got in zip(one.get_weights(), split.get_weights()):
+    for whole, got in zip(one["weights"], split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=1e-5)
 
 
 def test_adams_two_slots_are_split_beside_each_variable_and_training_follows_one_device():
     optimizer = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
-    one, one_history = _trained(None, optimizer)
+    one = _keras_alone(optimizer)
     split, history = _trained(LayoutStrategy(megatron_layout_map(2)), optimizer)
-    assert history["loss"] == pytest.approx(one_history["loss"], abs=1e-6)
+    assert history["loss"] == pytest.approx(one["history"]["loss"], abs=1e-6)
     # Adam divides by each gradient's own scale, so a rounding difference of a near-zero gradient (the split
     # step sums partial products in another order) moves a weight by up to about lr x 1e-2 after 8 steps.
-    for whole, got in zip(one.get_weights(), split.get_weights()):
+    for whole, got in zip(one["weights"], split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=2e-4)
     assert sum(is_split(v) for v in split.optimizer.variables) == 2 * 10
 
@@ -312,10 +316,10 @@ def test_the_config_kind_splits_by_its_rules_or_by_the_layout_map_a_function_ret
     config = load_config(None, ["strategy.kind=layout", f"layout.rules={rules}", "layout.model_devices=2"])
     strategy = make_strategy(config)
     assert isinstance(strategy, LayoutStrategy) and strategy.num_replicas_in_sync == 2
-    one, _ = _trained(None, lambda: keras.optimizers.SGD(0.05))
+    one = _keras_alone(lambda: keras.optimizers.SGD(0.05))
     split, _ = _trained(strategy, lambda: keras.optimizers.SGD(0.05))
     assert sum(is_split(v) for v in split.variables) == 5
-    for whole, got in zip(one.get_weights(), split.get_weights()):
+    for whole, got in zip(one["weights"], split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=1e-5)
 
     (tmp_path / "my_layouts.py").write_text(
@@ -438,14 +442,14 @@ def test_mixed_precision_splits_the_slots_of_the_optimizer_a_loss_scale_wraps_an
     keras.mixed_precision.set_dtype_policy(policy)
     try:
         optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
-        one, one_history = _trained(None, optimizer)
+        one = _keras_alone(optimizer)  # the model's file carries the policy of each layer and the loss scale
         split, history = _trained(LayoutStrategy(megatron_layout_map(2)), optimizer)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     assert isinstance(split.optimizer, keras.optimizers.LossScaleOptimizer) == (policy == "mixed_float16")
     assert sum(is_split(v) for v in split.optimizer.variables) == 10  # each split variable's momentum
-    assert history["loss"] == pytest.approx(one_history["loss"], rel=tolerance)
-    for whole, got in zip(one.get_weights(), split.get_weights()):
+    assert history["loss"] == pytest.approx(one["history"]["loss"], rel=tolerance)
+    for whole, got in zip(one["weights"], split.get_weights()):
         np.testing.assert_allclose(got, whole, atol=tolerance)
 
 

@@ -14,6 +14,8 @@ import keras_hub  # the `hub` extra, which make setup installs
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import keras_alone
+from references import CAUSAL_LMS, causal_lm
 
 from tfdist.parallel.mesh_groups import collectives_of_a_step
 from tfdist.parallel.split_variables import is_split, shards
@@ -23,11 +25,6 @@ from tfdist.strategies.layout import LayoutStrategy, strategy_from
 VOCABULARY, LENGTH, STEPS, BATCH = 64, 16, 10, 8
 TOKENS = np.random.default_rng(0).integers(1, VOCABULARY, size=(STEPS * BATCH, LENGTH + 1))
 FEATURES = {"token_ids": TOKENS[:, :-1], "padding_mask": np.ones((len(TOKENS), LENGTH), bool)}
-BACKBONES = {
-    "gemma": (lambda: keras_hub.models.GemmaBackbone, lambda: keras_hub.models.GemmaCausalLM,
-              dict(head_dim=8)),
-    "llama": (lambda: keras_hub.models.LlamaBackbone, lambda: keras_hub.models.LlamaCausalLM, {}),
-}
 # The collectives of a step on one device, per decoder block and for the token embedding, as each backbone's
 # own layout map splits it (a gather is two ops: the shapes, then the values):
 # - Gemma's attention (heads) and feed-forward (hidden units) blocks are each one Megatron pair: one sum
@@ -45,17 +42,8 @@ LAYERS = 1
 
 
 def _causal_lm(name: str, strategy=None, lora_rank=None):
-    backbone, causal_lm, extra = BACKBONES[name]
-    keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = causal_lm()(backbone=backbone()(
-            vocabulary_size=VOCABULARY, num_layers=LAYERS, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
-            intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
-        if lora_rank:  # keras-hub's: the query and value projections, every other weight frozen
-            model.backbone.enable_lora(rank=lora_rank)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+        return causal_lm(name, VOCABULARY, LAYERS, lora_rank)
 
 
 def _trained(name: str, strategy=None, lora_rank=None):
@@ -66,17 +54,19 @@ def _trained(name: str, strategy=None, lora_rank=None):
 
 @functools.cache
 def _one_device(name: str, lora_rank=None):
-    model, loss = _trained(name, lora_rank=lora_rank)
-    return model.get_weights(), loss
+    """The causal LM's weights and losses trained by Keras in a process that never imported tfdist."""
+    got = keras_alone("fit", ("causal_lm", dict(name=name, vocabulary=VOCABULARY, layers=LAYERS, lora_rank=lora_rank)),
+                      FEATURES, TOKENS[:, 1:], batch_size=BATCH, epochs=1, shuffle=False)
+    return got["weights"], got["history"]["loss"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BACKBONES))
+@pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
 @pytest.mark.parametrize("data, devices", [(1, 2), (1, 4), (2, 2)], ids=["1x2", "1x4", "data2x2"])
 def test_a_keras_hub_backbone_split_by_its_own_layout_map_trains_as_on_one_device(name, data, devices):
     mesh = keras.distribution.DeviceMesh((data, devices), ("batch", "model"),
                                          devices=[f"cpu:{i}" for i in range(data * devices)])
-    layout_map = BACKBONES[name][0]().get_layout_map(mesh)
+    layout_map = getattr(keras_hub.models, CAUSAL_LMS[name][0]).get_layout_map(mesh)
     strategy = strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     split, loss = _trained(name, strategy)
     one_weights, one_loss = _one_device(name)
@@ -100,13 +90,14 @@ def test_a_keras_hub_backbone_split_by_its_own_layout_map_trains_as_on_one_devic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BACKBONES))
+@pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
 def test_lora_on_a_backbone_split_by_its_own_layout_map_trains_as_on_one_device(name):
     """keras.io's distributed tuning of Gemma: LoRA enabled on a backbone split by its own layout map (2 x 2). A
     LoRA factor splits as its kernel does where it has the kernel's split axis; the frozen weights stay split and
     unchanged, and only the LoRA weights get optimizer state."""
     mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices=[f"cpu:{i}" for i in range(4)])
-    strategy = strategy_from(keras.distribution.ModelParallel(layout_map=BACKBONES[name][0]().get_layout_map(mesh),
+    backbone = getattr(keras_hub.models, CAUSAL_LMS[name][0])
+    strategy = strategy_from(keras.distribution.ModelParallel(layout_map=backbone.get_layout_map(mesh),
                                                               batch_dim_name="batch"))
     split, loss = _trained(name, strategy, lora_rank=4)
     one_weights, one_loss = _one_device(name, lora_rank=4)
