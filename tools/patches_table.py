@@ -33,6 +33,8 @@ def table() -> str:
             serves = "tfdist's strategies; TensorFlow's after `fix_tensorflow_strategies()`"
         else:
             serves = "tfdist's strategies"
+        if patch.attached:
+            serves += " (attached to each optimizer that needs it, not to its class)"
         rows.append(f"| `{patch.target.removeprefix('keras.src.')}` | {serves} | {patch.why} | {patch.upstream} |")
     return "\n".join(rows)
 

@@ -34,17 +34,56 @@ def test_every_target_is_declared_once_with_its_fingerprint():
         assert patch.why and "\n" not in patch.why, patch.target
 
 
+ATTACHED = [patch.target for patch in patches() if patch.attached]
+
+
 def test_an_installed_patch_keeps_its_targets_name_signature_and_docstring(reinstalled):
     keras_functions = {target: registry.resolve(target)[2] for target in TARGETS}
     install_patches()
     assert registry.installed() == TARGETS and not registry.refused()
     for target, keras_function in keras_functions.items():
         patched = registry.resolve(target)[2]
+        if target in ATTACHED:  # the class keeps Keras's function
+            assert patched is keras_function
+            continue
         assert patched is not keras_function and patched.tfdist_patch.target == target
         assert inspect.signature(patched) == inspect.signature(keras_function), target
         assert (patched.__name__, patched.__doc__) == (keras_function.__name__, keras_function.__doc__), target
     registry.remove_all()
     assert all(registry.resolve(target)[2] is keras_function for target, keras_function in keras_functions.items())
+
+
+def test_gradient_accumulation_is_attached_to_the_optimizers_a_tfdist_strategy_is_given_alone(reinstalled):
+    """As optax's MultiSteps wraps an optimizer: tfdist's accumulation is a method of each optimizer that
+    accumulates (or overwrites its weights with their moving average) compiled under a tfdist strategy, with Keras's
+    name, signature and docstring; every other optimizer and the class keep Keras's."""
+    import keras
+    import tensorflow as tf
+
+    install_patches()
+    (target,) = ATTACHED
+    name = target.rsplit(".", 1)[1]
+
+    def compiled(strategy, **options):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.Adam(**options), loss="mse")
+        return model.optimizer
+
+    accumulating = compiled(tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"]), gradient_accumulation_steps=2)
+    attached = vars(accumulating)[name]
+    keras_method = getattr(keras.optimizers.Adam(), name)
+    assert attached.tfdist_patch.target == target and attached.__self__ is accumulating
+    assert inspect.signature(attached) == inspect.signature(keras_method)
+    assert (attached.__name__, attached.__doc__) == (keras_method.__name__, keras_method.__doc__)
+    overwriting = compiled(tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"]), use_ema=True, ema_overwrite_frequency=2)
+    assert name in vars(overwriting)
+    untouched = [compiled(tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"])),
+                 compiled(tf.distribute.get_strategy(), gradient_accumulation_steps=2),
+                 compiled(tensorflow_mirrored(), gradient_accumulation_steps=2)]
+    assert not any(name in vars(optimizer) for optimizer in untouched)
+    registry.remove_all()
+    assert name not in vars(accumulating) and name not in vars(overwriting)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -246,6 +246,7 @@ def _trainer_patches() -> list[Patch]:
     def strategy_told_of_compile(keras_compile):
         def compile_told(self, *args, **kwargs):
             keras_compile(self, *args, **kwargs)
+            _attach_accumulation(self.optimizer)  # before the strategy wraps the optimizer's methods further
             _ASK["after_compile"](self.distribute_strategy, self)
 
         return compile_told
@@ -641,6 +642,7 @@ def _optimizer_build_patches() -> list[Patch]:
     from keras.src import backend
 
     def apply(keras_apply, self, grads, trainable_variables=None):
+        _attach_accumulation(self)  # an optimizer of a custom loop, which no `compile` saw
         context = tf.distribute.get_replica_context()
         if (not self.built and trainable_variables is not None and tf.inside_function()
                 and tf.distribute.has_strategy() and context is not None):
@@ -668,8 +670,24 @@ def _optimizer_build_patches() -> list[Patch]:
                    strategy_of=_of_the_context, fixes_tensorflow=True, upstream="keras-team/keras#19246")]
 
 
+_ACCUMULATION = "keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_apply_gradients"
+
+
+def _attach_accumulation(optimizer) -> None:
+    """Gives an optimizer (or the one a LossScaleOptimizer wraps) that accumulates gradients or overwrites the
+    weights with their moving average tfdist's `_backend_apply_gradients` (`_accumulation_patches`), on that
+    optimizer alone: every other optimizer, and its class, keep Keras's."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(optimizer, "gradient_accumulation_steps", None) or (
+            getattr(optimizer, "use_ema", False) and getattr(optimizer, "ema_overwrite_frequency", None)):
+        registry.attach(optimizer, _ACCUMULATION)
+
+
 def _accumulation_patches() -> list[Patch]:
     """Makes Keras's gradient accumulation (`gradient_accumulation_steps`) work under a tf.distribute strategy.
+
+    Attached to each optimizer that needs it when it is compiled, or first applied, under a strategy the patch
+    serves (`_attach_accumulation`), as optax's `MultiSteps` wraps an optimizer: Keras's class is not changed.
 
     Keras 3 chooses between updating and accumulating with a conditional inside the replica's step,
     and both branches enter the strategy's cross-replica context (`merge_call`), which a conditional
@@ -763,11 +781,10 @@ def _accumulation_patches() -> list[Patch]:
         if self.use_ema:  # every step, updated or not, as Keras's own accumulation does
             _moving_average_as_keras_does(self)
 
-    return [_patch("keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_apply_gradients",
-                   lambda keras_apply: functools.partial(_backend_apply_gradients, keras_apply),
+    return [_patch(_ACCUMULATION, lambda keras_apply: functools.partial(_backend_apply_gradients, keras_apply),
                    "gradient accumulation and the moving average's overwrite under a strategy, with no conditional "
                    "entering the cross-replica context", strategy_of=_of_the_context,
-                   fixes_tensorflow=True, upstream="keras-team/keras#20582")]
+                   fixes_tensorflow=True, upstream="keras-team/keras#20582", attached=True)]
 
 
 def _moving_average_as_keras_does(optimizer) -> None:

@@ -6,7 +6,9 @@ carries a fingerprint of the target's source as it was written against (`version
 installed only when the versions' major.minor and the fingerprint both match; otherwise it is refused, and
 `refused()` says why, in the line tfdist's strategies raise. An installed replacement keeps its target's name,
 signature and docstring (`functools.update_wrapper`), and serves only the calls made under a strategy `serves`
-accepts: every other call runs Keras's own function, untouched. `remove_all` puts every original back.
+accepts: every other call runs Keras's own function, untouched. A patch marked `attached` leaves its class alone:
+it replaces the method on the objects tfdist is given (`attach`), as a wrapper of that object's own method.
+`remove_all` puts every original back.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import functools
 import hashlib
 import importlib
 import inspect
+import types
+import weakref
 from typing import Callable, Optional
 
 from tfdist._compat import versions
 
-__all__ = ["Patch", "fingerprint", "install", "installed", "refused", "remove_all", "resolve"]
+__all__ = ["Patch", "attach", "fingerprint", "install", "installed", "refused", "remove_all", "resolve"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,8 @@ class Patch:
       fixes_tensorflow: the replacement fixes Keras under TensorFlow's own strategies too, after
         `tfdist.fix_tensorflow_strategies()`.
       upstream: the upstream issue it works around, if one is filed.
+      attached: installed on no class; `attach(obj, target)` gives it to one object tfdist was given (an optimizer
+        compiled under one of its strategies), whose other methods and class stay Keras's.
     """
 
     target: str
@@ -47,12 +53,17 @@ class Patch:
     strategy_of: Optional[Callable] = None
     fixes_tensorflow: bool = False
     upstream: str = ""
+    attached: bool = False
 
 
 # target -> (owner, attribute name, the owner's own attribute before, or _INHERITED)
 _INSTALLED: dict[str, tuple] = {}
 _REFUSED: dict[str, str] = {}
 _INHERITED = object()
+# target -> (attribute name, tfdist's function for an object) of each installed `attached` patch
+_ATTACHABLE: dict[str, tuple] = {}
+# object -> the targets `attach` gave it (once each: tfdist may wrap the attached method further)
+_ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def resolve(target: str):
@@ -103,7 +114,23 @@ def install(patches: list[Patch], serves: Callable[[Patch, object], bool]) -> No
         owner, name, keras_function = found
         _REFUSED.pop(patch.target, None)
         _INSTALLED[patch.target] = (owner, name, vars(owner).get(name, _INHERITED))
-        setattr(owner, name, _dispatching(patch, keras_function, serves))
+        if patch.attached:
+            _ATTACHABLE[patch.target] = (name, _dispatching(patch, keras_function, serves))
+        else:
+            setattr(owner, name, _dispatching(patch, keras_function, serves))
+
+
+def attach(obj, target: str) -> bool:
+    """Gives `obj` the installed `attached` patch of `target`, as a method of that object alone (once); False where
+    the patch is not installed (`refused()` says why)."""
+    if target not in _ATTACHABLE:
+        return False
+    given = _ATTACHED.setdefault(obj, set())
+    if target not in given:
+        name, dispatch = _ATTACHABLE[target]
+        setattr(obj, name, types.MethodType(dispatch, obj))
+        given.add(target)
+    return True
 
 
 def _dispatching(patch: Patch, keras_function, serves):
@@ -132,11 +159,18 @@ def refused() -> dict[str, str]:
 
 
 def remove_all() -> None:
-    """Puts Keras's own functions back, last installed first."""
+    """Puts Keras's own functions back, last installed first, and takes the attached patches off their objects."""
+    for obj, targets in list(_ATTACHED.items()):
+        for target in targets:
+            vars(obj).pop(_ATTACHABLE[target][0], None)
     for target, (owner, name, before) in reversed(list(_INSTALLED.items())):
+        if target in _ATTACHABLE:
+            continue
         if before is _INHERITED:
             delattr(owner, name)
         else:
             setattr(owner, name, before)
     _INSTALLED.clear()
     _REFUSED.clear()
+    _ATTACHABLE.clear()
+    _ATTACHED.clear()
