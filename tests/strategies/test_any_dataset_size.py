@@ -35,17 +35,16 @@ FOUR = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
     pytest.param(lambda: TensorParallelStrategy(FOUR[:2]), tensor_parallel, id="tensor_parallel"),
     pytest.param(lambda: TensorParallelStrategy(FOUR, group_size=2), tensor_parallel, id="tensor_parallel-2x2"),
 ])
-def test_sizes_that_do_not_divide_the_batch_match_one_device(make, hidden, tmp_path):
+def test_sizes_that_do_not_divide_the_batch_match_one_device(make, hidden):
     # tfdist's own parallel layers have no plain Keras twin: their one-device run is the reference.
     one_device = run(tf.distribute.OneDeviceStrategy("/cpu:0"), hidden) if hidden is tensor_parallel else (
-        _keras_alone(tmp_path))
+        _keras_alone())
     _assert_as_on_one_device(run(make(), hidden), one_device)
 
 
-def _keras_alone(tmp_path):
+def _keras_alone():
     """The job's results on one device from Keras in a process that never imported tfdist."""
-    build(dense).save(tmp_path / "model.keras")
-    got = keras_alone("fit", str(tmp_path / "model.keras"), X[TRAIN], Y[TRAIN], evaluate=(X[EVALUATE], Y[EVALUATE]),
+    got = keras_alone("fit", build(dense), X[TRAIN], Y[TRAIN], evaluate=(X[EVALUATE], Y[EVALUATE]),
                       predict=X[EVALUATE], **FIT)
     return got["history"], got["weights"], got["evaluation"], got["predictions"]
 
@@ -77,7 +76,7 @@ def test_multi_worker_matches_one_device(tmp_path):
     for task in tasks:
         _, err = task.communicate(timeout=patient(240))
         assert task.returncode == 0, err[-3000:]
-    _assert_as_on_one_device(load(out), _keras_alone(tmp_path))
+    _assert_as_on_one_device(load(out), _keras_alone())
 
 
 @pytest.mark.multiprocess
@@ -88,4 +87,4 @@ def test_horovod_matches_one_device(tmp_path):
     proc = zygote.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, JOB, "horovod",
                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=patient(240))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    _assert_as_on_one_device(load(out), _keras_alone(tmp_path))
+    _assert_as_on_one_device(load(out), _keras_alone())
