@@ -26,8 +26,8 @@ What a process reads while it imports TensorFlow, Keras and Python (oneDNN on or
 level, the path: `IMPORT_TIME_VARIABLES`) is fixed in a zygote. A client with other values of
 those variables is forked from a sibling zygote that imported with them (started on first use, at
 most `MAX_SIBLINGS`); one with interpreter options becomes the real interpreter. A client with
-`TFDIST_TEST_WITHOUT_TFDIST=1` is forked from a sibling that imported TensorFlow and Keras and never tfdist:
-a reference computed there never saw tfdist. A script that
+`TFDIST_TEST_WITHOUT_TFDIST=1` is forked from a sibling that imported TensorFlow and Keras and never tfdist
+(itself forked from the zygote before that imports tfdist): a reference computed there never saw tfdist. A script that
 sets such a variable itself before importing TensorFlow must not be run through the zygote. A
 client in another network namespace (a task on a namespace host) sends it along with its mount
 namespace, and its child joins both (setns) before it runs: it is on that host as the client is.
