@@ -26,23 +26,22 @@ def causal_lm(name: str, vocabulary: int, layers: int, lora_rank=None):
     return model
 
 
-def fit(model, x, y, under: str = "", seed: int = 0, evaluate=None, predict=None, **fit_kwargs) -> dict:
+def fit(model, x, y, under: str = "", evaluate=None, predict=None, **fit_kwargs) -> dict:
     """The compiled model, saved in the file `model` or built by `references.<name>(**kwargs)` for
     `model=(name, kwargs)` (what a file does not hold whole: keras-hub's LoRA freezes weights it does not save),
     trained by Keras's `fit(x, y, **fit_kwargs)`: its weights, History, updates and the shapes of its optimizer's
     variables; then, where given, `evaluate(*evaluate)` and `predict(predict)` at the fit's batch size.
 
     `under="one_device"` loads and trains it under TensorFlow's OneDeviceStrategy (Keras then builds the optimizer
-    eagerly, as under any strategy); `under="mirrored"` under TensorFlow's MirroredStrategy on 2 logical CPUs.
+    eagerly, as under any strategy), else without a strategy. The seed is 0 before `fit`, as tfdist's runs set it.
     """
     import keras
     import tensorflow as tf
 
-    strategy = {"": tf.distribute.get_strategy(), "one_device": tf.distribute.OneDeviceStrategy("/cpu:0"),
-                "mirrored": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])}[under]
+    strategy = {"": tf.distribute.get_strategy(), "one_device": tf.distribute.OneDeviceStrategy("/cpu:0")}[under]
     with strategy.scope():
         model = keras.models.load_model(model) if isinstance(model, str) else globals()[model[0]](**model[1])
-    keras.utils.set_random_seed(seed)
+    keras.utils.set_random_seed(0)
     history = model.fit(x, y, verbose=0, **fit_kwargs)
     batch = fit_kwargs.get("batch_size")
     return {"weights": model.get_weights(), "history": history.history,
@@ -50,4 +49,3 @@ def fit(model, x, y, under: str = "", seed: int = 0, evaluate=None, predict=None
             "optimizer_shapes": [tuple(variable.shape) for variable in model.optimizer.variables],
             "evaluation": None if evaluate is None else model.evaluate(*evaluate, batch_size=batch, verbose=0),
             "predictions": None if predict is None else model.predict(predict, batch_size=batch, verbose=0)}
-

@@ -2,9 +2,8 @@
 
     python tests/scenarios/keras_alone.py FUNCTION ARGUMENTS.pickle RESULT.pickle
 
-`tests/oracle.py` starts it from the test zygote's tfdist-free sibling. The process has the suite's 4 logical CPUs
-(a reference may train under TensorFlow's own MirroredStrategy), and fails, rather than answers, if anything it ran
-imported tfdist.
+`tests/oracle.py` starts it from the test zygote's tfdist-free sibling. The process has the suite's 4 logical CPUs,
+as the test's process has, and fails, rather than answers, if anything it ran imported tfdist.
 """
 
 import os

@@ -120,17 +120,16 @@ def install(patches: list[Patch], serves: Callable[[Patch, object], bool]) -> No
             setattr(owner, name, _dispatching(patch, keras_function, serves))
 
 
-def attach(obj, target: str) -> bool:
-    """Gives `obj` the installed `attached` patch of `target`, as a method of that object alone (once); False where
-    the patch is not installed (`refused()` says why)."""
+def attach(obj, target: str) -> None:
+    """Gives `obj` the installed `attached` patch of `target`, as a method of that object alone (once); nothing where
+    the patch is not installed (`refused()` says why, and tfdist's strategies refuse to start)."""
     if target not in _ATTACHABLE:
-        return False
+        return
     given = _ATTACHED.setdefault(obj, set())
     if target not in given:
         name, dispatch = _ATTACHABLE[target]
         setattr(obj, name, types.MethodType(dispatch, obj))
         given.add(target)
-    return True
 
 
 def _dispatching(patch: Patch, keras_function, serves):
