@@ -75,14 +75,12 @@ def test_lora_fine_tuning_under_a_memory_option_trains_and_generates_as_on_one_d
         if precision == "float32":
             assert max(distances) <= FLOAT32_TOLERANCE, distances
             assert result["lora_file_loads_on_one_device"] is True
-            # A split model refuses generate in one line; loaded on one device, its LoRA weights generate the
-            # reference's tokens (exact: greedy choices of logits that differ by float32 rounding).
+            # Loaded on one device, its LoRA weights generate the reference's tokens (exact: greedy choices of
+            # logits that differ by float32 rounding).
             assert result["generated_on_one_device"] == reference["generated"]
         else:
             np.testing.assert_allclose(result["loss"], reference["loss"], rtol=BFLOAT16_RELATIVE)
-        if kind.startswith("layout"):
-            assert result["generate_refused"].startswith("generate() on a model split by a layout is not supported")
-        elif precision == "float32":
+        if precision == "float32":  # a layout's model generates on its whole weights, gathered
             assert result["generated"] == reference["generated"]
 
 
@@ -94,15 +92,26 @@ def _resume_run(checkpoints, out, *flags):
                       text=True, timeout=patient(300))
 
 
+# None: Gemma under MirroredStrategy at stage 3 with remat, in float32; a backbone: under its own layout map on a
+# 2 x 2 mesh at stage 3 with its LoRA factors split, in mixed_bfloat16, without remat (remat of a block whose weights
+# are split at stage 3 fails in this version: docs/fine-tuning.md).
 @pytest.mark.timeout(900)
-def test_lora_fine_tuning_under_zero_3_and_remat_killed_by_sigkill_resumes_exactly(tmp_path):
-    whole = _resume_run(tmp_path / "whole", tmp_path / "whole.npz")
+@pytest.mark.parametrize("layout", [None, "gemma", "llama3"])
+def test_lora_fine_tuning_under_zero_3_killed_by_sigkill_resumes_exactly_and_generates_as_on_one_device(tmp_path,
+                                                                                                        layout):
+    flags = ["--layout", layout] if layout else []
+    whole = _resume_run(tmp_path / "whole", tmp_path / "whole.npz", *flags)
     assert whole.returncode == 0, why_it_failed(whole.stderr)
-    killed = _resume_run(tmp_path / "killed", tmp_path / "never.npz", "--sigkill-after", "6")
+    killed = _resume_run(tmp_path / "killed", tmp_path / "never.npz", "--sigkill-after", "6", *flags)
     assert killed.returncode == -9 and not (tmp_path / "never.npz").exists()  # mid-epoch 2, its step saved
-    resumed = _resume_run(tmp_path / "killed", tmp_path / "resumed.npz")
+    resumed = _resume_run(tmp_path / "killed", tmp_path / "resumed.npz", *flags)
     assert resumed.returncode == 0, why_it_failed(resumed.stderr)
     with np.load(tmp_path / "whole.npz") as want, np.load(tmp_path / "resumed.npz") as got:
-        for key in want.files:
+        for key in want.files:  # the weights and, under a layout, what the model generated
             # exact: the same steps from the same restored bytes, with the same kernels on the same shapes
             np.testing.assert_array_equal(got[key], want[key])
+        if layout:
+            # exact: the split model generates on its whole weights, gathered, as one device does with them
+            assert got["generated"].tolist() == got["generated_on_one_device"].tolist()
+            assert got["generated_from_lora_file"].tolist() == got["generated"].tolist()
+            assert got["lora_file_loads"]

@@ -189,6 +189,11 @@ class OptimizerShards:
                              "built before the first step reads them: build the model before `compile` (or call "
                              "`optimizer.build(model.trainable_variables)` under the strategy's scope) when "
                              "training in a custom loop.")
+        # The model compiled again with another optimizer (keras-hub's tasks compile when built, then with LoRA
+        # enabled): what the earlier one split is made whole first, the weights it trained frozen now among them.
+        for variable in self.model.variables if self.model is not None else variables:
+            if weight_shards.is_sharded(variable):
+                weight_shards.unshard_weight(variable)
         # At stage 3 the large variables' slices become the weights themselves (`weight_shards`), before
         # anything keys the variables: a sharded variable's key is its first slice's.
         self.sharded = {i for i, v in enumerate(variables)

@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.parallel import spmd, weight_shards
+from tfdist.parallel import spmd, split_variables, weight_shards
 
 __all__ = ["is_recomputed", "recompute", "recompute_again", "remat"]
 
@@ -145,7 +145,9 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
     # Before the first pass writes them: what the second pass must read again. Asked of each variable, not of the
     # layer: a frozen layer (keras-hub's LoRA freezes every block) calls all its variables non-trainable, its
     # trainable LoRA factors among them, whose gradients must reach the variables.
-    before = [(v, tf.identity(v.value)) for v in layer.variables if not v.trainable]
+    # A weight the layout split is left out: it reads as its shard here, and no layer that holds one writes it.
+    before = [(v, tf.identity(v.value)) for v in layer.variables
+              if not v.trainable and not split_variables.is_split(v)]
     # Its split weights enter as their slices (gathered inside, so that the gathers can wait, and their
     # gradients reach the slices): a variable custom_gradient finds inside would be read whole.
     split = weight_shards.split_weights_of(layer) if settings["in_order"] else []

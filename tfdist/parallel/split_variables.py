@@ -47,6 +47,9 @@ class SplitVariable(values.MirroredVariable):
     def value(self):
         return self._get_cross_replica() if self._outside_replicas() else super().value()
 
+    def _get(self):  # what converting to a tensor reads: TensorFlow's counts the default replica as replica 0
+        return self._get_cross_replica() if self._outside_replicas() else super()._get()
+
     def __array__(self, dtype=None, copy=None):  # what Keras saves (`np.array(variable)`)
         return np.asarray(self.numpy(), dtype=dtype)
 
@@ -99,8 +102,8 @@ def is_split(variable) -> bool:
 
 
 def split_axis(variable):
-    """The axis a split variable is cut along, or None for a whole one."""
-    return getattr(getattr(variable, "value", None), "split_axis", None)
+    """The axis a split variable is cut along, or None for a whole one (inside a mixed-precision call too)."""
+    return getattr(_compat.backing_value(variable), "split_axis", None)
 
 
 def shards(variable) -> list:

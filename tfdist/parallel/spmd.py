@@ -251,7 +251,8 @@ def _lora_kernel(layer, axes: dict[str, Optional[int]]) -> tf.Tensor:
     """This replica's shard of a LoRA layer's kernel, as Keras computes the whole: its own kernel's shard plus the
     scaled product of the factors, one of them this replica's shard (`lora_axes`). The whole factor is copied:
     each replica's gradient of it is the part its shard of the product gives, summed over the replicas."""
-    a, b = (tf.convert_to_tensor(getattr(layer, name)) if axes.get(name) is not None else copy(
+    factor_axes = lora_axes(layer, axes["kernel"])  # now: the layer may have had LoRA enabled since it was split
+    a, b = (tf.convert_to_tensor(getattr(layer, name)) if factor_axes[name] is not None else copy(
         tf.convert_to_tensor(getattr(layer, name))) for name in ("lora_kernel_a", "lora_kernel_b"))
     delta = (layer.lora_alpha / layer.lora_rank) * keras.ops.matmul(a, b)
     return keras.ops.cast(tf.convert_to_tensor(_compat.stored_kernel(layer)) + delta, layer.compute_dtype)

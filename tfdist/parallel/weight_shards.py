@@ -46,9 +46,11 @@ import tensorflow as tf
 from tfdist._compat.tf_distribute import distribute_lib, values
 
 from tfdist import _compat
+from tfdist.parallel import split_variables
 
 __all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "contribution", "gathered_once", "hold_in",
-           "is_sharded", "joined", "layout_axis", "local_index", "own_shape", "shard_weight", "split_weights_of"]
+           "is_sharded", "joined", "layout_axis", "local_index", "own_shape", "shard_weight", "split_weights_of",
+           "unshard_weight"]
 
 # DeepSpeed's default `stage3_param_persistence_threshold` (elements).
 KEEP_WHOLE_BELOW = 100_000
@@ -130,9 +132,10 @@ class ShardedWeight(values.MirroredVariable):
 
             def reduce_scatter(upstream, variables=None):
                 with tf.device(self.values[d].device):  # among the devices that hold the slices
+                    upstream = tf.convert_to_tensor(upstream)  # the slices are reduced dense, a row gradient too
                     upstream = contribution(collectives, d, _compat.weighted_by_batch_share([upstream])[0],
                                             self.split_axis)
-                    flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
+                    flat = tf.reshape(upstream, [-1])
                     padded = tf.pad(flat, [[0, length * collectives.parts - size]])
                 mine = collectives.reduce_scatter(d, padded)
                 # Under a recomputing tape TensorFlow also counts the collectives' ordering tokens as variables.
@@ -213,6 +216,17 @@ def hold_in(variable, strategy, collectives, slices: list, gathers=True) -> None
 def layout_axis(variable):
     """The axis a layout splits `variable` along (a Keras or backend variable), or None."""
     return getattr(_compat.backing_value(variable), "split_axis", None)
+
+
+def unshard_weight(variable) -> None:
+    """Makes the Keras `variable`, held by slices, held as before they were made: whole on every replica, or over
+    a mesh the layout's shards (`split_variables.split`), in place."""
+    held = _compat.backing_value(variable)
+    with tf.init_scope(), held.distribute_strategy.scope():
+        _compat.replace_variable_value(variable, tf.Variable(held.numpy(), trainable=variable.trainable,
+                                                             name=variable.name))
+    if held.split_axis is not None:
+        split_variables.split(variable, held.split_axis, held.distribute_strategy, held.collectives.model)
 
 
 def own_shape(shape, split_axis, model: int) -> tf.TensorShape:

@@ -89,11 +89,6 @@ class LayoutStrategy(SplitsByLayout, ReplicaGroupsStrategy):
     def mesh_groups(self) -> MeshGroups:
         return self._mesh_groups
 
-    def split(self, model: keras.Model) -> None:
-        super().split(model)
-        if hasattr(model, "make_generate_function"):  # a keras-hub generative task
-            _refuse_generate(model)
-
     def job_report(self, model: keras.Model) -> dict[str, Any]:
         processes, _ = self.input_workers()
         mesh = {self.layout.data_axis: self.layout.data * processes, self.layout.model_axis: self.layout.model}
@@ -102,18 +97,6 @@ class LayoutStrategy(SplitsByLayout, ReplicaGroupsStrategy):
                 f"{split_variables} variable(s) split")
         return {"layout": {"mesh": mesh, "processes": processes, "split_variables": split_variables, "text": text,
                            "model_copies": self.layout.data * processes}}
-
-
-def _refuse_generate(model: keras.Model) -> None:
-    """keras-hub's `generate` keeps a cache of every attention head, where a layer split by heads computes its own:
-    the split model refuses it in one line, naming the way that works (its weights on one device)."""
-
-    def make_generate_function():
-        raise ValueError("generate() on a model split by a layout is not supported in this version (keras-hub's "
-                         "cache holds every head, a split layer its own): save the weights (save_weights, or the "
-                         "backbone's save_lora_weights) and generate with the model on one device")
-
-    model.make_generate_function = make_generate_function
 
 
 def strategy_from(distribution, data_parallel=None) -> tf.distribute.Strategy:

@@ -291,7 +291,8 @@ class SplitsByLayout:
           LayoutError: a rule that matches no variable, an axis that does not divide, or a split variable
             of a layer that cannot compute on shards.
         """
-        if model in self._split_models:
+        if model in self._split_models:  # LoRA may have been enabled since: a keras-hub task compiles when built
+            self._split_new_lora_factors(model)
             return
         axes = self.layout.axes_of(model)
         layers = _compat.nested_layers(model)
@@ -328,6 +329,16 @@ class SplitsByLayout:
             block.call = split_block_call(block, divided, self.layout.model)
             recompute_again(block)
         self._split_models.add(model)
+
+    def _split_new_lora_factors(self, model: keras.Model) -> None:
+        """Splits the LoRA factors of split layers that got them after `split` (`enable_lora`) as the kernel
+        splits (`lora_axes`); the layers' split calls read the factors' axes when they compute."""
+        for layer in _compat.nested_layers(model):
+            if not (getattr(layer, "lora_enabled", False) and is_split(_compat.stored_kernel(layer))):
+                continue
+            for name, axis in lora_axes(layer, split_axis(_compat.stored_kernel(layer))).items():
+                if axis is not None and not is_split(getattr(layer, name)):
+                    split(getattr(layer, name), axis, self, self.layout.model)
 
 
 
