@@ -57,6 +57,12 @@ STRATEGIES = {
     "one_device": (lambda: None, _with_randomness_and_statistics),
     "mirrored": (lambda: MirroredStrategy(["/cpu:0", "/cpu:1"]), _with_randomness_and_statistics),
     "layout": (lambda: LayoutStrategy(megatron_layout_map(2)), lambda: attention_and_mlp(16)),
+    # ZeRO stage 3 with every weight split (`keep_whole_below=0`): a recomputed attention layer holds its
+    # projections' split weights inside it; over a 2 x 2 mesh, each shard split over the rows too.
+    "mirrored, stage 3": (lambda: MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=3, keep_whole_below=0),
+                          _with_randomness_and_statistics),
+    "layout 2x2, stage 3": (lambda: LayoutStrategy(megatron_layout_map(2, data=2), shard_optimizer=3,
+                                                   keep_whole_below=0), lambda: attention_and_mlp(16)),
     "pipeline": (lambda: PipelineStrategy(2, 2, devices=["/cpu:0", "/cpu:1"], boundaries=["norm"], verbose=False),
                  lambda: attention_and_mlp(16)),
 }

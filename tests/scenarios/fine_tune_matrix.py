@@ -66,7 +66,9 @@ def strategy_of(kind: str, backbone_name: str):
     import tfdist
 
     if kind.startswith("shard_optimizer"):
-        return tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=int(kind.split()[1].rstrip(",")))
+        # At stage 3 every trainable weight split, these tiny LoRA factors too (the default keeps them whole).
+        return tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=int(kind.split()[1].rstrip(",")),
+                                       keep_whole_below=0)
     if kind.startswith("pipeline"):
         return tfdist.PipelineStrategy(2, devices=["/cpu:0", "/cpu:1"], verbose=False)
     mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])

@@ -1,4 +1,4 @@
-"""A keras-hub LLM fine-tuned with LoRA under ZeRO stage 3, with tfdist's Checkpoint after every step:
+"""A keras-hub LLM fine-tuned with LoRA under ZeRO stage 3 and remat, with tfdist's Checkpoint after every step:
 killed by SIGKILL, then run again, it must end with the weights of a run never killed.
 
     python tests/scenarios/fine_tune_resume.py CHECKPOINT_DIR OUT.npz [--sigkill-after STEP] [--layout BACKBONE]
@@ -6,7 +6,7 @@ killed by SIGKILL, then run again, it must end with the weights of a run never k
 Trains 2 epochs of 4 steps (tiny, random weights, synthetic tokens) and writes the final weights to OUT.npz. By
 default a Gemma under tfdist's MirroredStrategy on 2 logical CPUs with remat, in float32. `--layout gemma|llama3`:
 that backbone split by its own layout map over a 2 x 2 mesh of 4 logical CPUs ("batch" x "model"), its LoRA
-factors split at stage 3 too, without remat, in mixed_bfloat16; the run then also writes the greedy tokens it
+factors split at stage 3 too, in mixed_bfloat16; the run then also writes the greedy tokens it
 generates, those of a model on one device holding its weights, and those of a model on one device given its LoRA
 file (and whether that file's weights are the trained ones). With `--sigkill-after STEP` the process sends itself
 SIGKILL once the checkpoint of that step (counted from 1 over the whole run) is written: nothing of Python's runs
@@ -63,10 +63,9 @@ def causal_lm(name: str, strategy=None) -> keras.Model:
 
 
 def strategy_of(layout_backbone):
-    """ZeRO stage 3; under a layout with every trainable weight split (the tiny LoRA factors too:
-    `keep_whole_below=0`), else with the default, under which this model's weights stay whole with remat."""
+    """ZeRO stage 3 with every trainable weight split (the tiny LoRA factors too: `keep_whole_below=0`)."""
     if not layout_backbone:
-        return tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=3)
+        return tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=3, keep_whole_below=0)
     mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices=[f"cpu:{i}" for i in range(4)])
     layout_map = getattr(keras_hub.models, BACKBONES[layout_backbone][0]).get_layout_map(mesh)
     return tfdist.LayoutStrategy(layout_map, shard_optimizer=3, keep_whole_below=0)
@@ -106,8 +105,7 @@ def main() -> None:
     tokens = tf.data.Dataset.from_tensor_slices(
         ({"token_ids": ids[:, :-1], "padding_mask": np.ones((len(ids), LENGTH), bool)}, ids[:, 1:]))
     model = causal_lm(args.layout or "gemma", strategy_of(args.layout))
-    if not args.layout:  # remat of a block whose weights are split at stage 3 fails in this version
-        tfdist.remat(model)
+    tfdist.remat(model)
     callbacks = [tfdist.callbacks.Checkpoint(args.checkpoint_dir, every_steps=1)]
     if args.sigkill_after:
         callbacks.append(SigkillAfter(args.sigkill_after))

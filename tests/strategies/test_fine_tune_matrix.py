@@ -92,13 +92,12 @@ def _resume_run(checkpoints, out, *flags):
                       text=True, timeout=patient(300))
 
 
-# None: Gemma under MirroredStrategy at stage 3 with remat, in float32; a backbone: under its own layout map on a
-# 2 x 2 mesh at stage 3 with its LoRA factors split, in mixed_bfloat16, without remat (remat of a block whose weights
-# are split at stage 3 fails in this version: docs/fine-tuning.md).
+# With remat and ZeRO stage 3, the LoRA factors split: None, a Gemma under MirroredStrategy in float32; a backbone,
+# under its own layout map on a 2 x 2 mesh in mixed_bfloat16.
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", [None, "gemma", "llama3"])
-def test_lora_fine_tuning_under_zero_3_killed_by_sigkill_resumes_exactly_and_generates_as_on_one_device(tmp_path,
-                                                                                                        layout):
+def test_lora_fine_tuning_under_zero_3_and_remat_killed_by_sigkill_resumes_exactly_and_generates_as_one_device(
+        tmp_path, layout):
     flags = ["--layout", layout] if layout else []
     whole = _resume_run(tmp_path / "whole", tmp_path / "whole.npz", *flags)
     assert whole.returncode == 0, why_it_failed(whole.stderr)

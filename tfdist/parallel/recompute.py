@@ -18,7 +18,9 @@ generator (`keras.random.*` with no seed) would draw new ones: none of Keras's
 own layers do.
 
 Weights split over the replicas (`weight_shards`, ZeRO stage 3) are gathered
-where a layer reads them. A layer that owns such weights is wrapped too
+where a layer reads them; a recomputed layer gathers those of the layers inside
+it too, once a pass, and those layers compute inside it unwrapped. A layer that
+owns such weights is wrapped too
 (`recompute(layer, in_order=True)`), so that its gathered weights are freed after its
 forward pass and gathered again in its backward pass, and its gathers are
 issued in the layers' order: the forward gather of a layer waits for the
@@ -40,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -73,7 +76,8 @@ def recompute(layer: keras.layers.Layer, *, in_order: bool = False, ahead: bool 
                                   "ahead": earlier.get("ahead", ahead)}
 
     def call(*args, **kwargs):
-        if not _compat.gradients_recorded():  # inference, Keras's symbolic build: nothing to keep
+        # Inference and Keras's symbolic build keep nothing; inside a recomputed layer its passes cover this one.
+        if not _compat.gradients_recorded() or _INSIDE.depth:
             return own_call(*args, **kwargs)
         return _recomputed_call(layer, own_call, settings, args, kwargs)
 
@@ -148,9 +152,9 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
     # A weight the layout split is left out: it reads as its shard here, and no layer that holds one writes it.
     before = [(v, tf.identity(v.value)) for v in layer.variables
               if not v.trainable and not split_variables.is_split(v)]
-    # Its split weights enter as their slices (gathered inside, so that the gathers can wait, and their
-    # gradients reach the slices): a variable custom_gradient finds inside would be read whole.
-    split = weight_shards.split_weights_of(layer) if settings["in_order"] else []
+    # Its split weights, and those of the layers inside it, enter as their slices (gathered inside, so that the
+    # gathers can wait and their gradients reach the slices): custom_gradient would read one it finds inside whole.
+    split = weight_shards.split_weights_of(layer)
     order, ahead = (_order() if settings["in_order"] else None), settings["ahead"]
     call_state = _compat.keras_call_state()  # the training flag and autocast dtype, for the second pass
     block = spmd.block_state()  # and the layout's paired block the layer computes in (its shards kept)
@@ -161,7 +165,7 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
             values[i] = t
         call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
         whole = [weight.gather(piece) for weight, piece in zip(split, slices)]
-        with weight_shards.gathered_once(zip(split, whole)):
+        with weight_shards.gathered_once(zip(split, whole)), _inside():
             return own_call(*call_args, **call_kwargs)
 
     # What waits is only what a pass reads first, copies of its inputs and slices: a control input on the
@@ -197,6 +201,26 @@ def _recomputed_call(layer, own_call, settings, args, kwargs):
         return outputs, backward
 
     return forward(*[flat[i] for i in at], *[weight.local_slice() for weight in split])
+
+
+class _Inside(threading.local):
+    """How many recomputed calls this thread is in. A layer inside one computes as it would unwrapped: wrapped
+    again, its split weights' gradients (reduce-scattered by its own pass) would reach the outer pass's tape as
+    gradients of their whole value, and be reduce-scattered twice."""
+
+    depth = 0
+
+
+_INSIDE = _Inside()
+
+
+@contextlib.contextmanager
+def _inside():
+    _INSIDE.depth += 1
+    try:
+        yield
+    finally:
+        _INSIDE.depth -= 1
 
 
 class _Order(threading.local):

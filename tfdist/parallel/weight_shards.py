@@ -259,8 +259,9 @@ def is_sharded(variable) -> bool:
 
 
 def split_weights_of(layer) -> list:
-    """The `ShardedWeight`s behind the trainable variables `layer` itself holds (not its inner layers')."""
-    return [_compat.backing_value(v) for v in _compat.own_trainable_variables(layer) if is_sharded(v)]
+    """The `ShardedWeight`s behind the variables of `layer` and of the layers inside it, each once."""
+    return list({id(held): held for held in map(_compat.backing_value, layer.variables)
+                 if isinstance(held, ShardedWeight)}.values())
 
 
 def joined(values, shape, collectives, split_axis=None) -> tf.Tensor:
