@@ -60,7 +60,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import _compat
-from tfdist.parallel import recompute, weight_shards
+from tfdist.parallel import recompute, split_variables, weight_shards
 from tfdist._compat.tf_distribute import Trackable, numpy_dataset
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "DeviceCollectives", "OptimizerShards", "SplitsOptimizerState",
@@ -317,7 +317,7 @@ class OptimizerShards:
         if reduced:
             mine = [self._slice(g, rank, n) for g, n in zip(local_grads, lengths)]
         else:  # slice e of every gradient, e = 0..parts-1: replica e receives the sum of the e-th part
-            local_grads = [weight_shards.contribution(collectives, d, g, weight_shards.layout_axis(v))
+            local_grads = [weight_shards.contribution(collectives, d, g, split_variables.split_axis(v))
                            for g, (_, v, _) in zip(local_grads, triples)]
             packed = tf.concat([self._slice(g, e, n) for e in range(parts) for g, n in zip(local_grads, lengths)], 0)
             mine = tf.split(collectives.reduce_scatter(d, packed), lengths)
@@ -374,7 +374,7 @@ class OptimizerShards:
 
     def _own_shape(self, variable) -> tf.TensorShape:
         """A replica's own value's shape: over a mesh, a split variable's shard's."""
-        return weight_shards.own_shape(variable.shape, weight_shards.layout_axis(variable),
+        return weight_shards.own_shape(variable.shape, split_variables.split_axis(variable),
                                        getattr(self.collectives, "model", 1))
 
     def _slice(self, tensor, d, length):
@@ -444,7 +444,7 @@ class WholeSlot(Trackable):
     def __init__(self, pieces, variable, collectives):
         self.pieces, self.collectives = pieces, collectives  # this process's pieces, one per device
         self.shape, self.dtype = tuple(variable.shape), pieces[0].dtype
-        self.split_axis = weight_shards.layout_axis(variable)  # a layout's split, over a mesh
+        self.split_axis = split_variables.split_axis(variable)  # a layout's split, over a mesh
 
     def read_value(self) -> tf.Tensor:
         return weight_shards.joined([piece.value for piece in self.pieces], self.shape, self.collectives,

@@ -49,7 +49,7 @@ from tfdist import _compat
 from tfdist.parallel import split_variables
 
 __all__ = ["KEEP_WHOLE_BELOW", "ShardedWeight", "assign_slices", "contribution", "gathered_once", "hold_in",
-           "is_sharded", "joined", "layout_axis", "local_index", "own_shape", "shard_weight", "split_weights_of",
+           "is_sharded", "joined", "local_index", "own_shape", "shard_weight", "split_weights_of",
            "unshard_weight"]
 
 # DeepSpeed's default `stage3_param_persistence_threshold` (elements).
@@ -202,7 +202,7 @@ def shard_weight(variable, strategy, collectives, slices: list) -> None:
     """Makes the built Keras `variable` held as `slices` (this process's Keras variables, one per device
     of `collectives`, each as long as the whole's slice) filled with its value, in place."""
     with tf.init_scope():  # eager, also when called as a step is traced
-        assign_slices(slices, tf.convert_to_tensor(variable.numpy()), collectives, layout_axis(variable))
+        assign_slices(slices, tf.convert_to_tensor(variable.numpy()), collectives, split_variables.split_axis(variable))
         hold_in(variable, strategy, collectives, slices)
 
 
@@ -210,12 +210,7 @@ def hold_in(variable, strategy, collectives, slices: list, gathers=True) -> None
     """Makes the Keras `variable` held by `slices` as they are (made again elsewhere, with their values);
     `gathers`: as `ShardedWeight`'s."""
     _compat.replace_variable_value(variable, ShardedWeight(strategy, [piece.value for piece in slices], variable.shape,
-                                                           collectives, gathers, layout_axis(variable)))
-
-
-def layout_axis(variable):
-    """The axis a layout splits `variable` along (a Keras or backend variable), or None."""
-    return getattr(_compat.backing_value(variable), "split_axis", None)
+                                                           collectives, gathers, split_variables.split_axis(variable)))
 
 
 def unshard_weight(variable) -> None:
