@@ -5,23 +5,27 @@ imported tfdist. Nothing here imports tfdist (tests/scenarios/keras_alone.py fai
 # keras-hub's causal LMs of the tests: backbone class, task class and what the backbone needs besides the sizes.
 CAUSAL_LMS = {"gemma": ("GemmaBackbone", "GemmaCausalLM", {"head_dim": 8}),
               "llama": ("LlamaBackbone", "LlamaCausalLM", {})}
+# Those the fine-tuning tests train with LoRA (tests/scenarios/fine_tune_*.py).
+FINE_TUNED_LMS = {"gemma": CAUSAL_LMS["gemma"],
+                  "llama3": ("Llama3Backbone", "Llama3CausalLM", {}),
+                  "mistral": ("MistralBackbone", "MistralCausalLM", {"num_key_value_heads": 2})}
 
 
-def causal_lm(name: str, vocabulary: int, layers: int, lora_rank=None):
-    """A tiny keras-hub causal LM of `CAUSAL_LMS` (random weights, seeded; nothing downloaded), compiled with Adam,
-    with keras-hub's LoRA (the query and value projections; every other weight frozen) at `lora_rank`. Built in the
-    strategy scope the caller opened."""
+def causal_lm(name: str, vocabulary: int, layers: int, lora_rank=None, learning_rate: float = 1e-3):
+    """A tiny keras-hub causal LM of `CAUSAL_LMS` or `FINE_TUNED_LMS` (random weights, seeded; nothing downloaded),
+    compiled with Adam at `learning_rate`, with keras-hub's LoRA (the query and value projections; every other weight
+    frozen) at `lora_rank`. Built in the strategy scope the caller opened."""
     import keras
     import keras_hub
 
-    backbone, task, extra = CAUSAL_LMS[name]
+    backbone, task, extra = {**CAUSAL_LMS, **FINE_TUNED_LMS}[name]
     keras.utils.set_random_seed(1)
+    sizes = {"num_query_heads": 4, "num_key_value_heads": 4, "hidden_dim": 32, "intermediate_dim": 64, **extra}
     model = getattr(keras_hub.models, task)(backbone=getattr(keras_hub.models, backbone)(
-        vocabulary_size=vocabulary, num_layers=layers, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
-        intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
+        vocabulary_size=vocabulary, num_layers=layers, dropout=0.0, **sizes), preprocessor=None)
     if lora_rank:
         model.backbone.enable_lora(rank=lora_rank)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), weighted_metrics=[],
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate), weighted_metrics=[],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 

@@ -32,12 +32,10 @@ tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU"
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import references  # noqa: E402
+
 VOCABULARY, LENGTH, BATCH, STEPS, RANK = 64, 16, 8, 4, 4
-BACKBONES = {  # backbone and task classes, and what each needs beyond the shared sizes
-    "gemma": ("GemmaBackbone", "GemmaCausalLM", {"head_dim": 8, "num_key_value_heads": 4}),
-    "llama3": ("Llama3Backbone", "Llama3CausalLM", {"num_key_value_heads": 4}),
-    "mistral": ("MistralBackbone", "MistralCausalLM", {"num_key_value_heads": 2}),
-}
 PRECISIONS = ("float32", "mixed_bfloat16")
 KINDS = ("shard_optimizer 1", "shard_optimizer 2", "shard_optimizer 3, remat", "layout 1x2", "pipeline 2 stages")
 
@@ -50,16 +48,8 @@ def tokens():
 
 
 def causal_lm(backbone_name: str, strategy=None) -> keras.Model:
-    backbone, task, extra = BACKBONES[backbone_name]
-    keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = getattr(keras_hub.models, task)(backbone=getattr(keras_hub.models, backbone)(
-            vocabulary_size=VOCABULARY, num_layers=1, num_query_heads=4, hidden_dim=32, intermediate_dim=64,
-            dropout=0.0, **extra), preprocessor=None)
-        model.backbone.enable_lora(rank=RANK)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), weighted_metrics=[],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+        return references.causal_lm(backbone_name, VOCABULARY, layers=1, lora_rank=RANK, learning_rate=1e-2)
 
 
 def strategy_of(kind: str, backbone_name: str):
@@ -72,7 +62,7 @@ def strategy_of(kind: str, backbone_name: str):
     if kind.startswith("pipeline"):
         return tfdist.PipelineStrategy(2, devices=["/cpu:0", "/cpu:1"], verbose=False)
     mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
-    layout_map = getattr(keras_hub.models, BACKBONES[backbone_name][0]).get_layout_map(mesh)
+    layout_map = getattr(keras_hub.models, references.FINE_TUNED_LMS[backbone_name][0]).get_layout_map(mesh)
     return tfdist.strategy_from(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
 
 
@@ -137,11 +127,10 @@ def main() -> None:
     results = {}
     for kind in KINDS if args.kinds else ["keras"]:
         results[kind] = {}
-        for backbone_name in BACKBONES:
+        for backbone_name, (backbone, _, _) in references.FINE_TUNED_LMS.items():
             for precision in PRECISIONS:
                 started = time.process_time()
-                if kind.startswith("layout") and not hasattr(getattr(keras_hub.models, BACKBONES[backbone_name][0]),
-                                                             "get_layout_map"):
+                if kind.startswith("layout") and not hasattr(getattr(keras_hub.models, backbone), "get_layout_map"):
                     result = {"no_layout_map": True}  # keras-hub gives none to split it by
                 else:
                     result = cell(kind, backbone_name, precision)

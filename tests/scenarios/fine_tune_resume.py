@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import os
 import signal
+import sys
 import tempfile
 
 import numpy as np
@@ -31,9 +32,11 @@ import keras_hub  # noqa: E402
 
 import tfdist  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import references  # noqa: E402
+
 VOCABULARY, LENGTH, BATCH, STEPS_PER_EPOCH, EPOCHS, RANK = 64, 16, 8, 4, 2, 4
-BACKBONES = {"gemma": ("GemmaBackbone", "GemmaCausalLM", {"head_dim": 8}),
-             "llama3": ("Llama3Backbone", "Llama3CausalLM", {})}
+BACKBONES = ("gemma", "llama3")  # of references.FINE_TUNED_LMS
 
 
 class SigkillAfter(keras.callbacks.Callback):
@@ -50,16 +53,8 @@ class SigkillAfter(keras.callbacks.Callback):
 
 
 def causal_lm(name: str, strategy=None) -> keras.Model:
-    backbone, task, extra = BACKBONES[name]
-    keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = getattr(keras_hub.models, task)(backbone=getattr(keras_hub.models, backbone)(
-            vocabulary_size=VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=4, hidden_dim=32,
-            intermediate_dim=64, dropout=0.0, **extra), preprocessor=None)
-        model.backbone.enable_lora(rank=RANK)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), weighted_metrics=[],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+        return references.causal_lm(name, VOCABULARY, layers=1, lora_rank=RANK, learning_rate=1e-2)
 
 
 def strategy_of(layout_backbone):
@@ -67,7 +62,7 @@ def strategy_of(layout_backbone):
     if not layout_backbone:
         return tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], shard_optimizer=3, keep_whole_below=0)
     mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices=[f"cpu:{i}" for i in range(4)])
-    layout_map = getattr(keras_hub.models, BACKBONES[layout_backbone][0]).get_layout_map(mesh)
+    layout_map = getattr(keras_hub.models, references.FINE_TUNED_LMS[layout_backbone][0]).get_layout_map(mesh)
     return tfdist.LayoutStrategy(layout_map, shard_optimizer=3, keep_whole_below=0)
 
 
@@ -97,7 +92,7 @@ def main() -> None:
     parser.add_argument("checkpoint_dir")
     parser.add_argument("out")
     parser.add_argument("--sigkill-after", type=int)
-    parser.add_argument("--layout", choices=list(BACKBONES), help="that backbone under its layout map, 2 x 2")
+    parser.add_argument("--layout", choices=BACKBONES, help="that backbone under its layout map, 2 x 2")
     args = parser.parse_args()
     if args.layout:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
